@@ -1,0 +1,102 @@
+"""Every shipped recipe validates; overrides are typed by the schema; bad recipes list all their errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vit_finetune.recipe import (RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe,
+                                 load_recipe, to_yaml, validate)
+
+RECIPE_FILES = sorted(Path(RECIPE_DIRS[0]).rglob("*.yaml"))  # recursive: recipes in sub-folders count too
+
+
+def test_the_required_recipes_are_shipped():
+    assert {"demo", "food101_384", "food101_384_lora", "cifar100_384", "oxford_pets_384"} <= set(available_recipes())
+
+
+@pytest.mark.parametrize("path", RECIPE_FILES, ids=[p.stem for p in RECIPE_FILES])
+def test_every_recipe_file_validates_and_documents_its_command(path):
+    recipe = load_recipe(str(path))
+    assert isinstance(recipe, Recipe)
+    header = path.read_text().splitlines()[:4]
+    assert header[0].startswith("#"), "a recipe opens with a comment saying what it is"
+    assert any("vit_finetune --recipe" in line for line in header), "and the command that runs it"
+    # a round trip through the resolved form changes nothing
+    assert validate(yaml.safe_load(to_yaml(recipe))) == recipe
+
+
+def test_food101_recipe_is_the_original_vit_family():
+    recipe = load_recipe("food101_384")
+    assert recipe.model.base == "google/vit-base-patch16-224" and recipe.model.image_size == 384
+    assert recipe.model.lora is None and recipe.train.optimizer == "sgd" and recipe.train.momentum == 0.9
+    assert recipe.train.batch_size * recipe.train.grad_accum == 512
+    assert recipe.train.scheduler == "cosine" and recipe.train.warmup_steps > 0 and recipe.train.max_grad_norm == 1.0
+    lora = load_recipe("food101_384_lora")
+    assert lora.model.lora is not None and lora.train.optimizer == "adamw"
+
+
+def test_overrides_are_typed_by_the_schema():
+    recipe = load_recipe("food101_384", ["train.lr=3e-4", "train.epochs=2", "data.max_train_samples=2000",
+                                         "model.lora.r=8", "train.mixed_precision=no", "hub.private=true",
+                                         "data.crop_scale=[0.5, 1.0]"])
+    assert recipe.train.lr == pytest.approx(3e-4) and isinstance(recipe.train.lr, float)
+    assert recipe.train.epochs == 2 and recipe.data.max_train_samples == 2000
+    assert recipe.model.lora.r == 8 and recipe.model.lora.target_modules == ["query", "value"]
+    assert recipe.hub.private is True and recipe.data.crop_scale == (0.5, 1.0)
+    assert load_recipe("food101_384_lora", ["model.lora=null"]).model.lora is None
+
+
+def test_override_creates_nested_keys_without_touching_others():
+    data = apply_overrides({"train": {"lr": 1.0}}, ["train.seed=7", "model.image_size=224"])
+    assert data == {"train": {"lr": 1.0, "seed": 7}, "model": {"image_size": 224}}
+
+
+def test_all_errors_are_reported_at_once_with_keys_values_and_fixes():
+    with pytest.raises(RecipeError) as caught:
+        load_recipe("food101_384", ["train.lrr=0.1", "train.lr=fast", "model.image_size=big", "train.optimizer=adam",
+                                    "hub.repo_id=a/b/c"])
+    problems = caught.value.problems
+    assert len(problems) == 5
+    text = str(caught.value)
+    assert "unknown key 'train.lrr'; did you mean 'train.lr'?" in text
+    assert "train.lr='fast'" in text and "model.image_size='big'" in text
+    assert "train.optimizer='adam'" in text and "'adamw'" in text and "'sgd'" in text
+    assert "'a/b/c' is not a valid Hub repo id" in text
+
+
+@pytest.mark.parametrize("repo_id", ["a/b/c", "my repo", "user/my model", "-bad/name", "user/"])
+def test_invalid_repo_ids_are_rejected_at_validation(repo_id):
+    with pytest.raises(RecipeError, match="not a valid Hub repo id"):
+        load_recipe(None, [f"hub.repo_id={repo_id}"])
+
+
+def test_cross_field_checks():
+    with pytest.raises(RecipeError, match="hub.push=true needs hub.repo_id"):
+        load_recipe(None, ["hub.push=true"])
+    with pytest.raises(RecipeError, match="warmup_steps=10 must be smaller than train.max_steps=5"):
+        load_recipe(None, ["train.warmup_steps=10", "train.max_steps=5"])
+    with pytest.raises(RecipeError, match="crop_scale"):
+        load_recipe(None, ["data.crop_scale=[0.9, 0.1]"])
+
+
+def test_unknown_recipe_name_lists_the_available_ones():
+    with pytest.raises(RecipeError) as caught:
+        find_recipe("food101")
+    assert "Did you mean 'food101_384'?" in str(caught.value)
+    for name in available_recipes():
+        assert name in str(caught.value)
+
+
+def test_a_malformed_override_is_explained():
+    with pytest.raises(RecipeError, match="must look like section.key=value"):
+        load_recipe(None, ["train.lr"])
+
+
+def test_recipes_are_read_with_the_safe_loader(tmp_path):
+    hostile = tmp_path / "hostile.yaml"
+    hostile.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(RecipeError, match="not valid YAML"):
+        load_recipe(str(hostile))
