@@ -1,0 +1,187 @@
+"""Position-embedding resampling, the new head, save/reload, label maps and LoRA targets and merging."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import ViTConfig, ViTForImageClassification, ViTModel
+
+from tiny import make_tiny_vit
+from vit_finetune import model as vit
+from vit_finetune.recipe import LoraSettings, ModelSettings
+
+LABELS = ["cat", "dog", "fox", "owl", "yak", "emu"]
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    return make_tiny_vit(tmp_path_factory.mktemp("base"))
+
+
+def test_resampling_to_the_same_grid_is_an_exact_identity():
+    embeddings = torch.randn(1, 1 + 14 * 14, 16)
+    assert torch.equal(vit.resample_position_embeddings(embeddings, (14, 14)), embeddings)
+
+
+@pytest.mark.parametrize("old, new", [(8, 16), (14, 24), (7, 10)])
+def test_resampling_matches_transformers_interpolate_pos_encoding(old, new):
+    config = ViTConfig(hidden_size=24, num_attention_heads=2, image_size=old * 4, patch_size=4)
+    embeddings = ViTModel(config).embeddings
+    with torch.no_grad():
+        embeddings.position_embeddings.normal_()
+    expected = embeddings.interpolate_pos_encoding(torch.zeros(1, 1 + new * new, 24), new * 4, new * 4)
+    resampled = vit.resample_position_embeddings(embeddings.position_embeddings, (new, new))
+    assert resampled.shape == (1, 1 + new * new, 24)
+    assert torch.allclose(resampled, expected, atol=1e-6, rtol=0)
+
+
+def test_cls_embedding_is_kept_aside_and_untouched():
+    embeddings = torch.randn(1, 1 + 8 * 8, 12)
+    embeddings[0, 0] = 1000.0  # a huge CLS value would bleed into neighbours if it were part of the grid
+    resampled = vit.resample_position_embeddings(embeddings, (12, 12))
+    assert torch.equal(resampled[0, 0], embeddings[0, 0])
+    assert resampled[0, 1:].abs().max() < 100
+
+
+def test_shrinking_antialiases():
+    embeddings = torch.randn(1, 1 + 16 * 16, 4)
+    grid = embeddings[:, 1:].reshape(1, 16, 16, 4).permute(0, 3, 1, 2)
+    antialiased = torch.nn.functional.interpolate(grid, size=(8, 8), mode="bicubic", antialias=True)
+    expected = antialiased.permute(0, 2, 3, 1).reshape(1, 64, 4)
+    assert torch.allclose(vit.resample_position_embeddings(embeddings, (8, 8))[:, 1:], expected, atol=1e-6)
+
+
+def test_vit_b16_config_at_384_gets_577_by_768_positions():
+    base = ViTModel(ViTConfig(), add_pooling_layer=False)  # the google/vit-base-patch16-224 architecture
+    assert base.embeddings.position_embeddings.shape == (1, 197, 768)
+    resampled = vit.resample_position_embeddings(base.embeddings.position_embeddings, (24, 24))
+    assert resampled.shape == (1, 577, 768)
+    target = ViTModel(ViTConfig(image_size=384), add_pooling_layer=False)
+    target.embeddings.position_embeddings.data.copy_(resampled)
+    assert target(torch.randn(1, 3, 384, 384)).last_hidden_state.shape == (1, 577, 768)
+
+
+def test_build_model_keeps_every_pretrained_tensor_and_resamples_positions(tiny_base):
+    settings = ModelSettings(base=str(tiny_base), image_size=64)
+    pretrained = ViTForImageClassification.from_pretrained(tiny_base)
+    built = vit.build_model(settings, LABELS)
+    assert built.config.image_size == 64
+    assert built.config.id2label == dict(enumerate(LABELS))
+    for name, tensor in pretrained.state_dict().items():
+        if name.startswith("classifier"):
+            continue
+        if name.endswith("position_embeddings"):
+            expected = vit.resample_position_embeddings(tensor, (16, 16))
+            assert torch.equal(built.state_dict()[name], expected)
+        else:
+            assert torch.equal(built.state_dict()[name], tensor), name
+    assert built.classifier.weight.shape == (len(LABELS), 32)
+    assert built.classifier.weight.abs().sum() == 0  # zero-initialised head
+    # It runs at the new size with no interpolation flag.
+    assert built(torch.randn(2, 3, 64, 64)).logits.shape == (2, len(LABELS))
+
+
+def test_saved_model_reloads_with_no_mismatch_and_identical_predictions(tiny_base, tmp_path):
+    built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=48, head_init="random"), LABELS).eval()
+    built.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reloaded, info = ViTForImageClassification.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert reloaded.config.id2label == {i: label for i, label in enumerate(LABELS)}
+    assert reloaded.config.label2id == {label: i for i, label in enumerate(LABELS)}
+    pixels = torch.randn(3, 3, 48, 48)
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(pixels).logits, built(pixels).logits)
+
+
+def test_a_checkpoint_missing_a_backbone_tensor_fails_loudly(tiny_base, tmp_path):
+    broken = tmp_path / "broken"
+    make_tiny_vit(broken)
+    weights = load_file(broken / "model.safetensors")
+    victim = next(k for k in weights if "layernorm_before.weight" in k)
+    del weights[victim]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(vit.ModelError, match="re-initialised"):
+        vit.build_model(ModelSettings(base=str(broken), image_size=32), LABELS)
+
+
+def test_image_size_must_be_a_multiple_of_the_patch_size(tiny_base):
+    with pytest.raises(vit.ModelError, match=r"model.image_size=30 is not a multiple of the patch size 4; use 28 or 32"):
+        vit.load_base_config(ModelSettings(base=str(tiny_base), image_size=30))
+
+
+def test_a_base_that_is_not_a_vit_is_refused_from_its_config(tmp_path):
+    from transformers import ResNetConfig
+
+    ResNetConfig().save_pretrained(tmp_path)
+    with pytest.raises(vit.ModelError, match="'resnet' model, not a ViT"):
+        vit.load_base_config(ModelSettings(base=str(tmp_path)))
+
+
+def test_lora_targets_by_role_on_transformers_5_names(tiny_base):
+    built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=32), LABELS)
+    assert vit.lora_target_modules(built, ["query", "value"]) == [
+        "vit.layers.0.attention.q_proj", "vit.layers.0.attention.v_proj",
+        "vit.layers.1.attention.q_proj", "vit.layers.1.attention.v_proj",
+    ]
+    assert vit.lora_target_modules(built, ["mlp_out"]) == ["vit.layers.0.mlp.fc2", "vit.layers.1.mlp.fc2"]
+
+
+class _Old4xLayer(nn.Module):
+    """transformers 4.x ViTLayer naming. 4.x cannot be installed beside 5.x, so its module tree is rebuilt here."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.Module()
+        self.attention.attention = nn.Module()
+        for name in ("query", "key", "value"):
+            setattr(self.attention.attention, name, nn.Linear(4, 4))
+        self.attention.output = nn.Module()
+        self.attention.output.dense = nn.Linear(4, 4)
+        self.intermediate = nn.Module()
+        self.intermediate.dense = nn.Linear(4, 8)
+        self.output = nn.Module()
+        self.output.dense = nn.Linear(8, 4)
+
+
+def test_lora_targets_by_role_on_transformers_4_names():
+    old = nn.Module()
+    old.vit = nn.Module()
+    old.vit.encoder = nn.Module()
+    old.vit.encoder.layer = nn.ModuleList([_Old4xLayer(), _Old4xLayer()])
+    old.classifier = nn.Linear(4, 3)
+    assert vit.lora_target_modules(old, ["query", "value"]) == [
+        "vit.encoder.layer.0.attention.attention.query", "vit.encoder.layer.0.attention.attention.value",
+        "vit.encoder.layer.1.attention.attention.query", "vit.encoder.layer.1.attention.attention.value",
+    ]
+    # mlp_out must not catch the attention output projection, which also ends in output.dense
+    assert vit.lora_target_modules(old, ["mlp_out"]) == ["vit.encoder.layer.0.output.dense",
+                                                        "vit.encoder.layer.1.output.dense"]
+    assert vit.lora_target_modules(old, ["attention_output"]) == [
+        "vit.encoder.layer.0.attention.output.dense", "vit.encoder.layer.1.attention.output.dense"]
+
+
+def test_lora_trains_the_head_and_merged_logits_equal_adapter_logits(tiny_base):
+    built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=32, head_init="random"), LABELS)
+    adapted = vit.apply_lora(built, LoraSettings(r=4, alpha=8, dropout=0.0))
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("classifier" in n for n in trainable)
+    assert not any("q_proj.base_layer" in n or "fc1" in n for n in trainable)
+    torch.manual_seed(1)
+    with torch.no_grad():  # as if trained: non-zero B matrices and a changed head
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                parameter.normal_(std=0.5)
+    adapted.eval()
+    merged = vit.merged_copy(adapted).eval()
+    assert not vit.is_lora(merged)
+    pixels = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        difference = (merged(pixels).logits - adapted(pixel_values=pixels).logits).abs().max().item()
+    assert difference <= 1e-5
+    assert vit.is_lora(adapted)  # merging a copy leaves the adapter model usable
