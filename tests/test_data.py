@@ -1,0 +1,177 @@
+"""Dataset sources, column detection, labels, eval carving, colour modes, transforms and bad images."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import ViTImageProcessor
+
+from tiny import colour_image, write_colour_folder
+from vit_finetune import data
+from vit_finetune.recipe import DataSettings
+
+
+def png_bytes(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def saved_dataset(tmp_path: Path, labels: list, columns: dict | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    rows = {"photo": [{"bytes": png_bytes(colour_image((120, 30, 30), rng)), "path": None} for _ in labels],
+            "kind": labels, **(columns or {})}
+    table = datasets.Dataset.from_dict(rows).cast_column("photo", datasets.Image())
+    table.save_to_disk(tmp_path / "saved")
+    return tmp_path / "saved"
+
+
+def test_image_folder_with_splits_gives_labels_from_folder_names(tmp_path):
+    root = write_colour_folder(tmp_path / "images", classes=3, train=4, validation=2)
+    splits = data.load_splits(DataSettings(dataset=str(root)), seed=0)
+    assert splits.labels == ["blue", "green", "red"]
+    assert (len(splits.train), len(splits.eval)) == (12, 6)
+    assert (splits.image_column, splits.label_column) == ("image", "label")
+
+
+def test_string_labels_become_a_classlabel_and_an_eval_split_is_carved_stratified(tmp_path):
+    labels = ["cat"] * 20 + ["dog"] * 20 + ["owl"] * 10
+    settings = DataSettings(dataset=str(saved_dataset(tmp_path, labels)), eval_fraction=0.2)
+    first = data.load_splits(settings, seed=3)
+    assert first.labels == ["cat", "dog", "owl"] and first.label_column == "kind" and first.image_column == "photo"
+    assert isinstance(first.train.features["kind"], datasets.ClassLabel)
+    eval_counts = np.bincount(first.eval["kind"], minlength=3)
+    assert eval_counts.tolist() == [4, 4, 2]  # stratified: 20% of each class
+    assert len(first.train) + len(first.eval) == 50
+    again = data.load_splits(settings, seed=3)
+    assert again.eval["kind"] == first.eval["kind"] and [r["bytes"] for r in again.eval["photo"]] == [
+        r["bytes"] for r in first.eval["photo"]]  # seeded
+
+
+def test_a_missing_column_lists_the_columns(tmp_path):
+    path = saved_dataset(tmp_path, ["a", "b"] * 3)
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(DataSettings(dataset=str(path), label_column="label"), seed=0)
+    assert "data.label_column='label'" in str(caught.value) and "['photo', 'kind']" in str(caught.value)
+
+
+def test_no_detectable_label_column_says_which_key_to_set(tmp_path):
+    table = datasets.Dataset.from_dict({"image": [{"bytes": png_bytes(Image.new("RGB", (8, 8))), "path": None}],
+                                        "score": [1.5]}).cast_column("image", datasets.Image())
+    table.save_to_disk(tmp_path / "d")
+    with pytest.raises(data.DataError, match=r"no label column found among the dataset's columns \['image', 'score'\]; set data.label_column"):
+        data.load_splits(DataSettings(dataset=str(tmp_path / "d")), seed=0)
+
+
+def test_a_dataset_with_one_class_is_refused(tmp_path):
+    root = write_colour_folder(tmp_path / "one", classes=1, train=3, validation=1)
+    with pytest.raises(data.DataError, match="single class"):
+        data.load_splits(DataSettings(dataset=str(root)), seed=0)
+
+
+def test_max_train_samples_takes_a_seeded_subset(tmp_path):
+    root = write_colour_folder(tmp_path / "images", classes=3, train=6, validation=2)
+    splits = data.load_splits(DataSettings(dataset=str(root), max_train_samples=5), seed=0)
+    assert len(splits.train) == 5
+
+
+@pytest.mark.parametrize("mode", ["L", "P", "RGBA", "LA", "CMYK", "I;16", "1"])
+def test_every_colour_mode_decodes_to_rgb(mode):
+    source = Image.new("RGB", (9, 7), (200, 100, 50)).convert(mode)
+    fmt = "TIFF" if mode in ("CMYK", "I;16") else "PNG"
+    image = data.decode_image({"bytes": png_bytes(source, fmt), "path": None}, 0, DataSettings())
+    assert image.mode == "RGB" and image.size == (9, 7)
+
+
+def test_transparent_pixels_become_white():
+    rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
+    image = data.decode_image({"bytes": png_bytes(rgba), "path": None}, 0, DataSettings())
+    assert image.getpixel((0, 0)) == (255, 255, 255)
+
+
+def bad_samples(tmp_path: Path) -> dict[str, dict]:
+    good = png_bytes(Image.new("RGB", (64, 64), (10, 200, 10)), "JPEG")
+    huge = tmp_path / "huge.png"
+    Image.new("L", (10_000, 10_000)).save(huge, optimize=False, compress_level=1)
+    not_image = tmp_path / "notes.txt"
+    not_image.write_text("not an image")
+    return {
+        "truncated JPEG": {"bytes": good[: len(good) // 2], "path": "truncated.jpg"},
+        "zero-byte file": {"bytes": b"", "path": "empty.jpg"},
+        "non-image file": {"bytes": None, "path": str(not_image)},
+        "1x1 image": {"bytes": png_bytes(Image.new("RGB", (1, 1))), "path": "tiny.png"},
+        "10000x10000 image": {"bytes": None, "path": str(huge)},
+    }
+
+
+def test_each_kind_of_bad_image_is_named_with_the_fix(tmp_path):
+    for kind, cell in bad_samples(tmp_path).items():
+        with pytest.raises(data.BadImageError) as caught:
+            data.decode_image(cell, 7, DataSettings())
+        message = str(caught.value)
+        assert Path(cell["path"]).name in message, kind
+        assert "data.skip_bad_images=true" in message, kind
+
+
+def test_a_bad_image_without_a_path_is_named_by_index():
+    with pytest.raises(data.BadImageError, match="sample #42"):
+        data.decode_image({"bytes": b"junk", "path": None}, 42, DataSettings())
+
+
+def test_skip_bad_images_drops_and_counts_them():
+    cells = [{"bytes": png_bytes(Image.new("RGB", (20, 20))), "path": None}, {"bytes": b"", "path": None}]
+    table = datasets.Dataset.from_dict({"image": cells, "label": [0, 1]}).cast_column("image", datasets.Image(decode=False))
+    settings = DataSettings(skip_bad_images=True)
+    dataset = data.ImageClassificationDataset(table, "image", "label", settings,
+                                              lambda image, index, epoch: torch.zeros(3, 4, 4, dtype=torch.uint8))
+    batch = data.collate([dataset[(0, 0)], dataset[(1, 0)]])
+    assert batch["labels"].tolist() == [0] and int(batch["skipped"]) == 1
+    strict = data.ImageClassificationDataset(table, "image", "label", DataSettings(), dataset.make_pixels)
+    with pytest.raises(data.BadImageError):
+        strict[(1, 0)]
+
+
+def test_train_transform_is_deterministic_per_seed_epoch_and_index():
+    image = colour_image((90, 60, 30), np.random.default_rng(0), size=(80, 60))
+    settings = DataSettings()
+    first = data.train_transform(image, 32, data.sample_rng(0, 1, 5), settings)
+    assert first.dtype == torch.uint8 and first.shape == (3, 32, 32)
+    assert torch.equal(first, data.train_transform(image, 32, data.sample_rng(0, 1, 5), settings))
+    assert not torch.equal(first, data.train_transform(image, 32, data.sample_rng(0, 2, 5), settings))
+
+
+def test_random_resized_crop_boxes_respect_the_area_range():
+    rng = random.Random(0)
+    for _ in range(200):
+        left, top, right, bottom = data.random_resized_crop_box(100, 80, rng, (0.3, 0.6))
+        assert 0 <= left < right <= 100 and 0 <= top < bottom <= 80
+        assert 0.25 <= (right - left) * (bottom - top) / 8000 <= 0.65
+
+
+def test_device_normalisation_equals_the_image_processor():
+    processor = ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.3, 0.25])
+    image = colour_image((90, 60, 30), np.random.default_rng(1), size=(16, 16))
+    expected = processor(images=image, return_tensors="pt")["pixel_values"]
+    uint8 = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)[None]
+    normalised = data.PixelNormalizer(processor, torch.device("cpu"))(uint8)
+    assert torch.allclose(normalised, expected, atol=1e-6)
+    assert torch.equal(data.PixelNormalizer(processor, torch.device("cpu"))(expected), expected)  # floats pass
+
+
+def test_epoch_sampler_is_a_seeded_permutation_per_epoch():
+    sampler = data.EpochSampler(50, seed=4, shuffle=True)
+    first = [index for index, epoch in sampler]
+    assert sorted(first) == list(range(50))
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert {epoch for _, epoch in second} == {1} and [i for i, _ in second] != first
+    sampler.set_epoch(0)
+    assert [i for i, _ in sampler] == first
+    assert [i for i, _ in data.EpochSampler(5, 4, shuffle=False)] == [0, 1, 2, 3, 4]

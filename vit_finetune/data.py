@@ -1,0 +1,345 @@
+"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders.
+
+Images are decoded here (not by `datasets`) so a bad file is reported by its path or index. Training
+batches leave the workers as uint8 and are normalised on the device; evaluation uses exactly the image
+processor that is saved with the model, so reported accuracy is what a `pipeline()` user gets.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from PIL import Image, ImageFile, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from .recipe import DataSettings
+
+BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
+IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
+LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target")
+
+
+class DataError(ValueError):
+    """A dataset that cannot be used as configured; the message names the value and the fix."""
+
+
+class BadImageError(DataError):
+    """One sample that cannot be decoded into a usable image."""
+
+
+@dataclass
+class Splits:
+    train: Any  # datasets.Dataset
+    eval: Any
+    image_column: str
+    label_column: str
+    labels: list[str]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("VIT_FINETUNE_CACHE", Path.home() / ".cache" / "vit_finetune"))
+
+
+def open_dataset(settings: DataSettings):
+    """A DatasetDict from a Hub id, a saved dataset (save_to_disk) or an image folder."""
+    import datasets
+
+    source = Path(settings.dataset).expanduser()
+    if settings.dataset == BUILTIN_SHAPES:
+        from .synthetic import ensure_demo_dataset
+
+        source = ensure_demo_dataset(cache_dir() / "shapes")
+    try:
+        if source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
+            loaded = datasets.load_from_disk(str(source))
+        elif source.is_dir():
+            loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
+        elif source.exists() or settings.dataset.startswith((".", "/", "~")):
+            raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
+        else:
+            loaded = datasets.load_dataset(settings.dataset)
+    except DataError:
+        raise
+    except Exception as error:  # datasets raises many types; the user needs the id and the reason
+        raise DataError(
+            f"data.dataset={settings.dataset!r} could not be loaded: {type(error).__name__}: {error}\n"
+            "Fix: give a Hub dataset id, a folder of class sub-folders, or a folder written by save_to_disk."
+        ) from None
+    if isinstance(loaded, datasets.Dataset):
+        loaded = datasets.DatasetDict({settings.train_split: loaded})
+    return loaded
+
+
+def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[str, ...], feature_type: type) -> str:
+    columns = list(features)
+    key = f"data.{kind}_column"
+    if wanted is not None:
+        if wanted not in features:
+            raise DataError(f"{key}={wanted!r} is not a column of the dataset; its columns are {columns}")
+        return wanted
+    typed = [name for name, feature in features.items() if isinstance(feature, feature_type)]
+    named = [name for name in names if name in features]
+    found = typed or named
+    if not found and kind == "label":  # a lone string/int column beside the image is the label
+        plain = [name for name, f in features.items() if getattr(f, "dtype", "").startswith(("string", "int"))]
+        found = plain if len(plain) == 1 else []
+    if not found:
+        raise DataError(f"no {kind} column found among the dataset's columns {columns}; set {key}=<one of them>")
+    return found[0]
+
+
+def load_splits(settings: DataSettings, seed: int) -> Splits:
+    """Train and eval splits with detected columns, ClassLabel labels and optional subsampling."""
+    import datasets
+
+    loaded = open_dataset(settings)
+    if settings.train_split not in loaded:
+        raise DataError(f"data.train_split={settings.train_split!r} not in the dataset; its splits are {list(loaded)}")
+    train = loaded[settings.train_split]
+    image_column = detect_column(train.features, settings.image_column, "image", IMAGE_COLUMN_NAMES, datasets.Image)
+    if list(train.features) == [image_column] and settings.label_column is None:
+        # datasets' imagefolder drops the label column when it finds a single class folder
+        raise DataError(f"data.dataset={settings.dataset!r} holds a single class (one class folder, or no label "
+                        "column); a classifier needs at least two. Use one sub-folder per class")
+    label_column = detect_column(train.features, settings.label_column, "label", LABEL_COLUMN_NAMES, datasets.ClassLabel)
+
+    eval_split = settings.eval_split if settings.eval_split in loaded else None
+    if eval_split is None and "test" in loaded and settings.eval_split == "validation":
+        eval_split = "test"  # many image datasets ship train/test only
+    if not isinstance(train.features[label_column], datasets.ClassLabel):
+        train = encode_labels(train, label_column, loaded, eval_split)
+    labels = train.features[label_column].names
+    if len(labels) < 2:
+        raise DataError(
+            f"the label column {label_column!r} holds a single class {labels}; a classifier needs at least two. "
+            "Check data.label_column or the dataset's class folders."
+        )
+    if eval_split is None:
+        carved = train.train_test_split(test_size=settings.eval_fraction, stratify_by_column=label_column, seed=seed)
+        train, evaluation = carved["train"], carved["test"]
+    else:
+        evaluation = loaded[eval_split]
+        if not isinstance(evaluation.features[label_column], datasets.ClassLabel):
+            evaluation = evaluation.cast_column(label_column, train.features[label_column])
+    train = subsample(train, settings.max_train_samples, seed)
+    evaluation = subsample(evaluation, settings.max_eval_samples, seed)
+    # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
+    train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
+    evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
+    return Splits(train, evaluation, image_column, label_column, list(labels))
+
+
+def encode_labels(train, label_column: str, loaded, eval_split: str | None):
+    """String (or plain integer) labels become a ClassLabel over the classes seen in train and eval."""
+    import datasets
+
+    values = set(train.unique(label_column))
+    if eval_split is not None:
+        values |= set(loaded[eval_split].unique(label_column))
+    names = sorted(str(v) for v in values)
+    feature = datasets.ClassLabel(names=names)
+    return train.map(lambda row: {label_column: feature.str2int(str(row[label_column]))}, features=datasets.Features(
+        {**train.features, label_column: feature}
+    ))
+
+
+def subsample(dataset, limit: int | None, seed: int):
+    if limit is None or limit >= len(dataset):
+        return dataset
+    return dataset.shuffle(seed=seed).select(range(limit))
+
+
+# ---------------------------------------------------------------- decoding and transforms
+
+
+def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Image:
+    """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample."""
+    where = encoded.get("path") or f"sample #{index}"
+    try:
+        raw = encoded.get("bytes")
+        source = io.BytesIO(raw) if raw is not None else encoded.get("path")
+        if raw is not None and len(raw) == 0:
+            raise BadImageError("the file is empty (0 bytes)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(source)
+            width, height = image.size
+            if width * height > settings.max_image_pixels:
+                raise BadImageError(f"{width}x{height} px is over data.max_image_pixels={settings.max_image_pixels}")
+            if min(width, height) < settings.min_image_side:
+                raise BadImageError(f"{width}x{height} px is under data.min_image_side={settings.min_image_side}")
+            image.load()  # decode now, so a truncated file fails here and not inside a transform
+        return to_rgb(image)
+    except BadImageError as error:
+        raise BadImageError(f"bad image {where}: {error}. Fix the file, or set data.skip_bad_images=true") from None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError, Warning) as error:
+        raise BadImageError(
+            f"bad image {where}: cannot be decoded ({type(error).__name__}: {error}). "
+            "Fix the file, or set data.skip_bad_images=true to skip and count such images"
+        ) from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Grey, palette, CMYK and alpha images as RGB; transparency is composited on white, as browsers show it."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P" and "transparency" in image.info:
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA"):
+        background = Image.new("RGB", image.size, (255, 255, 255))
+        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
+        return background
+    return image.convert("RGB")
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
+    """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
+    area = width * height
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        crop_w = int(round(np.sqrt(target_area * aspect)))
+        crop_h = int(round(np.sqrt(target_area / aspect)))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            left = rng.randint(0, width - crop_w)
+            top = rng.randint(0, height - crop_h)
+            return left, top, left + crop_w, top + crop_h
+    side = min(width, height)  # fall back to a centre square
+    left, top = (width - side) // 2, (height - side) // 2
+    return left, top, left + side, top + side
+
+
+def train_transform(image: Image.Image, size: int, rng: random.Random, settings: DataSettings) -> torch.Tensor:
+    """Random resized crop + horizontal flip to a uint8 CHW tensor; cropping inside resize decodes less work."""
+    box = random_resized_crop_box(*image.size, rng, settings.crop_scale)
+    image = image.resize((size, size), Image.BILINEAR, box=box)
+    if settings.horizontal_flip and rng.random() < 0.5:
+        image = image.transpose(Image.FLIP_LEFT_RIGHT)
+    return torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """Augmentation randomness fixed by (seed, epoch, sample): resumes and worker counts cannot change it."""
+    return random.Random(f"{seed}-{epoch}-{index}")
+
+
+class ImageClassificationDataset(Dataset):
+    """Indexed by (sample index, epoch); yields (pixels, label) or None for a skipped bad image."""
+
+    def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
+                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor]):
+        self.table = table
+        self.image_column = image_column
+        self.label_column = label_column
+        self.settings = settings
+        self.make_pixels = make_pixels
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, epoch = key
+        row = self.table[int(index)]
+        try:
+            image = decode_image(row[self.image_column], int(index), self.settings)
+        except BadImageError:
+            if self.settings.skip_bad_images:
+                return None
+            raise
+        return self.make_pixels(image, int(index), epoch), row[self.label_column]
+
+
+class EpochSampler(Sampler):
+    """A seeded permutation per epoch (or the natural order), yielding (index, epoch) keys.
+
+    Owning the epoch here lets persistent workers know it, so augmentation depends only on
+    (seed, epoch, index) and a resumed run sees exactly the samples and crops it would have seen.
+    """
+
+    def __init__(self, size: int, seed: int, shuffle: bool):
+        self.size, self.seed, self.shuffle, self.epoch = size, seed, shuffle, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+            order = torch.randperm(self.size, generator=generator).tolist()
+        else:
+            order = range(self.size)
+        epoch = self.epoch
+        return iter([(index, epoch) for index in order])
+
+
+def collate(samples: list) -> dict[str, torch.Tensor]:
+    kept = [s for s in samples if s is not None]
+    pixels = torch.stack([s[0] for s in kept]) if kept else torch.empty(0)
+    labels = torch.tensor([s[1] for s in kept], dtype=torch.long)
+    return {"pixel_values": pixels, "labels": labels, "skipped": torch.tensor(len(samples) - len(kept))}
+
+
+def default_num_workers(device_type: str, processes: int) -> int:
+    """CUDA: most cores decode (the GPU waits otherwise). CPU: decoding would steal the training cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_process = max(1, cores // max(1, processes))
+    if device_type == "cuda":
+        return min(16, max(1, per_process - 1))
+    return 0 if per_process <= 4 else min(4, per_process // 2)
+
+
+def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: bool, seed: int,
+                num_workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=EpochSampler(len(dataset), seed, shuffle),
+        collate_fn=collate,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=4 if num_workers > 0 else None,
+        drop_last=False,  # every sample is seen once per epoch
+    )
+
+
+def eval_pixels_from_processor(processor) -> Callable[[Image.Image, int, int], torch.Tensor]:
+    """Evaluation preprocessing: the saved image processor itself, so pipeline() users see the same pixels."""
+
+    def make_pixels(image: Image.Image, index: int, epoch: int) -> torch.Tensor:
+        return processor(images=image, return_tensors="pt")["pixel_values"][0]
+
+    return make_pixels
+
+
+class PixelNormalizer:
+    """uint8 batches -> the processor's rescale and mean/std, done on the device; float batches pass through."""
+
+    def __init__(self, processor, device: torch.device):
+        self.scale = float(getattr(processor, "rescale_factor", 1 / 255))
+        mean = getattr(processor, "image_mean", None) or [0.5, 0.5, 0.5]
+        std = getattr(processor, "image_std", None) or [0.5, 0.5, 0.5]
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        if pixels.dtype != torch.uint8:
+            return pixels
+        return (pixels.float() * self.scale - self.mean) / self.std
+
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, never silently grey pixels
