@@ -1,0 +1,154 @@
+"""Checkpoints: written under a temporary name, marked complete, then published by an atomic rename.
+
+A checkpoint folder `checkpoints/step-00000100/` holds Accelerate's state (model, optimizer, scheduler,
+RNG), `trainer_state.json` (where the loop stands), the recipe it was made with and a `COMPLETE`
+marker. Only folders with the marker are ever loaded; leftovers of an interrupted save are removed by
+the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .recipe import Recipe, flatten
+
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+RECIPE_FILE = "recipe.yaml"
+PARTIAL_PREFIX = ".partial-"
+# Keys that may differ on resume without changing the computation.
+NEUTRAL_KEYS = {
+    "train.resume", "train.resume_ignore_changes", "train.checkpoint_every_steps", "train.keep_checkpoints",
+    "train.log_every_steps", "data.num_workers", "overwrite", "output_dir", "hub.push", "hub.repo_id", "hub.private",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or resumed from."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimiser steps done
+    epoch: int = 0  # current epoch
+    batches_done: int = 0  # batches of the current epoch already consumed
+    skipped_images: int = 0
+    history: list[dict] = field(default_factory=list)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(output_dir: Path) -> list[Path]:
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.name.startswith("step-") and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    found = complete_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int) -> Path:
+    """Every process writes its part into `.partial-step-N`; the main process marks it and renames it."""
+    root = Path(output_dir) / CHECKPOINTS
+    final = root / checkpoint_name(state.step)
+    partial = root / f"{PARTIAL_PREFIX}{final.name}"
+    failure = None
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(f"{PARTIAL_PREFIX}*"):  # an earlier save that was killed half-way
+            shutil.rmtree(leftover, ignore_errors=True)
+        partial.mkdir()
+    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(partial), safe_serialization=True)
+    except OSError as error:
+        failure = error
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        try:
+            if failure is not None:
+                raise failure
+            (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
+            (partial / RECIPE_FILE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            (partial / COMPLETE).write_text("")
+            _fsync_tree(partial)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(partial, final)
+        except OSError as error:
+            shutil.rmtree(partial, ignore_errors=True)
+            previous = latest_checkpoint(output_dir)
+            raise CheckpointError(
+                f"could not write checkpoint {final} ({error.strerror or error}). "
+                f"Previous checkpoint {'intact: ' + str(previous) if previous else 'none'}. "
+                "Free disk space, then resume with train.resume=auto"
+            ) from None
+        for old in complete_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
+    """null -> None; auto -> latest complete checkpoint (or None); a path -> that checkpoint, if complete."""
+    if resume is None:
+        return None
+    if resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise CheckpointError(
+            f"train.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker); "
+            f"use train.resume=auto to pick the latest complete one in {output_dir}/{CHECKPOINTS}"
+        )
+    return path
+
+
+def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
+    """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
+    saved = flatten(yaml.safe_load((checkpoint / RECIPE_FILE).read_text()))
+    current = flatten(recipe.model_dump(mode="json"))
+    allowed = NEUTRAL_KEYS | set(recipe.train.resume_ignore_changes)
+    return sorted(
+        f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+        for key in set(saved) | set(current)
+        if key not in allowed and saved.get(key) != current.get(key)
+    )
+
+
+def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState:
+    changes = changed_keys(checkpoint, recipe)
+    if changes:
+        keys = [c.split(":")[0] for c in changes]
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: the recipe changed since it was written ({'; '.join(changes)}). "
+            f"Resuming would not reproduce the run. Restore those values, or accept the change with "
+            f"train.resume_ignore_changes=[{','.join(keys)}]"
+        )
+    accelerator.load_state(str(checkpoint))
+    return TrainState(**json.loads((checkpoint / STATE_FILE).read_text()))

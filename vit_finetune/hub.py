@@ -1,0 +1,69 @@
+"""Publishing: create the repo and upload a finished output folder to the Hub in one commit.
+
+huggingface_hub retries its upload calls but sends the commit once, so the whole push is retried here
+with back-off. A push only reads the output folder: a failure never touches the local files.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from huggingface_hub import HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError
+
+from .checkpoint import CHECKPOINTS
+from .export import METRICS_FILE, STAGING
+
+RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
+
+
+class PushError(RuntimeError):
+    """The Hub refused or failed the push; the local outputs are intact."""
+
+
+def require_token() -> str:
+    """Called before any download or training when hub.push=true."""
+    token = get_token()
+    if not token:
+        raise PushError(
+            "hub.push=true but no Hugging Face token was found. Fix: run `hf auth login`, or set HF_TOKEN, "
+            "or run without hub.push and publish later with `python -m vit_finetune push OUTPUT_DIR`."
+        )
+    return token
+
+
+def is_retryable(error: Exception) -> bool:
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    return status is None or status in (408, 429) or status >= 500
+
+
+def push_folder(output_dir: Path, repo_id: str, private: bool = False, token: str | None = None,
+                delays: tuple[float, ...] = RETRY_DELAYS) -> str:
+    """Upload a finished run (checkpoints left out) and return the commit URL."""
+    output_dir = Path(output_dir)
+    if not (output_dir / METRICS_FILE).is_file():
+        raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
+    api = HfApi(token=token or require_token())
+    last_error: Exception | None = None
+    for attempt, delay in enumerate((0.0, *delays)):
+        time.sleep(delay)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            commit = api.upload_folder(
+                repo_id=repo_id,
+                folder_path=output_dir,
+                commit_message=f"Upload {output_dir.name} with vit_finetune",
+                ignore_patterns=[f"{CHECKPOINTS}/**", f"{STAGING}/**", ".*"],
+            )
+            return commit.commit_url
+        except (HfHubHTTPError, OSError) as error:
+            last_error = error
+            if not is_retryable(error):
+                break
+            print(f"push attempt {attempt + 1} failed ({error.__class__.__name__}: {str(error)[:200]}); retrying")
+    raise PushError(
+        f"could not push {output_dir} to {repo_id}: {str(last_error)[:500]}\n"
+        f"The model is safe in {output_dir}. Push it later with:\n"
+        f"  python -m vit_finetune push {output_dir} --repo-id {repo_id}{' --private' if private else ''}"
+    )

@@ -1,0 +1,326 @@
+"""Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
+
+`run()` reads top to bottom: check everything cheap first, then data, model, optimiser, the loop
+(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint), final
+evaluation, export and push.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from tqdm.auto import tqdm
+
+from . import checkpoint, data, evaluation, export, hub, model as vit
+from .recipe import Recipe
+
+EXIT_NON_FINITE = 3
+EXIT_INTERRUPTED = 130
+
+
+class RunError(RuntimeError):
+    """A run refused before it started, with the reason and the fix."""
+
+
+class NonFiniteLoss(RuntimeError):
+    exit_code = EXIT_NON_FINITE
+
+
+class Interrupted(RuntimeError):
+    exit_code = EXIT_INTERRUPTED
+
+
+@dataclass
+class Parts:
+    model: torch.nn.Module
+    processor: object
+    labels: list[str]
+    train_loader: torch.utils.data.DataLoader
+    train_sampler: data.EpochSampler  # the loader's own sampler; accelerate shards its batches, not a copy
+    eval_loader: torch.utils.data.DataLoader
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    normalize: data.PixelNormalizer
+    steps_per_epoch: int
+    total_steps: int
+
+
+class InterruptFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step and exits."""
+
+    def __init__(self):
+        self.raised = False
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.raised:  # a second Ctrl-C means: stop now
+            raise KeyboardInterrupt
+        self.raised = True
+
+
+def check_output_dir(recipe: Recipe) -> None:
+    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite."""
+    output_dir = Path(recipe.output_dir)
+    if recipe.overwrite or recipe.train.resume is not None:
+        if recipe.train.resume is not None and export.is_finished(output_dir):
+            raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
+                           "Use overwrite=true to train again, or another output_dir")
+        return
+    if export.is_finished(output_dir):
+        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({export.METRICS_FILE}). "
+                       "Fix: choose another output_dir, or pass overwrite=true to replace it")
+    if checkpoint.complete_checkpoints(output_dir):
+        raise RunError(f"output_dir={str(output_dir)!r} holds checkpoints of an unfinished run. "
+                       "Fix: resume it with train.resume=auto, or pass overwrite=true to start again")
+
+
+def make_accelerator(recipe: Recipe) -> Accelerator:
+    t = recipe.train
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=t.grad_accum,
+        dataloader_config=DataLoaderConfiguration(even_batches=True),
+        step_scheduler_with_optimizer=False,
+    )
+    return accelerator
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
+    t = recipe.train
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    # No weight decay on biases, norms, CLS and position embeddings (the usual ViT practice).
+    decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
+    no_decay = [p for p in parameters if all(p is not q for q in decay)]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
+    return torch.optim.AdamW(groups, lr=t.lr, fused=device_type == "cuda")
+
+
+def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
+    return any(parameter is p for n, p in model.named_parameters() if n.endswith("position_embeddings"))
+
+
+def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
+    t = recipe.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        if t.scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if t.scheduler == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
+    splits = data.load_splits(recipe.data, recipe.train.seed)
+    model = vit.build_model(recipe.model, splits.labels)
+    processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
+    if recipe.model.lora is not None:
+        model = vit.apply_lora(model, recipe.model.lora)
+    size = recipe.model.image_size
+    seed = recipe.train.seed
+
+    def train_pixels(image, index, epoch):
+        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), recipe.data)
+
+    workers = recipe.data.num_workers
+    if workers is None:
+        workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
+    pin = accelerator.device.type == "cuda"
+    train_set = data.ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, recipe.data, train_pixels)
+    eval_set = data.ImageClassificationDataset(splits.eval, splits.image_column,
+                                               splits.label_column, recipe.data, data.eval_pixels_from_processor(processor))
+    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
+    train_sampler = train_loader.sampler
+    eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
+
+    batches_per_epoch = math.ceil(len(train_set) / (recipe.train.batch_size * accelerator.num_processes))
+    steps_per_epoch = math.ceil(batches_per_epoch / recipe.train.grad_accum)
+    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
+    if recipe.train.warmup_steps >= total_steps:
+        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
+                       "lower it or train longer")
+    optimizer = build_optimizer(model, recipe, accelerator.device.type)
+    scheduler = build_scheduler(optimizer, recipe, total_steps)
+    if recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda":
+        model = torch.compile(model)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    accelerator.register_for_checkpointing(scheduler)
+    return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+
+
+def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on one batch; on accumulation boundaries, clip and step. Returns (loss, finite flag)."""
+    with accelerator.accumulate(parts.model):
+        logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"],
+                                                 label_smoothing=recipe.train.label_smoothing)
+        accelerator.backward(loss)
+        finite = torch.isfinite(loss.detach())
+        if accelerator.sync_gradients and recipe.train.max_grad_norm is not None:
+            norm = accelerator.clip_grad_norm_(parts.model.parameters(), recipe.train.max_grad_norm)
+            finite = finite & torch.isfinite(torch.as_tensor(norm, device=finite.device))
+        parts.optimizer.step()
+        if accelerator.sync_gradients:
+            parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), finite
+
+
+def run(recipe: Recipe) -> dict:
+    """Train, evaluate, export and (optionally) push; returns the final metrics."""
+    output_dir = Path(recipe.output_dir)
+    check_output_dir(recipe)
+    if recipe.hub.push:
+        hub.require_token()
+    vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+    accelerator = make_accelerator(recipe)
+    set_seed(recipe.train.seed)
+    if accelerator.is_main_process and recipe.overwrite:
+        export.clear_previous_run(output_dir)
+    resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
+    parts = build_parts(recipe, accelerator)
+    state = checkpoint.load_checkpoint(accelerator, resume_from, recipe) if resume_from else checkpoint.TrainState()
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(recipe))
+        trainable, total = vit.count_parameters(parts.model)
+        print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
+              f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
+              + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+
+    train_loop(accelerator, parts, recipe, state)
+    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
+    metrics.update(steps=state.step, skipped_images=state.skipped_images)
+    state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
+    if accelerator.is_main_process:
+        save_final(accelerator, parts, recipe, metrics, state)
+        print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
+        if recipe.hub.push:
+            url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
+            print(f"pushed to {url}")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return metrics
+
+
+def _eval_entry(metrics: dict) -> dict:
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
+
+
+def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState) -> None:
+    t = recipe.train
+    interrupt = InterruptFlag()
+    progress = tqdm(total=parts.total_steps, initial=state.step, disable=not accelerator.is_main_process,
+                    desc="train", dynamic_ncols=True)
+    pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
+    loss_sum, loss_count, images, clock = 0.0, 0, 0, time.perf_counter()
+    running_loss = torch.zeros((), device=accelerator.device)
+    while state.step < parts.total_steps:
+        parts.train_sampler.set_epoch(state.epoch)
+        loader = parts.train_loader
+        if state.batches_done:
+            loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
+        for batch in loader:
+            state.skipped_images += int(batch["skipped"])
+            loss, finite = train_step(accelerator, parts, batch, recipe)
+            state.batches_done += 1
+            running_loss += loss
+            loss_count += 1
+            images += batch["labels"].numel() * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+            state.step += 1
+            progress.update(1)
+            if pending_finite is not None:
+                _stop_if_non_finite(pending_finite, state.step - 1, accelerator)
+            pending_finite = finite
+            if state.step % t.log_every_steps == 0 or state.step == parts.total_steps:
+                loss_sum = float(accelerator.reduce(running_loss, reduction="mean").item()) / loss_count
+                rate = images / (time.perf_counter() - clock)
+                lr = parts.scheduler.get_last_lr()[0]
+                state.history.append({"step": state.step, "epoch": state.epoch, "loss": loss_sum, "lr": lr,
+                                      "images_per_s": rate})
+                progress.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
+                running_loss.zero_()
+                loss_count, images, clock = 0, 0, time.perf_counter()
+            if t.eval_every_steps and state.step % t.eval_every_steps == 0:
+                _evaluate_during_training(accelerator, parts, state)
+            stop = state.step >= parts.total_steps or _interrupted(interrupt, accelerator)
+            if t.checkpoint_every_steps and (state.step % t.checkpoint_every_steps == 0 or interrupt.raised):
+                _stop_if_non_finite(finite, state.step, accelerator)
+                checkpoint.save_checkpoint(accelerator, Path(recipe.output_dir), state, recipe, t.keep_checkpoints)
+            if interrupt.raised:
+                progress.close()
+                raise Interrupted(_interrupt_message(recipe, state))
+            if stop:
+                break
+        else:  # the epoch ran to its end
+            state.epoch += 1
+            state.batches_done = 0
+            if not t.eval_every_steps and state.step < parts.total_steps:
+                _evaluate_during_training(accelerator, parts, state)
+            continue
+        break
+    if pending_finite is not None:
+        _stop_if_non_finite(pending_finite, state.step, accelerator)
+    progress.close()
+
+
+def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
+    if accelerator.num_processes == 1:
+        return flag.raised
+    # Every rank must agree to stop at the same step, or the others wait forever in the next collective.
+    raised = torch.tensor(float(flag.raised), device=accelerator.device)
+    flag.raised = bool(accelerator.reduce(raised, reduction="sum").item() > 0)
+    return flag.raised
+
+
+def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
+    if recipe.train.checkpoint_every_steps:
+        return (f"interrupted at step {state.step}; a checkpoint was saved in {recipe.output_dir}/checkpoints. "
+                f"Resume with: python -m vit_finetune --recipe <recipe> output_dir={recipe.output_dir} train.resume=auto")
+    return (f"interrupted at step {state.step}; no checkpoint was saved because train.checkpoint_every_steps is "
+            "not set. Set it to make runs resumable")
+
+
+def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
+    all_finite = accelerator.reduce(finite.float(), reduction="sum").item() == accelerator.num_processes
+    if not all_finite:
+        raise NonFiniteLoss(
+            f"the loss or gradient became NaN/Inf at optimiser step {step}; training stopped and nothing was saved "
+            "as the final model. Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
+        )
+
+
+def _evaluate_during_training(accelerator: Accelerator, parts: Parts, state: checkpoint.TrainState) -> None:
+    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
+    state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
+    if accelerator.is_main_process:
+        tqdm.write(f"step {state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+
+
+def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
+    trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    if vit.is_lora(trained):
+        export.write_outputs(Path(recipe.output_dir), vit.merged_copy(trained), parts.processor, recipe, metrics,
+                             state.history, parts.labels, adapter_model=trained)
+    else:
+        export.write_outputs(Path(recipe.output_dir), trained, parts.processor, recipe, metrics, state.history,
+                             parts.labels)
