@@ -7,6 +7,7 @@ with back-off. A push only reads the output folder: a failure never touches the 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from huggingface_hub import HfApi, get_token
@@ -33,20 +34,40 @@ def require_token() -> str:
     return token
 
 
+@contextmanager
+def offline_unless(talks_to_hub: bool):
+    """Inside, a process that must not talk to the Hub reads only what the main process already cached.
+
+    huggingface_hub, transformers and datasets all consult these flags at call time.
+    """
+    if talks_to_hub:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
 def is_retryable(error: Exception) -> bool:
     status = getattr(getattr(error, "response", None), "status_code", None)
     return status is None or status in (408, 429) or status >= 500
 
 
 def push_folder(output_dir: Path, repo_id: str, private: bool = False, token: str | None = None,
-                delays: tuple[float, ...] = RETRY_DELAYS) -> str:
+                delays: tuple[float, ...] | None = None) -> str:
     """Upload a finished run (checkpoints left out) and return the commit URL."""
     output_dir = Path(output_dir)
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     api = HfApi(token=token or require_token())
     last_error: Exception | None = None
-    for attempt, delay in enumerate((0.0, *delays)):
+    for attempt, delay in enumerate((0.0, *(RETRY_DELAYS if delays is None else delays))):
         time.sleep(delay)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)

@@ -86,6 +86,9 @@ def check_output_dir(recipe: Recipe) -> None:
 def make_accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
     accelerator = Accelerator(
+        # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
+        # process believes it is the main one.
+        cpu=not torch.accelerator.is_available(),
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.grad_accum,
         dataloader_config=DataLoaderConfiguration(even_batches=True),
@@ -157,12 +160,18 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                        "lower it or train longer")
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
-    if recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda":
-        model = torch.compile(model)
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    accelerator.register_for_checkpointing(scheduler)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+
+
+def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
+    """Hand model, optimiser and loaders to Accelerate (DDP wrapping is a collective: all processes at once)."""
+    model = parts.model
+    if recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda":
+        model = torch.compile(model)
+    parts.model, parts.optimizer, parts.train_loader, parts.eval_loader = accelerator.prepare(
+        model, parts.optimizer, parts.train_loader, parts.eval_loader)
+    accelerator.register_for_checkpointing(parts.scheduler)
 
 
 def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,13 +198,16 @@ def run(recipe: Recipe) -> dict:
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
-    vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
     accelerator = make_accelerator(recipe)
-    set_seed(recipe.train.seed)
-    if accelerator.is_main_process and recipe.overwrite:
-        export.clear_previous_run(output_dir)
-    resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
-    parts = build_parts(recipe, accelerator)
+    # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
+    with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
+        vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+        set_seed(recipe.train.seed)
+        if accelerator.is_main_process and recipe.overwrite:
+            export.clear_previous_run(output_dir)
+        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
+        parts = build_parts(recipe, accelerator)
+    prepare(accelerator, parts, recipe)
     state = checkpoint.load_checkpoint(accelerator, resume_from, recipe) if resume_from else checkpoint.TrainState()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +245,9 @@ def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: ch
     loss_sum, loss_count, images, clock = 0.0, 0, 0, time.perf_counter()
     running_loss = torch.zeros((), device=accelerator.device)
     while state.step < parts.total_steps:
-        parts.train_sampler.set_epoch(state.epoch)
+        # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
+        # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
+        parts.train_loader.set_epoch(state.epoch)
         loader = parts.train_loader
         if state.batches_done:
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
