@@ -185,3 +185,11 @@ def test_lora_trains_the_head_and_merged_logits_equal_adapter_logits(tiny_base):
         difference = (merged(pixels).logits - adapted(pixel_values=pixels).logits).abs().max().item()
     assert difference <= 1e-5
     assert vit.is_lora(adapted)  # merging a copy leaves the adapter model usable
+
+
+def test_pretrained_false_gives_the_same_architecture_from_random_weights(tiny_base):
+    pretrained = vit.build_model(ModelSettings(base=str(tiny_base), image_size=64), LABELS)
+    scratch = vit.build_model(ModelSettings(base=str(tiny_base), image_size=64, pretrained=False), LABELS)
+    assert scratch.config.to_dict() == pretrained.config.to_dict()
+    name = "vit.layers.0.attention.q_proj.weight"
+    assert not torch.equal(scratch.state_dict()[name], pretrained.state_dict()[name])

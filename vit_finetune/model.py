@@ -123,16 +123,24 @@ def load_pretrained(settings: ModelSettings) -> ViTForImageClassification:
     return model
 
 
-def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassification:
-    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied)."""
-    pretrained = load_pretrained(settings)
-    config: ViTConfig = ViTConfig.from_dict(pretrained.config.to_dict())
+def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels: list[str]) -> ViTConfig:
+    """The base architecture at the target resolution with a head for `labels`."""
+    config: ViTConfig = ViTConfig.from_dict(base_config.to_dict())
     check_image_size(settings.image_size, config.patch_size)
     config.image_size = settings.image_size
     config.num_labels = len(labels)
     config.id2label = dict(enumerate(labels))
     config.label2id = {label: index for index, label in enumerate(labels)}
     config.architectures = ["ViTForImageClassification"]
+    return config
+
+
+def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassification:
+    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied)."""
+    if not settings.pretrained:
+        return ViTForImageClassification(target_config(load_base_config(settings), settings, labels)).float()
+    pretrained = load_pretrained(settings)
+    config = target_config(pretrained.config, settings, labels)
     model = ViTForImageClassification(config).float()
 
     state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(HEAD_NAME)}

@@ -46,6 +46,7 @@ class ModelSettings(Strict):
     image_size: int = Field(384, gt=0)
     lora: LoraSettings | None = None
     head_init: Literal["zero", "random"] = "zero"  # zero = big_vision's choice: start from uniform predictions
+    pretrained: bool = True  # false = the same architecture from random weights, a baseline to compare against
     revision: str | None = None
     trust_remote_code: bool = False  # off unless a recipe turns it on: remote code runs on your machine
     compile: bool | None = None  # torch.compile; null = on for CUDA, off on CPU
