@@ -290,7 +290,8 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
     kept = [s for s in samples if s is not None]
     pixels = torch.stack([s[0] for s in kept]) if kept else torch.empty(0)
     labels = torch.tensor([s[1] for s in kept], dtype=torch.long)
-    return {"pixel_values": pixels, "labels": labels, "skipped": torch.tensor(len(samples) - len(kept))}
+    # `skipped` stays a Python int: Accelerate moves tensors to the device, and reading one back would sync.
+    return {"pixel_values": pixels, "labels": labels, "skipped": len(samples) - len(kept)}
 
 
 def default_num_workers(device_type: str, processes: int) -> int:

@@ -91,7 +91,8 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         cpu=not torch.accelerator.is_available(),
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.grad_accum,
-        dataloader_config=DataLoaderConfiguration(even_batches=True),
+        # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
+        dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
     )
     return accelerator
@@ -252,7 +253,7 @@ def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: ch
         if state.batches_done:
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
         for batch in loader:
-            state.skipped_images += int(batch["skipped"])
+            state.skipped_images += batch["skipped"]  # a Python int: reading a device tensor would sync
             loss, finite = train_step(accelerator, parts, batch, recipe)
             state.batches_done += 1
             running_loss += loss
