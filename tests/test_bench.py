@@ -1,0 +1,93 @@
+"""The benchmark: its FLOP count against the published ViT figures, and the real command on this device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import REPO
+
+from vit_finetune.bench import CONFIGS, MODELS, training_flops_per_image, vit_macs
+from vit_finetune.recipe import LoraSettings
+
+FIGURES = ("images_per_s", "mfu", "flops_per_image", "peak_memory_gib", "data_wait_share", "step_time_ms", "seconds")
+
+
+def test_vit_b16_flops_match_the_published_figures():
+    """timm's forward cost of ViT-B/16 (17.58 GMACs at 224, 55.54 at 384); training is 6 x GMACs per image."""
+    at_384 = MODELS["vit-b16-384"].vit_config()
+    assert sum(vit_macs(at_384).values()) / 1e9 == pytest.approx(55.54, rel=0.005)
+    assert training_flops_per_image(at_384) / 1e9 == pytest.approx(333.2, rel=0.005)
+    at_224 = MODELS["vit-b16-384"].vit_config()
+    at_224.image_size, at_224.num_labels = 224, 1000
+    assert sum(vit_macs(at_224).values()) / 1e9 == pytest.approx(17.58, rel=0.005)
+    assert training_flops_per_image(at_224) / 1e9 == pytest.approx(105.5, rel=0.005)
+
+
+def test_lora_flops_sit_between_forward_and_backward_costs():
+    """Frozen weights need no weight gradients: LoRA trains for between 2x and 3x the forward cost."""
+    config = MODELS["vit-b16-384"].vit_config()
+    forward = 2 * sum(vit_macs(config).values())
+    lora = training_flops_per_image(config, LoraSettings(r=16, target_modules=["query", "value"]))
+    assert 2 * forward < lora < 3 * forward
+    more_roles = training_flops_per_image(config, LoraSettings(r=16, target_modules=["query", "value", "mlp_in"]))
+    assert more_roles > lora
+
+
+def run_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run(
+        [sys.executable, "-m", "vit_finetune.bench", "--warmup", "1", "--steps", "3", "--batch-size", "8",
+         "--cache", str(tmp_path / "cache"), "--out", str(out), *args],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO,
+    )
+    return result, json.loads(out.read_text()) if out.exists() else None
+
+
+def check_report(report: dict, device_type: str) -> None:
+    assert list(report["configs"]) == list(CONFIGS)
+    for name, figures in report["configs"].items():
+        assert "error" not in figures, f"{name}: {figures.get('error')}"
+        for key in FIGURES:
+            assert figures[key] > 0, f"{name}.{key} = {figures[key]}"
+        assert figures["data_wait_share"] < 1
+        assert figures["measured_steps"] == 3 and figures["measured_images"] == 3 * 8
+    assert report["device"]["type"] == device_type
+    assert report["peak"]["tflops"] > 0 and report["peak"]["source"]
+    assert report["setup"]["jpegs"]["train_images"] >= 4 * 8  # one epoch covers warm-up + measured steps
+    assert set(report["ratios"]) == {"end_to_end / model_step images/s", "end_to_end / peer images/s",
+                                     "lora / end_to_end peak memory"}
+    assert report["configs"]["lora"]["flops_per_image"] < report["configs"]["end_to_end"]["flops_per_image"]
+
+
+@pytest.mark.slow
+def test_bench_command_on_cpu_reports_every_figure(tmp_path):
+    result, report = run_bench(tmp_path, "--device", "cpu")
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_report(report, "cpu")
+    assert report["setup"]["model"] == "tiny"
+    assert "float32" in report["peak"]["source"] and "measured" in report["peak"]["source"]
+    assert "RSS" in report["memory_measure"]
+    assert report["configs"]["peer"]["settings"]["attention"] == "sdpa"
+    assert "peer: transformers Trainer" in result.stdout  # the table is printed, not only written
+
+
+@pytest.mark.slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_command_on_cuda_turns_the_gpu_levers_on(tmp_path):
+    result, report = run_bench(tmp_path, "--device", "cuda", "--model", "tiny", "--workers", "2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    check_report(report, "cuda")
+    assert report["memory_measure"] == "torch.cuda.max_memory_allocated"
+    assert report["setup"]["precision"] == "bf16"
+    for name in ("model_step", "end_to_end", "lora"):
+        settings = report["configs"][name]["settings"]
+        assert settings["torch_compile"] and settings["non_blocking_copies"] and settings["pin_memory"]
+        assert "fused=True" in settings["optimizer"]
+    assert report["configs"]["peer"]["settings"]["precision"] == "bf16"
