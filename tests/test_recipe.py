@@ -100,3 +100,15 @@ def test_recipes_are_read_with_the_safe_loader(tmp_path):
     hostile.write_text("train: !!python/object/apply:os.system ['echo pwned']\n")
     with pytest.raises(RecipeError, match="not valid YAML"):
         load_recipe(str(hostile))
+
+
+@pytest.mark.parametrize("value", ["inf", ".inf", "nan", "1e38"])
+def test_a_learning_rate_must_be_finite_and_plausible(value):
+    with pytest.raises(RecipeError, match="train.lr"):
+        load_recipe(None, [f"train.lr={value}"])
+
+
+def test_resume_ignore_changes_must_name_real_keys():
+    assert load_recipe(None, ["train.resume_ignore_changes=[train.epochs]"]).train.resume_ignore_changes == ["train.epochs"]
+    with pytest.raises(RecipeError, match=r"unknown keys \['train.epoch'\]"):
+        load_recipe(None, ["train.resume_ignore_changes=[train.epoch]"])

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
+from safetensors import SafetensorError
 
 from .recipe import Recipe, flatten
 
@@ -30,8 +33,25 @@ NEUTRAL_KEYS = {
 }
 
 
+# A full or failing disk raises OSError from Python's own writes, but SafetensorError from safetensors' writer
+# and RuntimeError ("unexpected pos ...") from torch.save's zip writer: none of the three may become a traceback.
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+# A damaged or foreign file read back: truncated zip, bad header, or a pickle that weights_only=True refuses.
+READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or resumed from."""
+
+
+def describe_write_error(error: Exception, folder: Path) -> str:
+    """The reason a save failed, with the free space left where it was writing (the usual culprit)."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return reason
+    return f"{reason}; {free / 2**20:.1f} MiB free on that disk"
 
 
 @dataclass
@@ -65,6 +85,10 @@ def _fsync_tree(folder: Path) -> None:
         if path.is_file():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -77,22 +101,20 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(state.step)
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
-    failure = None
     if accelerator.is_main_process:
         root.mkdir(parents=True, exist_ok=True)
         for leftover in root.glob(f"{PARTIAL_PREFIX}*"):  # an earlier save that was killed half-way
             shutil.rmtree(leftover, ignore_errors=True)
         partial.mkdir()
     accelerator.wait_for_everyone()
+    failure = None
     try:
         accelerator.save_state(str(partial), safe_serialization=True)
-    except OSError as error:
+    except WRITE_ERRORS as error:
         failure = error
-    accelerator.wait_for_everyone()
+    _stop_everywhere_if_failed(accelerator, failure, partial, final, output_dir)
     if accelerator.is_main_process:
         try:
-            if failure is not None:
-                raise failure
             (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
             (partial / RECIPE_FILE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
             (partial / COMPLETE).write_text("")
@@ -100,18 +122,35 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
             if final.exists():
                 shutil.rmtree(final)
             os.rename(partial, final)
-        except OSError as error:
-            shutil.rmtree(partial, ignore_errors=True)
-            previous = latest_checkpoint(output_dir)
-            raise CheckpointError(
-                f"could not write checkpoint {final} ({error.strerror or error}). "
-                f"Previous checkpoint {'intact: ' + str(previous) if previous else 'none'}. "
-                "Free disk space, then resume with train.resume=auto"
-            ) from None
+            _fsync_dir(root)  # make the rename itself durable before older checkpoints are deleted
+        except WRITE_ERRORS as error:
+            failure = error
+    _stop_everywhere_if_failed(accelerator, failure, partial, final, output_dir)
+    if accelerator.is_main_process:
         for old in complete_checkpoints(output_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,
+                               output_dir: Path) -> None:
+    """A collective: if any process failed to write, all of them raise (none trains on alone, none hangs)."""
+    failed = failure is not None
+    if accelerator.num_processes > 1:
+        flag = torch.tensor(float(failed), device=accelerator.device)
+        failed = accelerator.reduce(flag, reduction="sum").item() > 0
+    if not failed:
+        return
+    if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
+    reason = describe_write_error(failure, partial.parent) if failure else "another process could not write its part"
+    previous = latest_checkpoint(output_dir)
+    raise CheckpointError(
+        f"could not write checkpoint {final} ({reason}). "
+        f"Previous checkpoint {'intact: ' + str(previous) if previous else 'none'}. "
+        "Free disk space, then resume with train.resume=auto"
+    )
 
 
 def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
@@ -133,15 +172,18 @@ def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
     saved = flatten(yaml.safe_load((checkpoint / RECIPE_FILE).read_text()))
     current = flatten(recipe.model_dump(mode="json"))
+    # A key the checkpoint's version did not have yet ran with what is now its default.
+    defaults = flatten(Recipe().model_dump(mode="json"))
     allowed = NEUTRAL_KEYS | set(recipe.train.resume_ignore_changes)
     return sorted(
-        f"{key}: {saved.get(key)!r} -> {current.get(key)!r}"
+        f"{key}: {saved.get(key, defaults.get(key))!r} -> {current.get(key)!r}"
         for key in set(saved) | set(current)
-        if key not in allowed and saved.get(key) != current.get(key)
+        if key not in allowed and saved.get(key, defaults.get(key)) != current.get(key)
     )
 
 
-def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState:
+def refuse_changed_recipe(checkpoint: Path, recipe: Recipe) -> None:
+    """Cheap, so run() calls it before loading any data or weights."""
     changes = changed_keys(checkpoint, recipe)
     if changes:
         keys = [c.split(":")[0] for c in changes]
@@ -150,5 +192,29 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState
             f"Resuming would not reproduce the run. Restore those values, or accept the change with "
             f"train.resume_ignore_changes=[{','.join(keys)}]"
         )
-    accelerator.load_state(str(checkpoint))
-    return TrainState(**json.loads((checkpoint / STATE_FILE).read_text()))
+
+
+def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState:
+    """Model from safetensors; optimizer, scheduler and RNG through torch.load(weights_only=True)."""
+    from accelerate.utils import load
+
+    refuse_changed_recipe(checkpoint, recipe)
+    writers = len(list(checkpoint.glob("random_states_*.pkl")))
+    if writers and writers != accelerator.num_processes:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: it was written by {writers} process(es) and this run has "
+            f"{accelerator.num_processes}; each optimiser step would see other batches. Launch "
+            f"{writers} process(es) to resume it"
+        )
+    try:
+        # Accelerate skips an RNG file it cannot read without a word, and the resumed run would then quietly
+        # differ from the original; reading it here first turns that into an error.
+        load(checkpoint / f"random_states_{accelerator.process_index}.pkl")
+        accelerator.load_state(str(checkpoint))
+        return TrainState(**json.loads((checkpoint / STATE_FILE).read_text()))
+    except READ_ERRORS as error:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: it is damaged or was not written by vit_finetune "
+            f"({type(error).__name__}: {str(error)[:300]}). Resume from an earlier checkpoint with "
+            f"train.resume=<its folder>, or start again with overwrite=true"
+        ) from None

@@ -83,7 +83,7 @@ class TrainSettings(Strict):
     batch_size: int = Field(32, gt=0)  # per device
     grad_accum: int = Field(1, gt=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False)  # beyond 1e6 it overflows inside the optimiser
     momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0)
@@ -134,8 +134,11 @@ class Recipe(Strict):
         problems = []
         if self.hub.push and not self.hub.repo_id:
             problems.append("hub.push=true needs hub.repo_id, e.g. hub.repo_id=your-name/vit-food101-384")
-        if self.train.resume not in (None, "auto") and not Path(self.train.resume).is_dir():
+        if self.train.resume not in (None, "auto") and not _is_dir(self.train.resume):
             problems.append(f"train.resume={self.train.resume!r} is neither null, auto nor an existing checkpoint folder")
+        unknown = sorted(set(self.train.resume_ignore_changes) - set(flatten(self.model_dump(mode="json"))))
+        if unknown:
+            problems.append(f"train.resume_ignore_changes names unknown keys {unknown}; use dotted keys such as train.epochs")
         if self.train.resume is not None and self.overwrite:
             problems.append("train.resume and overwrite=true contradict each other: choose one")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
@@ -145,6 +148,21 @@ class Recipe(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _is_file(path: str | Path) -> bool:
+    """Path.is_file, but False (not OSError) for a name the file system refuses, e.g. longer than 255 bytes."""
+    try:
+        return Path(path).is_file()
+    except OSError:
+        return False
+
+
+def _is_dir(path: str | Path) -> bool:
+    try:
+        return Path(path).is_dir()
+    except OSError:
+        return False
 
 
 def available_recipes() -> dict[str, Path]:
@@ -160,8 +178,8 @@ def available_recipes() -> dict[str, Path]:
 def find_recipe(name_or_path: str) -> Path:
     """A recipe file from a shipped name (food101_384) or a path; unknown names list the shipped ones."""
     path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.is_file():
-        if not path.is_file():
+    if path.suffix in (".yaml", ".yml") or _is_file(path):
+        if not _is_file(path):
             raise RecipeError([f"recipe file {name_or_path!r} does not exist"], "--recipe")
         return path
     recipes = available_recipes()
@@ -180,6 +198,11 @@ def read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
+    except UnicodeDecodeError as error:
+        raise RecipeError([f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"],
+                          str(path)) from None
+    except OSError as error:
+        raise RecipeError([f"{path} cannot be read: {error.strerror or error}"], str(path)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
