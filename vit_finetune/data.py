@@ -34,6 +34,13 @@ class DataError(ValueError):
 class BadImageError(DataError):
     """One sample that cannot be decoded into a usable image."""
 
+    def __init__(self, message: str):
+        # Raised in a DataLoader worker, torch re-raises it in the main process as BadImageError(its banner and
+        # the worker's traceback as text). Keep our own sentence: the user needs the file, not the worker's stack.
+        if "Original Traceback" in message:
+            message = message.rsplit(f"{BadImageError.__name__}: ", 1)[-1].strip()
+        super().__init__(message)
+
 
 @dataclass
 class Splits:
@@ -315,6 +322,10 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
         drop_last=False,  # every sample is seen once per epoch
+        # Each pass over a loader draws a worker seed from this generator. Left to torch's global RNG, that
+        # draw would shift the dropout masks of a resumed run, which makes one more pass (its first, partial
+        # epoch) than the run it resumes. Augmentation does not use it: see sample_rng.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -8,6 +8,7 @@ evaluation, export and push.
 from __future__ import annotations
 
 import math
+import shutil
 import signal
 import sys
 import time
@@ -58,8 +59,12 @@ class InterruptFlag:
 
     def __init__(self):
         self.raised = False
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        """After the loop, Ctrl-C must stop evaluation, export or a push at once, as usual."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
         if self.raised:  # a second Ctrl-C means: stop now
@@ -130,6 +135,20 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
+    """After a resume: the loaded optimizer and scheduler states carry the lr, weight decay and momentum of
+    the checkpoint. They equal the recipe's unless a change was accepted with train.resume_ignore_changes,
+    and then the recipe's values must apply from the resumed step on, not be silently replaced."""
+    t = recipe.train
+    scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
+    scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
+    # Groups as build_optimizer makes them: decayed, then not decayed.
+    for group, decay, factor in zip(parts.optimizer.param_groups, (t.weight_decay, 0.0), scheduler.lr_lambdas):
+        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), weight_decay=decay)
+        if "momentum" in group:
+            group["momentum"] = t.momentum
+
+
 def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     splits = data.load_splits(recipe.data, recipe.train.seed)
     model = vit.build_model(recipe.model, splits.labels)
@@ -170,9 +189,10 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
     model = parts.model
     if recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda":
         model = torch.compile(model)
-    parts.model, parts.optimizer, parts.train_loader, parts.eval_loader = accelerator.prepare(
-        model, parts.optimizer, parts.train_loader, parts.eval_loader)
-    accelerator.register_for_checkpointing(parts.scheduler)
+    # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
+    # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
+    parts.model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler = accelerator.prepare(
+        model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
 
 
 def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,9 +227,13 @@ def run(recipe: Recipe) -> dict:
         if accelerator.is_main_process and recipe.overwrite:
             export.clear_previous_run(output_dir)
         resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
+        if resume_from:
+            checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
         parts = build_parts(recipe, accelerator)
     prepare(accelerator, parts, recipe)
     state = checkpoint.load_checkpoint(accelerator, resume_from, recipe) if resume_from else checkpoint.TrainState()
+    if resume_from:
+        reapply_hyperparameters(parts, recipe)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(recipe))
@@ -238,10 +262,19 @@ def _eval_entry(metrics: dict) -> dict:
 
 
 def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState) -> None:
-    t = recipe.train
     interrupt = InterruptFlag()
     progress = tqdm(total=parts.total_steps, initial=state.step, disable=not accelerator.is_main_process,
                     desc="train", dynamic_ncols=True)
+    try:
+        _optimise(accelerator, parts, recipe, state, interrupt, progress)
+    finally:
+        progress.close()  # on an error too: its message must start on a line of its own
+        interrupt.restore()
+
+
+def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState,
+              interrupt: InterruptFlag, progress: tqdm) -> None:
+    t = recipe.train
     pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
     loss_sum, loss_count, images, clock = 0.0, 0, 0, time.perf_counter()
     running_loss = torch.zeros((), device=accelerator.device)
@@ -279,10 +312,9 @@ def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: ch
                 _evaluate_during_training(accelerator, parts, state)
             stop = state.step >= parts.total_steps or _interrupted(interrupt, accelerator)
             if t.checkpoint_every_steps and (state.step % t.checkpoint_every_steps == 0 or interrupt.raised):
-                _stop_if_non_finite(finite, state.step, accelerator)
+                _stop_if_non_finite(finite & _weights_finite(parts.model), state.step, accelerator)
                 checkpoint.save_checkpoint(accelerator, Path(recipe.output_dir), state, recipe, t.keep_checkpoints)
             if interrupt.raised:
-                progress.close()
                 raise Interrupted(_interrupt_message(recipe, state))
             if stop:
                 break
@@ -294,8 +326,7 @@ def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: ch
             continue
         break
     if pending_finite is not None:
-        _stop_if_non_finite(pending_finite, state.step, accelerator)
-    progress.close()
+        _stop_if_non_finite(pending_finite & _weights_finite(parts.model), state.step, accelerator)
 
 
 def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
@@ -315,12 +346,18 @@ def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
             "not set. Set it to make runs resumable")
 
 
+def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
+    """Checked before anything is saved: a finite loss and gradient can still step the weights to Inf."""
+    return torch.stack([torch.isfinite(p).all() for p in model.parameters() if p.requires_grad]).all()
+
+
 def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
     all_finite = accelerator.reduce(finite.float(), reduction="sum").item() == accelerator.num_processes
     if not all_finite:
         raise NonFiniteLoss(
-            f"the loss or gradient became NaN/Inf at optimiser step {step}; training stopped and nothing was saved "
-            "as the final model. Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
+            f"the loss, a gradient or the weights became NaN/Inf at optimiser step {step}; training stopped, no "
+            "checkpoint was written from then on and nothing was saved as the final model. "
+            "Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
         )
 
 
@@ -332,10 +369,20 @@ def _evaluate_during_training(accelerator: Accelerator, parts: Parts, state: che
 
 
 def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
+    output_dir = Path(recipe.output_dir)
     trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
-    if vit.is_lora(trained):
-        export.write_outputs(Path(recipe.output_dir), vit.merged_copy(trained), parts.processor, recipe, metrics,
-                             state.history, parts.labels, adapter_model=trained)
-    else:
-        export.write_outputs(Path(recipe.output_dir), trained, parts.processor, recipe, metrics, state.history,
-                             parts.labels)
+    model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
+    try:
+        export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
+                             adapter_model=adapter)
+    except checkpoint.WRITE_ERRORS as error:
+        shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
+        previous = checkpoint.latest_checkpoint(output_dir)
+        raise RunError(
+            f"could not write the final model into {output_dir} ({checkpoint.describe_write_error(error, output_dir)}); "
+            "nothing there looks finished. "
+            + (f"The last checkpoint is intact: {previous}. Free disk space, then run the same command with "
+               "train.resume=auto (only the steps after that checkpoint are redone)"
+               if previous else "No checkpoint was kept (train.checkpoint_every_steps is not set); "
+               "free disk space and train again")
+        ) from None
