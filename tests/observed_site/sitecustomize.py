@@ -1,0 +1,8 @@
+"""Loaded by every interpreter started with this folder on PYTHONPATH (tests only): see tests/recorder.py."""
+
+import os
+
+if os.environ.get("VIT_FINETUNE_RECORD"):
+    import recorder
+
+    recorder.install_in_subprocess(os.environ["VIT_FINETUNE_RECORD"])

@@ -1,0 +1,178 @@
+"""Test-only observation of a training run, from outside the package: what each process trained on,
+the weights each process ended with, and every file each process wrote.
+
+The package has no test hooks. `install()` wraps two of its functions in this process (in-process
+runs, undone by pytest's monkeypatch); for a subprocess or an `accelerate launch`, the folder
+`tests/observed_site/` goes on PYTHONPATH and its sitecustomize.py calls `install_in_subprocess()`
+when VIT_FINETUNE_RECORD names a folder, so the command line stays exactly the user's.
+
+Written into the record folder, one file set per process id (a SIGKILL loses nothing already written):
+- samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, labels and a fingerprint of
+  each sample's pixels (the pixels are a pure function of seed, epoch and sample, so equal
+  fingerprints mean the same sample with the same augmentation).
+- weights-<rank>.safetensors: the process's own model state when the training loop returns.
+- writes-<pid>.jsonl (subprocesses only): path and kind of every file or folder written, renamed or
+  removed, seen through Python's audit hooks plus the two native writers that bypass them
+  (safetensors' serializer and torch.save's zip writer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+ENV = "VIT_FINETUNE_RECORD"
+OBSERVED_SITE = Path(__file__).resolve().parent / "observed_site"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class _Lines:
+    """An append-only JSON-lines file kept open, flushed after every line."""
+
+    def __init__(self, path: Path):
+        self.handle = open(path, "a", buffering=1)
+
+    def write(self, entry: dict) -> None:
+        self.handle.write(json.dumps(entry) + "\n")
+        self.handle.flush()
+
+
+def fingerprint(pixels) -> str:
+    return hashlib.sha1(pixels.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def install(record_dir: Path, patch=setattr) -> None:
+    """Wrap vit_finetune.train's loop and step; `patch` is setattr or pytest's monkeypatch.setattr."""
+    import vit_finetune.train as train
+    from safetensors.torch import save_file
+
+    record_dir = Path(record_dir)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    samples = _Lines(record_dir / f"samples-{os.getpid()}.jsonl")
+    original_loop, original_step = train.train_loop, train.train_step
+    current = {}
+
+    def train_loop(accelerator, parts, recipe, state):
+        current["state"] = state
+        original_loop(accelerator, parts, recipe, state)
+        model = accelerator.unwrap_model(parts.model)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, str(record_dir / f"weights-{accelerator.process_index}.safetensors"))
+
+    def train_step(accelerator, parts, batch, recipe):
+        state = current["state"]
+        samples.write({"step": state.step + 1, "epoch": state.epoch, "rank": accelerator.process_index,
+                       "labels": batch["labels"].tolist(), "samples": [fingerprint(p) for p in batch["pixel_values"]]})
+        return original_step(accelerator, parts, batch, recipe)
+
+    patch(train, "train_loop", train_loop)
+    patch(train, "train_step", train_step)
+
+
+def read_samples(record_dir: Path) -> list[dict]:
+    """Every recorded step of every process, in the order the processes ran and wrote them."""
+    files = sorted(Path(record_dir).glob("samples-*.jsonl"), key=lambda p: p.stat().st_mtime_ns)
+    return [json.loads(line) for path in files for line in path.read_text().splitlines()]
+
+
+def steps_as_trained(*segments: list[dict]) -> dict[int, dict]:
+    """step -> record for a run made of segments (killed, resumed, ...): a later segment redoes a step."""
+    merged: dict[int, dict] = {}
+    for segment in segments:
+        for entry in segment:
+            merged[entry["step"]] = entry
+    return dict(sorted(merged.items()))
+
+
+# ---------------------------------------------------------------- subprocesses: sitecustomize entry
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+
+
+def install_in_subprocess(record_dir: str) -> None:
+    """Record writes from the interpreter's start; wrap the training loop when vit_finetune.train loads."""
+    import importlib.abc
+    import importlib.util
+
+    record_dir = Path(record_dir)
+    record_dir.mkdir(parents=True, exist_ok=True)
+    writes = _Lines(record_dir / f"writes-{os.getpid()}.jsonl")
+    busy = []
+
+    def record(kind: str, path) -> None:
+        if busy or path is None or isinstance(path, int):
+            return
+        busy.append(1)
+        try:
+            writes.write({"pid": os.getpid(), "rank": os.environ.get("RANK"), "kind": kind,
+                          "path": os.path.abspath(os.fsdecode(path))})
+        finally:
+            busy.pop()
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = args
+            writing = any(c in (mode or "") for c in "wax+") if mode else bool((flags or 0) & _WRITE_FLAGS)
+            if writing:
+                record("open", path)
+        elif event in ("os.rename", "os.replace"):
+            record(event, args[0])
+            record(event, args[1])
+        elif event in ("os.mkdir", "os.remove", "os.rmdir", "os.truncate", "shutil.rmtree", "shutil.copyfile"):
+            record(event, args[-1] if event == "shutil.copyfile" else args[0])
+
+    sys.addaudithook(audit)
+
+    def patch_native_writers() -> None:
+        import safetensors.torch
+        import torch.serialization
+
+        serialize_file, zip_writer = safetensors.torch.serialize_file, torch.serialization._open_zipfile_writer
+
+        def recorded_serialize_file(tensors, filename, *args, **kwargs):
+            record("safetensors", filename)
+            return serialize_file(tensors, filename, *args, **kwargs)
+
+        def recorded_zip_writer(name_or_buffer, *args, **kwargs):
+            if isinstance(name_or_buffer, (str, os.PathLike)):
+                record("torch.save", name_or_buffer)
+            return zip_writer(name_or_buffer, *args, **kwargs)
+
+        safetensors.torch.serialize_file = recorded_serialize_file
+        torch.serialization._open_zipfile_writer = recorded_zip_writer
+
+    class WrapOnImport(importlib.abc.MetaPathFinder):
+        """Lets vit_finetune.train load normally, then wraps it: nothing heavy is imported before the user's code."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "vit_finetune.train":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            load = spec.loader.exec_module
+
+            def exec_module(module):
+                load(module)
+                patch_native_writers()
+                install(record_dir)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, WrapOnImport())
+
+
+def subprocess_env(record_dir: Path, **extra: str) -> dict:
+    """Environment for a `python -m vit_finetune` / `accelerate launch` that is observed by this module."""
+    from tiny import REPO
+
+    tests = Path(__file__).resolve().parent
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(OBSERVED_SITE), str(tests), str(REPO)]),
+            ENV: str(record_dir), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}

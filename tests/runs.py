@@ -1,0 +1,124 @@
+"""Shared pieces of the reliability tests: one small recipe, in-process and killed runs, and readers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import recorder
+
+# 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images.
+RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
+          "train.log_every_steps=1", "data.num_workers=0"]
+STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
+
+
+def reset_accelerate() -> None:
+    """Accelerate keeps process-wide singletons; each in-process run must start from none."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def train(args: list[str], record: Path | None = None, patches: list[tuple] = ()) -> int:
+    """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
+
+    `record` observes it with tests/recorder.py; `patches` are (object, name, value) applied for the run only.
+    """
+    from vit_finetune.cli import main
+
+    with pytest.MonkeyPatch.context() as patch:
+        if record is not None:
+            recorder.install(record, patch.setattr)
+        for target, name, value in patches:
+            patch.setattr(target, name, value)
+        try:
+            return main(list(args))
+        finally:
+            reset_accelerate()
+
+
+class SimulatedKill(BaseException):
+    """Stands for SIGKILL in an in-process run: no handler of the package catches a BaseException."""
+
+
+def kill_at(step: int):
+    """A train_step replacement that 'kills' the run when optimiser step `step` starts."""
+    import vit_finetune.train as train_module
+
+    original = train_module.train_step
+    calls = []
+
+    def train_step(accelerator, parts, batch, recipe):
+        calls.append(1)
+        if len(calls) == step:
+            raise SimulatedKill(f"simulated kill at step {step}")
+        return original(accelerator, parts, batch, recipe)
+
+    return (train_module, "train_step", train_step)
+
+
+def launch_and_kill(args: list[str], record: Path, when: Callable[[str], bool], log: Path,
+                    sig: int = signal.SIGKILL, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python -m vit_finetune ARGS` in a subprocess, sent `sig` as soon as `when(stdout so far)` holds."""
+    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "vit_finetune", *args], stdout=out, stderr=err,
+                                   env=recorder.subprocess_env(record), cwd=recorder.OBSERVED_SITE.parent.parent)
+        deadline = time.monotonic() + timeout
+        sent = False
+        while process.poll() is None and time.monotonic() < deadline:
+            if not sent and when(log.read_text()):
+                process.send_signal(sig)
+                sent = True
+            time.sleep(0.005)
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(),
+                                       log.with_suffix(".err").read_text())
+
+
+def exists(path: Path) -> Callable[[str], bool]:
+    return lambda _stdout: path.exists()
+
+
+def completed(output: Path, step: int) -> Path:
+    return output / "checkpoints" / f"step-{step:08d}" / "COMPLETE"
+
+
+def history(output: Path) -> list[dict]:
+    """history.json without the wall-clock throughput, which no two runs share."""
+    entries = json.loads((output / "history.json").read_text())
+    return [{k: v for k, v in entry.items() if k != "images_per_s"} for entry in entries]
+
+
+def losses(output: Path) -> list[tuple[int, float]]:
+    return [(entry["step"], entry["loss"]) for entry in history(output) if "loss" in entry]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path))
+
+
+def assert_bit_identical(left: Path, right: Path) -> None:
+    a, b = weights(left), weights(right)
+    assert a.keys() == b.keys()
+    different = [key for key in a if not torch.equal(a[key], b[key])]
+    assert not different, f"tensors differ: {different[:5]}"
+
+
+def assert_each_sample_once_per_epoch(steps: dict[int, dict]) -> None:
+    assert sorted(steps) == list(range(1, 2 * STEPS_PER_EPOCH + 1))
+    for epoch in (0, 1):
+        seen = [s for entry in steps.values() if entry["epoch"] == epoch for s in entry["samples"]]
+        assert len(seen) == TRAIN_IMAGES and len(set(seen)) == TRAIN_IMAGES, f"epoch {epoch}"

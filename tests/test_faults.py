@@ -1,0 +1,290 @@
+"""Faults and bad input: non-finite loss, a full disk, a changed recipe on resume, corrupt images.
+
+Each fault ends in one `error: ...` line that says what happened and what to do, a distinct exit code
+where the issue asks for one, no traceback, and no lost or poisoned checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+import recorder
+from runs import RECIPE, SimulatedKill, completed, kill_at, train, weights
+from tiny import make_tiny_vit, write_colour_folder
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
+
+
+@pytest.fixture(scope="module")
+def args(base, images) -> list[str]:
+    return [f"model.base={base}", f"data.dataset={images}", *RECIPE]
+
+
+def error_line(stderr: str) -> str:
+    """What cli.main printed last, from its `error: ` line on (progress bars come before it)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.splitlines()  # also splits at the carriage returns of progress bars
+    start = max(i for i, line in enumerate(lines) if line.startswith("error: "))
+    return "\n".join(lines[start:])
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def all_finite(path: Path) -> bool:
+    return all(torch.isfinite(t).all() for t in weights(path).values())
+
+
+# ---------------------------------------------------------------- 7. non-finite loss
+
+
+def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(args, tmp_path, capsys, hub, hub_repo_id,
+                                                                              monkeypatch):
+    import vit_finetune.train as train_module
+
+    from conftest import HUB_TOKEN
+
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    out = tmp_path / "out"
+    cross_entropy, original_step = torch.nn.functional.cross_entropy, train_module.train_step
+    steps, good = [], {}
+
+    def counting_step(*step_args):
+        steps.append(1)
+        if len(steps) == 5:
+            good.update(snapshot(out / "checkpoints" / "step-00000004"))  # as it was before anything went wrong
+        return original_step(*step_args)
+
+    def nan_loss_at_step_5(logits, labels, **kwargs):
+        loss = cross_entropy(logits, labels, **kwargs)
+        return loss * float("nan") if len(steps) == 5 and "label_smoothing" in kwargs else loss
+
+    code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "hub.push=true",
+                  f"hub.repo_id={hub_repo_id}"],
+                 patches=[(train_module, "train_step", counting_step),
+                          (torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
+    assert code == 3  # train.EXIT_NON_FINITE: distinct from a usage error (2) or any other failure (1)
+    assert len(steps) == 6  # the NaN of step 5 is read one step late, never later
+    assert "NaN/Inf at optimiser step 5" in error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert snapshot(out / "checkpoints" / "step-00000004") == good
+    assert all_finite(out / "checkpoints" / "step-00000004" / "model.safetensors")
+    assert not (out / "metrics.json").exists() and not (out / "model.safetensors").exists()
+    assert not hub.repo_exists(hub_repo_id)  # nothing pushed
+
+
+@pytest.mark.parametrize("lr", ["1e6"])  # the largest the recipe accepts (inf and nan are refused at validation)
+def test_a_huge_learning_rate_never_saves_non_finite_weights(args, tmp_path, capsys, lr):
+    out = tmp_path / "out"
+    # A huge lr can keep the loss and gradient finite while it steps the weights to Inf/NaN: the checkpoint of
+    # that step must be refused too, or resume=auto would pick it and fail forever.
+    assert train([*args, f"output_dir={out}", f"train.lr={lr}", "train.checkpoint_every_steps=1"]) == 3
+    assert "NaN/Inf" in error_line(capsys.readouterr().err)
+    for saved in (out / "checkpoints").glob("step-*"):
+        assert all_finite(saved / "model.safetensors"), saved.name
+    assert not (out / "metrics.json").exists() and not (out / "model.safetensors").exists()
+
+
+# ---------------------------------------------------------------- 8. disk full
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 480 KiB tmpfs: one checkpoint of the tiny run (~310 KiB) fits, a second does not."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=480k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root; test_disk_full_injected covers the same path")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_loadable(args, small_disk, tmp_path, capsys):
+    out = small_disk / "out"
+    run = [*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "train.keep_checkpoints=1"]
+    assert train(run, record=tmp_path / "r1") == 1
+    error = error_line(capsys.readouterr().err)
+    # On a real full disk safetensors raises SafetensorError and torch.save a RuntimeError, not OSError.
+    assert "could not write checkpoint" in error and "step-00000004" in error and "MiB free" in error
+    assert f"intact: {out / 'checkpoints' / 'step-00000002'}" in error and "train.resume=auto" in error
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000002"]  # the partial one removed
+
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)  # the user frees space
+    assert train([*run, "train.resume=auto"], record=tmp_path / "r2") == 0
+    assert recorder.read_samples(tmp_path / "r2")[0]["step"] == 3  # resumed from step 2
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 12
+
+
+def test_disk_full_injected_during_a_checkpoint_and_during_the_final_save(args, tmp_path, capsys):
+    """Injected faults, for machines where a tmpfs cannot be mounted; the errors are what a full disk raises."""
+    import accelerate
+    from safetensors import SafetensorError
+
+    out = tmp_path / "out"
+    run = [*args, f"output_dir={out}", "train.checkpoint_every_steps=6"]
+    save_state, calls = accelerate.Accelerator.save_state, []
+
+    def second_save_hits_a_full_disk(self, output_dir=None, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            (Path(output_dir) / "optimizer.bin").write_bytes(b"half written")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return save_state(self, output_dir, **kwargs)
+
+    assert train(run, patches=[(accelerate.Accelerator, "save_state", second_save_hits_a_full_disk)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "could not write checkpoint" in error and "No space left on device" in error
+    assert f"intact: {out / 'checkpoints' / 'step-00000006'}" in error
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000006"]
+
+    import safetensors.torch
+
+    serialize_file = safetensors.torch.serialize_file
+
+    def final_model_hits_a_full_disk(tensors, filename, *rest, **kwargs):
+        if ".staging-final" in str(filename):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return serialize_file(tensors, filename, *rest, **kwargs)
+
+    assert train([*run, "train.resume=auto"], patches=[(safetensors.torch, "serialize_file", final_model_hits_a_full_disk)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "could not write the final model" in error and "No space left on device" in error
+    assert f"intact: {out / 'checkpoints' / 'step-00000012'}" in error and "train.resume=auto" in error
+    assert not (out / "metrics.json").exists() and not (out / ".staging-final").exists()
+    assert train([*run, "train.resume=auto"]) == 0  # the space is back: only export is left to do
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 12
+
+
+# ---------------------------------------------------------------- 9. resume with a changed recipe
+
+
+@pytest.fixture(scope="module")
+def unfinished(args, tmp_path_factory) -> Path:
+    """A run killed at step 3 whose last checkpoint is step 2."""
+    out = tmp_path_factory.mktemp("unfinished") / "out"
+    with pytest.raises(SimulatedKill):
+        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], patches=[kill_at(3)])
+    assert completed(out, 2).exists()
+    return out
+
+
+@pytest.fixture(scope="module")
+def other_base(tmp_path_factory) -> Path:
+    return make_tiny_vit(tmp_path_factory.mktemp("other-vit"), seed=1)
+
+
+@pytest.mark.parametrize("change, key", [
+    ("train.seed=2", "train.seed: 1 -> 2"),
+    ("train.batch_size=8", "train.batch_size: 4 -> 8"),
+    ("train.lr=0.01", "train.lr: 0.005 -> 0.01"),
+    ("model.base=OTHER", "model.base: "),
+])
+def test_resuming_with_a_changed_recipe_is_refused_before_training(args, unfinished, other_base, tmp_path, capsys,
+                                                                   change, key):
+    change = change.replace("OTHER", str(other_base))
+    before = snapshot(unfinished)
+    code = train([*args, f"output_dir={unfinished}", "train.checkpoint_every_steps=2", "train.resume=auto", change],
+                 record=tmp_path / "record")
+    assert code == 1
+    error = error_line(capsys.readouterr().err)
+    assert "cannot resume" in error and key in error
+    assert f"train.resume_ignore_changes=[{key.split(':')[0]}]" in error
+    assert recorder.read_samples(tmp_path / "record") == []  # not one optimiser step ran
+    assert snapshot(unfinished) == before
+
+
+def test_every_changed_key_is_named_at_once(args, unfinished, capsys):
+    assert train([*args, f"output_dir={unfinished}", "train.resume=auto", "train.seed=2", "train.lr=0.01"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "train.seed: 1 -> 2" in error and "train.lr: 0.005 -> 0.01" in error
+    assert "train.resume_ignore_changes=[train.lr,train.seed]" in error
+
+
+def test_the_documented_override_accepts_a_change(args, unfinished, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(unfinished, out)
+    run = [*args, f"output_dir={out}", "train.resume=auto", "train.lr=0.01"]
+    assert train([*run, "train.resume_ignore_changes=[train.lr]"], record=tmp_path / "record") == 0
+    assert recorder.read_samples(tmp_path / "record")[0]["step"] == 3
+    steps = [h for h in json.loads((out / "history.json").read_text()) if "lr" in h]
+    assert steps[1]["lr"] < 0.005 < steps[2]["lr"]  # steps 1-2 ran at 0.005, step 3 on at the new lr's schedule
+
+
+# ---------------------------------------------------------------- 10. corrupt data
+
+
+@pytest.fixture(scope="module")
+def dirty_images(tmp_path_factory) -> Path:
+    """Normal images plus five kinds of bad one, all in the training split."""
+    root = write_colour_folder(tmp_path_factory.mktemp("dirty"), classes=3, train=8, validation=3)
+    train_dir = root / "train"
+    jpeg = train_dir / "red" / "truncated.jpg"
+    Image.open(train_dir / "red" / "0.png").convert("RGB").save(jpeg, quality=90)
+    jpeg.write_bytes(jpeg.read_bytes()[: jpeg.stat().st_size // 2])
+    (train_dir / "green" / "empty.png").write_bytes(b"")
+    (train_dir / "blue" / "notes.jpg").write_text("not an image, a text file with an image's name\n")
+    Image.new("RGB", (1, 1), (200, 30, 30)).save(train_dir / "red" / "one-pixel.png")
+    Image.new("1", (10_000, 10_000)).save(train_dir / "green" / "huge.png")  # 100 MP: over the decompression-bomb limit
+    return root
+
+
+BAD_FILES = ("truncated.jpg", "empty.png", "notes.jpg", "one-pixel.png", "huge.png")
+
+
+@pytest.mark.timeout(180)
+def test_a_bad_image_is_named_cleanly_even_from_a_dataloader_worker(base, dirty_images, tmp_path, capsys):
+    code = train([f"model.base={base}", f"data.dataset={dirty_images}", *RECIPE, "data.num_workers=2",
+                  f"output_dir={tmp_path / 'out'}"])
+    assert code == 1
+    error = error_line(capsys.readouterr().err)
+    first_line = error.splitlines()[0]
+    assert first_line.startswith("error: bad image ") and any(name in first_line for name in BAD_FILES)
+    assert "data.skip_bad_images=true" in first_line and "worker" not in error
+    assert not (tmp_path / "out" / "metrics.json").exists()
+
+
+@pytest.mark.timeout(180)
+def test_skip_bad_images_completes_and_counts_each_skipped_image(base, dirty_images, tmp_path):
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={dirty_images}", *RECIPE, "train.epochs=1",
+                  "data.num_workers=2", "data.skip_bad_images=true", f"output_dir={out}"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_images"] == len(BAD_FILES) and metrics["eval_samples"] == 9
+
+
+def test_a_key_newer_than_the_checkpoint_counts_as_unchanged_while_it_keeps_its_default(unfinished, tmp_path):
+    """A checkpoint written before a recipe key existed ran with what is now that key's default."""
+    from vit_finetune import checkpoint
+    from vit_finetune.recipe import Recipe
+
+    old = tmp_path / "step-00000002"
+    shutil.copytree(unfinished / "checkpoints" / "step-00000002", old)
+    saved = yaml.safe_load((old / "recipe.yaml").read_text())
+    del saved["train"]["label_smoothing"]  # as if written by a version without the key
+    (old / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    assert checkpoint.changed_keys(old, Recipe.model_validate(saved)) == []
+    changed = Recipe.model_validate({**saved, "train": {**saved["train"], "label_smoothing": 0.1}})
+    assert checkpoint.changed_keys(old, changed) == ["train.label_smoothing: 0.0 -> 0.1"]

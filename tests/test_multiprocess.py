@@ -1,0 +1,110 @@
+"""Many processes: a 2-process CPU run (gloo), launched the way the README tells CPU users
+(`torchrun --nproc_per_node 2 -m vit_finetune ...`), agrees on everything and writes each file once.
+
+The package is observed from outside (tests/recorder.py, loaded through sitecustomize with the user's
+command line unchanged): each rank dumps its own final weights and logs every file it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import recorder
+from runs import assert_bit_identical, reset_accelerate
+from tiny import REPO, make_tiny_vit, write_colour_folder
+
+pytestmark = pytest.mark.slow
+
+# 24 training images = 2 processes x batch 4 x 3 steps; 9 validation images: not a multiple of 2 x 4, so
+# Accelerate pads the last eval batch with duplicates that must not be counted.
+TRAIN_IMAGES, EVAL_IMAGES, BATCH = 24, 9, 4
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ddp")
+    base = make_tiny_vit(root / "tiny-vit")
+    images = write_colour_folder(root / "colours", classes=3, train=8, validation=3)
+    out, record = root / "out", root / "record"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
+         f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
+         f"train.batch_size={BATCH}", "train.epochs=2", "train.lr=0.005", "train.seed=1", "data.num_workers=0",
+         "train.checkpoint_every_steps=3"],
+        capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {"out": out, "record": record, "images": images, "stdout": result.stdout}
+
+
+@pytest.mark.timeout(400)
+def test_both_ranks_end_with_identical_weights_and_share_each_epoch(two_process_run):
+    from safetensors.torch import load_file
+    from transformers import ViTForImageClassification
+
+    out, record = two_process_run["out"], two_process_run["record"]
+    assert "on 2 process(es)" in two_process_run["stdout"]
+    assert_bit_identical(record / "weights-0.safetensors", record / "weights-1.safetensors")
+    saved = ViTForImageClassification.from_pretrained(out).state_dict()  # on disk under 4.x names: load to compare
+    rank0 = load_file(str(record / "weights-0.safetensors"))
+    assert saved.keys() == rank0.keys() and all(torch.equal(saved[k], rank0[k]) for k in saved)
+
+    steps = recorder.read_samples(record)
+    assert {entry["rank"] for entry in steps} == {0, 1} and len(steps) == 2 * 6
+    for epoch in (0, 1):
+        seen = [s for entry in steps if entry["epoch"] == epoch for s in entry["samples"]]
+        assert len(seen) == TRAIN_IMAGES and len(set(seen)) == TRAIN_IMAGES  # each sample on one rank, once
+
+
+@pytest.mark.timeout(400)
+def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(two_process_run):
+    from accelerate import Accelerator
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    from vit_finetune import data, evaluation
+    from vit_finetune.recipe import DataSettings
+
+    out = two_process_run["out"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_samples"] == EVAL_IMAGES and np.array(metrics["confusion_matrix"]).sum() == EVAL_IMAGES
+
+    # The same weights and eval split, evaluated by one process.
+    reset_accelerate()
+    accelerator = Accelerator(cpu=True)
+    settings = DataSettings(dataset=str(two_process_run["images"]))
+    splits = data.load_splits(settings, seed=1)
+    processor = AutoImageProcessor.from_pretrained(out)
+    eval_set = data.ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
+                                               data.eval_pixels_from_processor(processor))
+    model = ViTForImageClassification.from_pretrained(out)
+    model, loader = accelerator.prepare(model, data.make_loader(eval_set, BATCH, False, 1, 0, False))
+    single = evaluation.evaluate_model(model, loader, accelerator, data.PixelNormalizer(processor, torch.device("cpu")),
+                                       len(splits.labels))
+    assert single["eval_samples"] == EVAL_IMAGES
+    assert single["confusion_matrix"] == metrics["confusion_matrix"] and single["accuracy"] == metrics["accuracy"]
+    assert single["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)  # batches differ: float sums may
+
+
+@pytest.mark.timeout(400)
+def test_only_the_main_process_writes_outputs_and_no_file_is_written_twice(two_process_run):
+    out, record = two_process_run["out"], two_process_run["record"]
+    writers: dict[str, set[str]] = defaultdict(set)
+    for log in record.glob("writes-*.jsonl"):
+        for entry in map(json.loads, log.read_text().splitlines()):
+            # Folders are left out: Accelerate makes the checkpoint folder on every rank (exist_ok), no file.
+            if entry["rank"] is not None and entry["path"].startswith(str(out)) and entry["kind"] != "os.mkdir":
+                writers[entry["path"]].add(entry["rank"])
+    by_rank1 = sorted(Path(path).name for path, ranks in writers.items() if "1" in ranks)
+    written = {Path(path).relative_to(out).as_posix() for path in writers}
+    # The recorder saw the native writers too: safetensors (model) and torch.save (optimizer).
+    assert {"model.safetensors", "metrics.json", "README.md", "recipe.yaml"} <= written
+    assert any(path.endswith("optimizer.bin") for path in written)
+    assert by_rank1 and set(by_rank1) == {"random_states_1.pkl"}  # its own RNG state in each checkpoint, nothing else
+    assert all(len(ranks) == 1 for ranks in writers.values()), {p: r for p, r in writers.items() if len(r) > 1}
