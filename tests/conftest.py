@@ -121,3 +121,26 @@ def _fresh_accelerate_state():
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+# Module-scoped, so each test module trains on its own copies: a tiny ViT saved like a Hub checkpoint,
+# 3 colour classes x (8 train, 3 validation) images, and the shared small-run arguments from runs.py.
+@_hub_pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from tiny import make_tiny_vit
+
+    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
+
+
+@_hub_pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    from tiny import write_colour_folder
+
+    return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
+
+
+@_hub_pytest.fixture(scope="module")
+def args(base, images) -> list[str]:
+    from runs import RECIPE
+
+    return [f"model.base={base}", f"data.dataset={images}", *RECIPE]

@@ -10,18 +10,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
 
-from tiny import COLOURS, colour_image, make_tiny_vit, run_cli, write_colour_folder
+from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
 
 TRAIN_ARGS = ["model.image_size=64", "train.epochs=3", "train.batch_size=8", "train.lr=0.005", "train.log_every_steps=2",
               "train.seed=1"]
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
 
 
 @pytest.fixture(scope="module")

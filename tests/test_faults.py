@@ -26,20 +26,6 @@ from tiny import make_tiny_vit, write_colour_folder
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
-
-
-@pytest.fixture(scope="module")
-def args(base, images) -> list[str]:
-    return [f"model.base={base}", f"data.dataset={images}", *RECIPE]
-
 
 def error_line(stderr: str) -> str:
     """What cli.main printed last, from its `error: ` line on (progress bars come before it)."""

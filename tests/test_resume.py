@@ -16,26 +16,11 @@ from pathlib import Path
 import pytest
 
 import recorder
-from runs import (RECIPE, SimulatedKill, assert_bit_identical, assert_each_sample_once_per_epoch, completed,
+from runs import (SimulatedKill, assert_bit_identical, assert_each_sample_once_per_epoch, completed,
                   exists, history, kill_at, launch_and_kill, losses, train)
-from tiny import make_tiny_vit, write_colour_folder
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
-
-
-@pytest.fixture(scope="module")
-def args(base, images) -> list[str]:
-    return [f"model.base={base}", f"data.dataset={images}", *RECIPE]
 
 
 @pytest.fixture(scope="module")

@@ -15,24 +15,10 @@ import pytest
 import torch
 
 from runs import RECIPE, SimulatedKill, completed, kill_at, train
-from tiny import make_tiny_vit, run_cli, write_colour_folder
+from tiny import run_cli
 
 SECRET = "hf_SECRETtoken123456"
 
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return make_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
-
-
-@pytest.fixture(scope="module")
-def images(tmp_path_factory) -> Path:
-    return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
-
-
-@pytest.fixture(scope="module")
-def args(base, images) -> list[str]:
-    return [f"model.base={base}", f"data.dataset={images}", *RECIPE]
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ A user's mistake exits non-zero with a one-paragraph message, never a traceback.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -50,7 +49,7 @@ def _push_parser() -> argparse.ArgumentParser:
 
 
 def list_recipes() -> int:
-    from .recipe import available_recipes, read_yaml
+    from .recipe import available_recipes
 
     for name, path in available_recipes().items():
         first = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")

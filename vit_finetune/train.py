@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
