@@ -3,7 +3,7 @@ PYTHON ?= python3
 LAUNCH ?= accelerate launch
 RECIPE ?= demo
 ARGS ?=
-RECIPES := $(basename $(notdir $(wildcard recipes/*.yaml)))
+RECIPES := $(filter-out demo,$(basename $(notdir $(wildcard recipes/*.yaml))))  # demo has its own target
 STAMP := .cache/installed
 
 .PHONY: install demo test test-fast train bench list $(RECIPES)
