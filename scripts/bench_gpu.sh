@@ -5,7 +5,7 @@
 #        bash scripts/bench_gpu.sh fetch
 #    downloads into .whl/ (git-ignored) the wheels the GPU image lacks, pinned to the versions installed here.
 # 2. On the GPU machine, through the device tool, with carry [".whl"] and timeout_s 600:
-#        bash scripts/bench_gpu.sh run                     # all four configurations, CUDA defaults
+#        bash scripts/bench_gpu.sh run                     # every configuration, CUDA defaults
 #        bash scripts/bench_gpu.sh run --configs end_to_end --steps 20 --profile "$OUT"   # profiler tables
 #        bash scripts/bench_gpu.sh test                    # the CUDA smoke test in tests/test_bench.py
 #    `run` writes bench.json, bench.log and nvidia-smi.txt into $OUT; arguments after `run` go to the bench.

@@ -49,19 +49,32 @@ def run_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict |
     return result, json.loads(out.read_text()) if out.exists() else None
 
 
+TRAINING = ("model_step", "end_to_end", "lora", "peer")
+LOADERS_ALONE = ("data_ours", "data_peer")
+
+
 def check_report(report: dict, device_type: str) -> None:
-    assert list(report["configs"]) == list(CONFIGS)
+    assert list(report["configs"]) == list(CONFIGS) == [*TRAINING, *LOADERS_ALONE]
     for name, figures in report["configs"].items():
         assert "error" not in figures, f"{name}: {figures.get('error')}"
+        assert figures["measured_steps"] == 3 and figures["measured_images"] == 3 * 8
+    for name in TRAINING:
+        figures = report["configs"][name]
         for key in FIGURES:
             assert figures[key] > 0, f"{name}.{key} = {figures[key]}"
         assert figures["data_wait_share"] < 1
-        assert figures["measured_steps"] == 3 and figures["measured_images"] == 3 * 8
+    for name in LOADERS_ALONE:  # no model runs: no FLOPs, no MFU, and the whole window is spent in next()
+        figures = report["configs"][name]
+        assert figures["mfu"] is None and figures["flops_per_image"] is None
+        for key in ("images_per_s", "peak_memory_gib", "step_time_ms", "seconds"):
+            assert figures[key] > 0, f"{name}.{key} = {figures[key]}"
+        assert 0.9 < figures["data_wait_share"] <= 1
     assert report["device"]["type"] == device_type
     assert report["peak"]["tflops"] > 0 and report["peak"]["source"]
     assert report["setup"]["jpegs"]["train_images"] >= 4 * 8  # one epoch covers warm-up + measured steps
     assert set(report["ratios"]) == {"end_to_end / model_step images/s", "end_to_end / peer images/s",
-                                     "lora / end_to_end peak memory"}
+                                     "lora / end_to_end peak memory", "data_ours / model_step images/s",
+                                     "data_ours / data_peer images/s"}
     assert report["configs"]["lora"]["flops_per_image"] < report["configs"]["end_to_end"]["flops_per_image"]
 
 
@@ -90,4 +103,6 @@ def test_bench_command_on_cuda_turns_the_gpu_levers_on(tmp_path):
         settings = report["configs"][name]["settings"]
         assert settings["torch_compile"] and settings["non_blocking_copies"] and settings["pin_memory"]
         assert "fused=True" in settings["optimizer"]
+    loader = report["configs"]["data_ours"]["settings"]
+    assert loader["pin_memory"] and loader["non_blocking_copies"] and loader["num_workers"] == 2
     assert report["configs"]["peer"]["settings"]["precision"] == "bf16"

@@ -1,0 +1,142 @@
+"""The command line: choose configurations, write the inputs once, run each configuration, report."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+
+from .device import PeakMemory, cpu_cores, device_peak, reset_accelerate_state, release_memory
+from .flops import MODELS
+from .ours import run_our_loader, run_ours
+from .peer import run_peer, run_peer_loader
+from .report import TITLES, build_report, format_table
+from .workload import DEVICE_DEFAULTS, Setup, ensure_base_model, ensure_jpeg_folder
+
+CONFIGS = ("model_step", "end_to_end", "lora", "peer", "data_ours", "data_peer")
+RUNNERS = {
+    "model_step": functools.partial(run_ours, "model_step"),
+    "end_to_end": functools.partial(run_ours, "end_to_end"),
+    "lora": functools.partial(run_ours, "lora"),
+    "peer": run_peer,
+    "data_ours": run_our_loader,
+    "data_peer": run_peer_loader,
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit_finetune.bench",
+        description="Train for a fixed number of steps after warm-up and report images/s, MFU, peak memory and "
+                    "the share of step time spent waiting for data, for our step, our pipeline, LoRA and the "
+                    "transformers Trainer peer, and the rate each data pipeline feeds alone.",
+        epilog="Defaults on CUDA: vit-b16-384, batch 128, bf16, 10 warm-up + 50 steps. "
+               "On CPU: the tiny model, batch 8, float32, 2 + 5 steps.",
+    )
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--model", choices=sorted(MODELS), help="default: vit-b16-384 on CUDA, tiny on CPU")
+    parser.add_argument("--batch-size", type=int, help="per device; the same for every configuration")
+    parser.add_argument("--warmup", type=int, help="steps run before the measured window (compilation happens here)")
+    parser.add_argument("--steps", type=int, help="measured steps")
+    parser.add_argument("--workers", type=int,
+                        help="data loader workers for ours and the peer; default: data.default_num_workers")
+    parser.add_argument("--precision", choices=("bf16", "no"), help="default: bf16 on CUDA, no (float32) on CPU")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="model.compile for our configurations; auto = the recipe default (on for CUDA)")
+    parser.add_argument("--images", type=int, help="training JPEGs to write; default: one epoch covers warm-up + steps")
+    parser.add_argument("--cache", type=Path, help="where the JPEGs and the base model are written once "
+                        "(default: $VIT_FINETUNE_CACHE/bench or ~/.cache/vit_finetune/bench)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"), help="the JSON report")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="also write a torch.profiler table of each measured window to DIR (perturbs timings)")
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.configs.split(",") if name not in CONFIGS]
+    if unknown or not args.configs:
+        parser.error(f"--configs={args.configs!r}: unknown {unknown}; choose from {','.join(CONFIGS)}")
+    for name in ("batch_size", "warmup", "steps", "images"):
+        value = getattr(args, name)
+        if value is not None and value < (0 if name == "warmup" else 1):
+            parser.error(f"--{name.replace('_', '-')}={value} must be {'>= 0' if name == 'warmup' else '> 0'}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                     "use --device cpu")
+    return args
+
+
+def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
+    from .. import data
+
+    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    defaults = DEVICE_DEFAULTS[device_type]
+    model_name = args.model or defaults["model"]
+    spec = MODELS[model_name]
+    batch_size = args.batch_size or defaults["batch_size"]
+    warmup = defaults["warmup"] if args.warmup is None else args.warmup
+    steps = args.steps or defaults["steps"]
+    workers = data.default_num_workers(device_type, 1) if args.workers is None else args.workers
+    cache = args.cache or data.cache_dir() / "bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    needed = (warmup + steps) * batch_size
+    images = args.images or needed
+    if images < needed:  # crossing an epoch would time its restart and, in our loop, an evaluation
+        raise SystemExit(f"--images={images} is less than one epoch of warm-up + steps needs "
+                         f"({warmup + steps} steps x batch {batch_size} = {needed}); raise it or leave it out")
+    jpegs, jpeg_stats = ensure_jpeg_folder(cache, images, spec.num_labels, cpu_cores())
+    base = ensure_base_model(cache, model_name, spec)
+    setup = Setup(
+        device=torch.device(device_type), model_name=model_name, spec=spec, batch_size=batch_size, warmup=warmup,
+        steps=steps, workers=workers, precision=args.precision or defaults["precision"],
+        compile={"auto": None, "on": True, "off": False}[args.compile], jpegs=jpegs, base=base, work_dir=work_dir,
+        profile_dir=args.profile,
+    )
+    return setup, jpeg_stats
+
+
+def quiet_libraries() -> None:
+    """Per-file progress bars of datasets and transformers would bury the table; our loop's own bar stays."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen configurations, print the table and write the JSON report (after every configuration,
+    so a run cut short keeps what it measured). Exit status 1 when a configuration failed."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    quiet_libraries()
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="vit-bench-") as work:
+        setup, jpeg_stats = make_setup(args, Path(work))
+        if setup.device.type == "cpu":
+            os.environ["ACCELERATE_USE_CPU"] = "true"  # --device cpu on a GPU machine: our Accelerator must obey too
+        print(f"vit_finetune bench on {setup.device.type}: measuring the device peak ...", flush=True)
+        peak = device_peak(setup.device)
+        memory = PeakMemory(setup.device)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        for config in args.configs.split(","):
+            print(f"vit_finetune bench: {TITLES[config]} ...", flush=True)
+            try:
+                results[config] = RUNNERS[config](setup, peak, memory)
+            except Exception as error:  # one broken configuration must not lose the others' figures
+                traceback.print_exc()
+                results[config] = {"error": f"{type(error).__name__}: {error}"}
+            if "error" in results[config]:  # outside the except block, so the traceback's frames are gone
+                reset_accelerate_state()
+                release_memory(setup.device)
+            report = build_report(argv, setup, jpeg_stats, peak, memory, results)
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(format_table(report))
+    print(f"wrote {args.out}")
+    return 1 if any("error" in result for result in results.values()) else 0
+

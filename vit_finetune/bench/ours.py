@@ -1,0 +1,112 @@
+"""Our configurations, through the library's own code: train.make_accelerator, build_parts, prepare, train_loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .device import PeakMemory, reset_accelerate_state, release_memory
+from .flops import training_flops_per_image
+from .timing import TimedBatches, device_batches, measured
+from .workload import Setup
+
+
+def bench_recipe(setup: Setup, lora: bool):
+    """The recipe our configurations train with, validated by the same schema as any run."""
+    from ..recipe import validate
+
+    return validate({
+        "model": {"base": str(setup.base), "image_size": setup.spec.image_size, "compile": setup.compile,
+                  "lora": {} if lora else None},
+        "data": {"dataset": str(setup.jpegs), "num_workers": setup.workers},
+        "train": {"batch_size": setup.batch_size, "max_steps": setup.warmup + setup.steps,
+                  "mixed_precision": setup.precision, "scheduler": "constant"},
+        "output_dir": str(setup.work_dir / "outputs"),
+    }, "bench recipe")
+
+
+def build(setup: Setup, lora: bool):
+    """Recipe, accelerator and unprepared parts, seeded as a run would be."""
+    from accelerate.utils import set_seed
+
+    from .. import train
+
+    recipe = bench_recipe(setup, lora)
+    accelerator = train.make_accelerator(recipe)
+    set_seed(recipe.train.seed)
+    return recipe, accelerator, train.build_parts(recipe, accelerator)
+
+
+def check_one_epoch_covers(setup: Setup, loader) -> None:
+    """Crossing an epoch would time its restart and, in our loop, an evaluation."""
+    if len(loader) < setup.warmup + setup.steps:
+        raise RuntimeError(f"{setup.jpegs} gives {len(loader)} batches per epoch, fewer than "
+                           f"warm-up + steps = {setup.warmup + setup.steps}; pass a larger --images")
+
+
+def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
+    """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed."""
+    from .. import checkpoint, train
+
+    memory.reset()
+    recipe, accelerator, parts = build(setup, lora=config == "lora")
+    train.prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
+    clock = setup.clock(config)
+    if config == "model_step":
+        source = device_batches(setup.spec, setup.batch_size, accelerator.device)
+    else:
+        check_one_epoch_covers(setup, parts.train_loader)
+        source = parts.train_loader
+    settings = our_settings(accelerator, parts, recipe)
+    timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
+    train.train_loop(accelerator, timed, recipe, checkpoint.TrainState())
+    clock.close()
+    flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
+    result = measured(clock, flops, peak, memory, settings)
+    accelerator.free_memory()
+    del parts, timed, source, accelerator
+    reset_accelerate_state()
+    release_memory(setup.device)
+    return result
+
+
+def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
+    """data_ours: our prepared training loader alone (decode, crop-before-resize, flip, uint8 collation, the copy
+    to the device), no model step: the rate our data pipeline can feed with these workers."""
+    recipe, accelerator, parts = build(setup, lora=False)
+    check_one_epoch_covers(setup, parts.train_loader)
+    memory.reset()
+    loader = accelerator.prepare(parts.train_loader)
+    clock = setup.clock("data_ours")
+    clock.drain(loader)
+    result = measured(clock, None, peak, memory, loader_settings(accelerator, loader))
+    accelerator.free_memory()
+    del parts, loader, accelerator
+    reset_accelerate_state()
+    release_memory(setup.device)
+    return result
+
+
+def our_settings(accelerator, parts, recipe) -> dict:
+    """The levers in effect, read off the built objects rather than assumed."""
+    optimizer = getattr(parts.optimizer, "optimizer", parts.optimizer)
+    model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    return {
+        "precision": recipe.train.mixed_precision,
+        "torch_compile": hasattr(parts.model, "_orig_mod") or type(parts.model).__name__ == "OptimizedModule",
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
+        **loader_settings(accelerator, parts.train_loader),
+        "lora": recipe.model.lora.model_dump() if recipe.model.lora else None,
+    }
+
+
+def loader_settings(accelerator, loader) -> dict:
+    loader = getattr(loader, "base_dataloader", loader)
+    return {
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "persistent_workers": loader.persistent_workers,
+        "prefetch_factor": loader.prefetch_factor,
+        "non_blocking_copies": accelerator.dataloader_config.non_blocking,
+        "batch_dtype": "uint8, normalised on the device (data.PixelNormalizer)",
+    }
