@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -259,6 +260,29 @@ def test_skip_bad_images_completes_and_counts_each_skipped_image(base, dirty_ima
                   "data.num_workers=2", "data.skip_bad_images=true", f"output_dir={out}"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["skipped_images"] == len(BAD_FILES) and metrics["eval_samples"] == 9
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(base, tmp_path):
+    # 2 good and 4 bad training images in batches of 2: 3 batches an epoch, and the 2 good images can fill at most
+    # 2 of them, so whatever order the seeded sampler picks, every epoch has a batch of bad images only.
+    images = write_colour_folder(tmp_path / "images", classes=2, train=3, validation=3)
+    for name in ("red", "green"):
+        (images / "train" / name / "1.png").write_bytes(b"")
+        (images / "train" / name / "2.png").write_bytes(b"not an image")
+    out, record = tmp_path / "out", tmp_path / "record"
+    code = train([f"model.base={base}", f"data.dataset={images}", *RECIPE, "train.batch_size=2",
+                  "data.skip_bad_images=true", f"output_dir={out}"], record=record)
+    assert code == 0  # not 3: the mean loss over no image (NaN) must not trip the non-finite guard
+    empty_steps = {entry["step"] for entry in recorder.read_samples(record) if not entry["samples"]}
+    assert len(empty_steps) >= 2  # at least one per epoch: the case under test did happen
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_images"] == 4 * 2 and metrics["steps"] == 6  # 4 bad files, met once in each of 2 epochs
+    history = json.loads((out / "history.json").read_text())
+    assert all(math.isfinite(value) for entry in history for key, value in entry.items() if "loss" in key)
+    # train.log_every_steps=1: a step that trained on no image logs no loss; every other step does.
+    assert {entry["step"] for entry in history if "lr" in entry and "loss" not in entry} == empty_steps
+    assert all_finite(out / "model.safetensors")
 
 
 def test_a_key_newer_than_the_checkpoint_counts_as_unchanged_while_it_keeps_its_default(unfinished, tmp_path):

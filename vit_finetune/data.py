@@ -241,16 +241,24 @@ def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random(f"{seed}-{epoch}-{index}")
 
 
+# The label of an eval image skipped as bad. Evaluation keeps such an image's place (blank pixels) so that every
+# process's batch keeps its shape: gather_for_metrics needs equal shapes, and it drops the padding Accelerate adds
+# to the last batch by counting positions. The metrics leave these places out.
+SKIPPED_LABEL = -1
+
+
 class ImageClassificationDataset(Dataset):
-    """Indexed by (sample index, epoch); yields (pixels, label) or None for a skipped bad image."""
+    """Indexed by (sample index, epoch); yields (pixels, label), and for a skipped bad image None (training: the
+    batch shrinks) or (placeholder, SKIPPED_LABEL) when a placeholder is given (evaluation: the batch keeps its shape)."""
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
-                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor]):
+                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor | None = None):
         self.table = table
         self.image_column = image_column
         self.label_column = label_column
         self.settings = settings
         self.make_pixels = make_pixels
+        self.placeholder = placeholder
 
     def __len__(self) -> int:
         return len(self.table)
@@ -261,9 +269,9 @@ class ImageClassificationDataset(Dataset):
         try:
             image = decode_image(row[self.image_column], int(index), self.settings)
         except BadImageError:
-            if self.settings.skip_bad_images:
-                return None
-            raise
+            if not self.settings.skip_bad_images:
+                raise
+            return None if self.placeholder is None else (self.placeholder, SKIPPED_LABEL)
         return self.make_pixels(image, int(index), epoch), row[self.label_column]
 
 
@@ -327,6 +335,13 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
         # epoch) than the run it resumes. Augmentation does not use it: see sample_rng.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
+    """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
+    placeholder = torch.zeros(3, image_size, image_size)
+    return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
+                                      eval_pixels_from_processor(processor), placeholder)
 
 
 def eval_pixels_from_processor(processor) -> Callable[[Image.Image, int, int], torch.Tensor]:

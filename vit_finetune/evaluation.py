@@ -13,6 +13,8 @@ import evaluate
 import numpy as np
 import torch
 
+from .data import SKIPPED_LABEL
+
 TOP_K = 5
 
 
@@ -81,26 +83,28 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
 
 @torch.no_grad()
 def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
-    """Metrics over the whole eval split; gather_for_metrics drops the samples padded onto the last batch."""
+    """Metrics over the whole eval split; gather_for_metrics drops the samples padded onto the last batch, and the
+    places of images skipped as bad (label SKIPPED_LABEL) are left out afterwards and counted."""
     was_training = model.training
     model.eval()
     ranked, references, losses = [], [], []
     k = min(TOP_K, num_classes)
     for batch in loader:
-        if batch["labels"].numel() == 0:
-            continue
         with accelerator.autocast():
             logits = model(pixel_values=normalize(batch["pixel_values"])).logits.float()
-        sample_losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none")
+        sample_losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none",
+                                                          ignore_index=SKIPPED_LABEL)
         top, labels, sample_losses = accelerator.gather_for_metrics(
             (logits.topk(k, dim=-1).indices, batch["labels"], sample_losses))
         ranked.append(top.cpu())
         references.append(labels.cpu())
         losses.append(sample_losses.cpu())
     model.train(was_training)
-    if not references:
+    references_all = torch.cat(references) if references else torch.empty(0, dtype=torch.long)
+    kept = references_all != SKIPPED_LABEL
+    if not kept.any():
         raise ValueError("the eval split is empty (every image was skipped or the split has no rows)")
-    ranked_all, references_all = torch.cat(ranked).numpy(), torch.cat(references).numpy()
-    metrics = compute_metrics(ranked_all, references_all, num_classes)
-    metrics["eval_loss"] = float(torch.cat(losses).double().mean())
+    metrics = compute_metrics(torch.cat(ranked)[kept].numpy(), references_all[kept].numpy(), num_classes)
+    metrics["eval_loss"] = float(torch.cat(losses)[kept].double().mean())
+    metrics["eval_skipped_images"] = int((~kept).sum())
     return metrics

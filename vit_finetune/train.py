@@ -165,8 +165,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
     pin = accelerator.device.type == "cuda"
     train_set = data.ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, recipe.data, train_pixels)
-    eval_set = data.ImageClassificationDataset(splits.eval, splits.image_column,
-                                               splits.label_column, recipe.data, data.eval_pixels_from_processor(processor))
+    eval_set = data.eval_dataset(splits, recipe.data, processor, size)
     train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
     train_sampler = train_loader.sampler
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
@@ -197,9 +196,7 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
 def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward on one batch; on accumulation boundaries, clip and step. Returns (loss, finite flag)."""
     with accelerator.accumulate(parts.model):
-        logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
-        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"],
-                                                 label_smoothing=recipe.train.label_smoothing)
+        loss = batch_loss(parts, batch, recipe)
         accelerator.backward(loss)
         finite = torch.isfinite(loss.detach())
         if accelerator.sync_gradients and recipe.train.max_grad_norm is not None:
@@ -210,6 +207,19 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
             parts.scheduler.step()
         parts.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), finite
+
+
+def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
+    """Mean cross-entropy over the batch's images; 0, with a zero gradient, when all of them were skipped as bad."""
+    labels = batch["labels"]
+    if labels.numel() == 0:  # a shape, known on the host: no device sync
+        # The mean over no image is NaN, which would stop the run as non-finite. The forward and backward still
+        # run, on one blank image at weight 0: under DDP every process must join each step's gradient all-reduce.
+        size = recipe.model.image_size
+        blank = torch.zeros(1, 3, size, size, device=labels.device)
+        return parts.model(pixel_values=blank).logits.float().sum() * 0.0
+    logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
+    return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=recipe.train.label_smoothing)
 
 
 def run(recipe: Recipe) -> dict:
@@ -243,6 +253,8 @@ def run(recipe: Recipe) -> dict:
 
     train_loop(accelerator, parts, recipe, state)
     metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
+    # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
+    # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
     if accelerator.is_main_process:
@@ -275,7 +287,10 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
               interrupt: InterruptFlag, progress: tqdm) -> None:
     t = recipe.train
     pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
-    loss_sum, loss_count, images, clock = 0.0, 0, 0, time.perf_counter()
+    loss_count, images, clock = 0, 0, time.perf_counter()
+    # Skipped images are counted per process and summed over processes only where the count is saved (each
+    # checkpoint, the end): reading a count back every step would sync host and device.
+    skipped_before, skipped_here = state.skipped_images, 0  # all processes' count at a resume; this process's since
     running_loss = torch.zeros((), device=accelerator.device)
     while state.step < parts.total_steps:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
@@ -285,11 +300,12 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
         if state.batches_done:
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
         for batch in loader:
-            state.skipped_images += batch["skipped"]  # a Python int: reading a device tensor would sync
+            skipped_here += batch["skipped"]
             loss, finite = train_step(accelerator, parts, batch, recipe)
             state.batches_done += 1
-            running_loss += loss
-            loss_count += 1
+            if batch["labels"].numel():  # a batch of skipped images only has no loss to report
+                running_loss += loss
+                loss_count += 1
             images += batch["labels"].numel() * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
@@ -299,12 +315,15 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
                 _stop_if_non_finite(pending_finite, state.step - 1, accelerator)
             pending_finite = finite
             if state.step % t.log_every_steps == 0 or state.step == parts.total_steps:
-                loss_sum = float(accelerator.reduce(running_loss, reduction="mean").item()) / loss_count
+                mean_loss = _mean_loss_over_processes(accelerator, running_loss, loss_count)
                 rate = images / (time.perf_counter() - clock)
                 lr = parts.scheduler.get_last_lr()[0]
-                state.history.append({"step": state.step, "epoch": state.epoch, "loss": loss_sum, "lr": lr,
+                # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
+                trained = {} if mean_loss is None else {"loss": mean_loss}
+                state.history.append({"step": state.step, "epoch": state.epoch, **trained, "lr": lr,
                                       "images_per_s": rate})
-                progress.set_postfix(loss=f"{loss_sum:.4f}", lr=f"{lr:.2e}", img_s=f"{rate:.0f}")
+                progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
+                                     img_s=f"{rate:.0f}")
                 running_loss.zero_()
                 loss_count, images, clock = 0, 0, time.perf_counter()
             if t.eval_every_steps and state.step % t.eval_every_steps == 0:
@@ -312,6 +331,7 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
             stop = state.step >= parts.total_steps or _interrupted(interrupt, accelerator)
             if t.checkpoint_every_steps and (state.step % t.checkpoint_every_steps == 0 or interrupt.raised):
                 _stop_if_non_finite(finite & _weights_finite(parts.model), state.step, accelerator)
+                state.skipped_images = skipped_before + _sum_over_processes(accelerator, skipped_here)
                 checkpoint.save_checkpoint(accelerator, Path(recipe.output_dir), state, recipe, t.keep_checkpoints)
             if interrupt.raised:
                 raise Interrupted(_interrupt_message(recipe, state))
@@ -324,8 +344,21 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
                 _evaluate_during_training(accelerator, parts, state)
             continue
         break
+    state.skipped_images = skipped_before + _sum_over_processes(accelerator, skipped_here)
     if pending_finite is not None:
         _stop_if_non_finite(pending_finite & _weights_finite(parts.model), state.step, accelerator)
+
+
+def _mean_loss_over_processes(accelerator: Accelerator, loss_total: torch.Tensor, batches: int) -> float | None:
+    """The mean batch loss since the last log entry over all processes; None if no process had a batch with images."""
+    totals = torch.stack([loss_total, torch.tensor(float(batches), device=loss_total.device)])
+    loss_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
+    return loss_sum / count if count else None
+
+
+def _sum_over_processes(accelerator: Accelerator, count: int) -> int:
+    """A collective: every process must call it at the same point of the loop."""
+    return int(accelerator.reduce(torch.as_tensor(count, device=accelerator.device), reduction="sum").item())
 
 
 def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
