@@ -38,3 +38,35 @@ def test_the_demo_dataset_is_generated_deterministically_and_once(tmp_path):
     stamp = {p: p.stat().st_mtime_ns for p in first.rglob("*.png")}
     assert synthetic.ensure_demo_dataset(tmp_path / "a") == first  # reused, not rewritten
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*.png")} == stamp
+
+
+def loaded(settings) -> dict:
+    """What a run takes from loading its data: rows, order, labels, and the global RNGs it then seeds models from."""
+    import random
+
+    import numpy as np
+    import torch
+    from accelerate.utils import set_seed
+
+    from vit_finetune import data
+
+    set_seed(0)  # as train.run() does, before it loads the data
+    splits = data.load_splits(settings, seed=0)
+
+    def rows(table) -> list[tuple[str, int]]:
+        return [("/".join(Path(row["image"]["path"]).parts[-3:]), row["label"]) for row in table]
+
+    return {"train": rows(splits.train), "eval": rows(splits.eval), "labels": splits.labels,
+            "torch": torch.get_rng_state().numpy().tobytes(), "numpy": repr(np.random.get_state()),
+            "python": random.getstate()}
+
+
+def test_the_run_that_generates_the_demo_dataset_loads_it_as_later_runs_do(tmp_path, monkeypatch):
+    # The first demo run writes the images and has `datasets` build its cache; later runs read both back. Their
+    # training must be bit-identical, so loading must give the same rows in the same order and leave the global
+    # RNGs (model init, dropout) where a cached load leaves them.
+    monkeypatch.setenv("VIT_FINETUNE_CACHE", str(tmp_path / "cache"))
+    settings = load_recipe("demo").data
+    first = loaded(settings)
+    assert len(first["train"]) == sum(1 for _ in (tmp_path / "cache").rglob("train/*/*.png"))  # it generated them
+    assert loaded(settings) == first
