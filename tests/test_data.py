@@ -147,6 +147,28 @@ def test_train_transform_is_deterministic_per_seed_epoch_and_index():
     assert not torch.equal(first, data.train_transform(image, 32, data.sample_rng(0, 2, 5), settings))
 
 
+def as_hwc(pixels: torch.Tensor) -> np.ndarray:
+    return pixels.permute(1, 2, 0).numpy().astype(int)
+
+
+@pytest.mark.parametrize("size", [24, 160])  # crops shrunk (antialiased) and enlarged
+def test_train_transform_is_the_crop_box_resized_as_pil_would_then_maybe_flipped(size):
+    # Smooth ramps in different directions per channel, so a wrong box, axis or flip shows at once.
+    y, x = np.mgrid[0:90, 0:120]
+    image = Image.fromarray(np.stack([x * 2, y * 2, x + y], axis=-1).astype(np.uint8))
+    unflipped, flipped = DataSettings(horizontal_flip=False), DataSettings()
+    mirrored = 0
+    for index in range(20):
+        box = data.random_resized_crop_box(*image.size, data.sample_rng(0, 0, index), unflipped.crop_scale)
+        pil = np.asarray(image.resize((size, size), Image.BILINEAR, box=box)).astype(int)
+        ours = data.train_transform(image, size, data.sample_rng(0, 0, index), unflipped)
+        assert np.abs(as_hwc(ours) - pil).max() <= 2, (index, box)  # the same pixels up to rounding
+        maybe = data.train_transform(image, size, data.sample_rng(0, 0, index), flipped)  # same box, then a coin
+        mirrored += torch.equal(maybe, ours.flip(-1))
+        assert torch.equal(maybe, ours) or torch.equal(maybe, ours.flip(-1))
+    assert 3 <= mirrored <= 17  # about half
+
+
 def test_random_resized_crop_boxes_respect_the_area_range():
     rng = random.Random(0)
     for _ in range(200):
