@@ -96,6 +96,16 @@ def completed(output: Path, step: int) -> Path:
     return output / "checkpoints" / f"step-{step:08d}" / "COMPLETE"
 
 
+def killed_after_a_checkpoint(args: list[str], out: Path) -> Path:
+    """`out` of a run 'killed' as step 3 starts, whose last checkpoint is step 2."""
+    import pytest
+
+    with pytest.raises(SimulatedKill):
+        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], patches=[kill_at(3)])
+    assert completed(out, 2).exists()
+    return out
+
+
 def history(output: Path) -> list[dict]:
     """history.json without the wall-clock throughput, which no two runs share."""
     entries = json.loads((output / "history.json").read_text())

@@ -21,7 +21,7 @@ import yaml
 from PIL import Image
 
 import recorder
-from runs import RECIPE, SimulatedKill, completed, kill_at, train, weights
+from runs import RECIPE, killed_after_a_checkpoint, train, weights
 from tiny import make_tiny_vit, write_colour_folder
 
 pytestmark = pytest.mark.slow
@@ -171,11 +171,7 @@ def test_disk_full_injected_during_a_checkpoint_and_during_the_final_save(args, 
 @pytest.fixture(scope="module")
 def unfinished(args, tmp_path_factory) -> Path:
     """A run killed at step 3 whose last checkpoint is step 2."""
-    out = tmp_path_factory.mktemp("unfinished") / "out"
-    with pytest.raises(SimulatedKill):
-        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], patches=[kill_at(3)])
-    assert completed(out, 2).exists()
-    return out
+    return killed_after_a_checkpoint(args, tmp_path_factory.mktemp("unfinished") / "out")
 
 
 @pytest.fixture(scope="module")

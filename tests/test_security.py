@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runs import RECIPE, SimulatedKill, completed, kill_at, train
+from runs import RECIPE, killed_after_a_checkpoint, train
 from tiny import run_cli
 
 SECRET = "hf_SECRETtoken123456"
@@ -47,11 +47,7 @@ def test_the_hub_token_appears_in_nothing_the_run_writes_or_prints(args, hub, hu
 @pytest.fixture(scope="module")
 def checkpointed(args, tmp_path_factory) -> Path:
     """A run killed at step 3 whose last checkpoint is step 2."""
-    out = tmp_path_factory.mktemp("checkpointed") / "out"
-    with pytest.raises(SimulatedKill):
-        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], patches=[kill_at(3)])
-    assert completed(out, 2).exists()
-    return out
+    return killed_after_a_checkpoint(args, tmp_path_factory.mktemp("checkpointed") / "out")
 
 
 @pytest.mark.slow
