@@ -109,6 +109,13 @@ def quiet_libraries() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """A run killed while writing leaves the previous report whole, never half of the new one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the chosen configurations, print the table and write the JSON report (after every configuration,
     so a run cut short keeps what it measured). Exit status 1 when a configuration failed."""
@@ -135,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                 reset_accelerate_state()
                 release_memory(setup.device)
             report = build_report(argv, setup, jpeg_stats, peak, memory, results)
-            args.out.write_text(json.dumps(report, indent=2) + "\n")
+            write_atomically(args.out, json.dumps(report, indent=2) + "\n")
     print(format_table(report))
     print(f"wrote {args.out}")
     return 1 if any("error" in result for result in results.values()) else 0
