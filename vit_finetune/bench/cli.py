@@ -138,9 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # one broken configuration must not lose the others' figures
                 traceback.print_exc()
                 results[config] = {"error": f"{type(error).__name__}: {error}"}
-            if "error" in results[config]:  # outside the except block, so the traceback's frames are gone
-                reset_accelerate_state()
-                release_memory(setup.device)
+            # Here, once the configuration's objects are out of scope (and, after a failure, outside the except
+            # block, so the traceback's frames are gone too): free them before the next one measures its peak.
+            reset_accelerate_state()
+            release_memory(setup.device)
             report = build_report(argv, setup, jpeg_stats, peak, memory, results)
             write_atomically(args.out, json.dumps(report, indent=2) + "\n")
     print(format_table(report))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .device import PeakMemory, reset_accelerate_state, release_memory
+from .device import PeakMemory
 from .flops import training_flops_per_image
 from .timing import TimedBatches, device_batches, measured
 from .workload import Setup
@@ -61,12 +61,7 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     train.train_loop(accelerator, timed, recipe, checkpoint.TrainState())
     clock.close()
     flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
-    result = measured(clock, flops, peak, memory, settings)
-    accelerator.free_memory()
-    del parts, timed, source, accelerator
-    reset_accelerate_state()
-    release_memory(setup.device)
-    return result
+    return measured(clock, flops, peak, memory, settings)
 
 
 def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
@@ -78,12 +73,7 @@ def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     loader = accelerator.prepare(parts.train_loader)
     clock = setup.clock("data_ours")
     clock.drain(loader)
-    result = measured(clock, None, peak, memory, loader_settings(accelerator, loader))
-    accelerator.free_memory()
-    del parts, loader, accelerator
-    reset_accelerate_state()
-    release_memory(setup.device)
-    return result
+    return measured(clock, None, peak, memory, loader_settings(accelerator, loader))
 
 
 def our_settings(accelerator, parts, recipe) -> dict:

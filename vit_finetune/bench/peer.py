@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .device import PeakMemory, reset_accelerate_state, release_memory
+from .device import PeakMemory
 from .flops import training_flops_per_image
 from .timing import StepClock, measured
 from .workload import Setup
@@ -158,6 +158,13 @@ def peer_settings(trainer, transform: ExampleTrainTransform) -> dict:
         "torch_compile": args.torch_compile,
         "attention": trainer.model.config._attn_implementation,
         "optimizer": str(args.optim.value if hasattr(args.optim, "value") else args.optim),
+        **peer_loader_settings(trainer, transform),
+    }
+
+
+def peer_loader_settings(trainer, transform: ExampleTrainTransform) -> dict:
+    args = trainer.args
+    return {
         "num_workers": args.dataloader_num_workers,
         "pin_memory": args.dataloader_pin_memory,
         "persistent_workers": args.dataloader_persistent_workers,
@@ -174,7 +181,7 @@ def run_peer(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     trainer, transform = build_trainer(setup, clock)
     trainer.train()
     flops = training_flops_per_image(trainer.model.config)
-    return finish(trainer, setup, measured(clock, flops, peak, memory, peer_settings(trainer, transform)))
+    return measured(clock, flops, peak, memory, peer_settings(trainer, transform))
 
 
 def run_peer_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
@@ -184,15 +191,4 @@ def run_peer_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     trainer, transform = build_trainer(setup, clock)
     memory.reset()
     clock.drain(trainer.get_train_dataloader())
-    settings = {key: value for key, value in peer_settings(trainer, transform).items()
-                if key in ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor", "transforms",
-                           "batch_dtype")}
-    return finish(trainer, setup, measured(clock, None, peak, memory, settings))
-
-
-def finish(trainer, setup: Setup, result: dict) -> dict:
-    trainer.accelerator.free_memory()
-    del trainer
-    reset_accelerate_state()
-    release_memory(setup.device)
-    return result
+    return measured(clock, None, peak, memory, peer_loader_settings(trainer, transform))
