@@ -315,10 +315,14 @@ def collate(samples: list) -> dict[str, torch.Tensor]:
     return {"pixel_values": pixels, "labels": labels, "skipped": len(samples) - len(kept)}
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_num_workers(device_type: str, processes: int) -> int:
     """CUDA: most cores decode (the GPU waits otherwise). CPU: decoding would steal the training cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_process = max(1, cores // max(1, processes))
+    per_process = max(1, cpu_cores() // max(1, processes))
     if device_type == "cuda":
         return min(16, max(1, per_process - 1))
     return 0 if per_process <= 4 else min(4, per_process // 2)

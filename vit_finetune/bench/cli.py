@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .device import PeakMemory, cpu_cores, device_peak, reset_accelerate_state, release_memory
+from .device import PeakMemory, device_peak, reset_accelerate_state, release_memory
 from .flops import MODELS
 from .ours import run_our_loader, run_ours
 from .peer import run_peer, run_peer_loader
@@ -89,7 +89,7 @@ def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
     if images < needed:  # crossing an epoch would time its restart and, in our loop, an evaluation
         raise SystemExit(f"--images={images} is less than one epoch of warm-up + steps needs "
                          f"({warmup + steps} steps x batch {batch_size} = {needed}); raise it or leave it out")
-    jpegs, jpeg_stats = ensure_jpeg_folder(cache, images, spec.num_labels, cpu_cores())
+    jpegs, jpeg_stats = ensure_jpeg_folder(cache, images, spec.num_labels, data.cpu_cores())
     base = ensure_base_model(cache, model_name, spec)
     setup = Setup(
         device=torch.device(device_type), model_name=model_name, spec=spec, batch_size=batch_size, warmup=warmup,

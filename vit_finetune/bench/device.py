@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 import re
 import resource
 import time
@@ -12,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..data import cpu_cores
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s; first match on the device name wins.
 DATASHEET_BF16_TFLOPS = (
@@ -99,10 +100,6 @@ class PeakMemory:
         match = re.search(r"VmHWM:\s+(\d+) kB", status.read_text()) if status.exists() else None
         kib = int(match.group(1)) if match else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return kib / 2**20
-
-
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
