@@ -207,3 +207,14 @@ def test_corrupt_image_is_named_by_path(capsys, base, tmp_path):
                            "model.image_size=32", "train.epochs=1", "train.batch_size=4"])
     assert "0.png" in error and "data.skip_bad_images=true" in error
     assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_eval_every_steps_evaluates_on_schedule_and_the_last_step_once(args, tmp_path):
+    from runs import train
+
+    out = tmp_path / "out"
+    assert train([*args, "train.max_steps=6", "train.eval_every_steps=2", f"output_dir={out}"]) == 0
+    history = json.loads((out / "history.json").read_text())
+    assert [entry["step"] for entry in history if "eval_accuracy" in entry] == [2, 4, 6]  # step 6: the final one
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert history[-1]["eval_accuracy"] == metrics["accuracy"]

@@ -326,7 +326,8 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
                                      img_s=f"{rate:.0f}")
                 running_loss.zero_()
                 loss_count, images, clock = 0, 0, time.perf_counter()
-            if t.eval_every_steps and state.step % t.eval_every_steps == 0:
+            # Not at the last step: run() evaluates those same weights right after the loop.
+            if t.eval_every_steps and state.step % t.eval_every_steps == 0 and state.step < parts.total_steps:
                 _evaluate_during_training(accelerator, parts, state)
             stop = state.step >= parts.total_steps or _interrupted(interrupt, accelerator)
             if t.checkpoint_every_steps and (state.step % t.checkpoint_every_steps == 0 or interrupt.raised):
