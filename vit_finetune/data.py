@@ -376,7 +376,14 @@ class PixelNormalizer:
     def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
         if pixels.dtype != torch.uint8:
             return pixels
-        return (pixels.float() * self.scale - self.mean) / self.std
+        return self.standardize(self.rescale(pixels))
+
+    def rescale(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 -> float in the processor's range ([0, 1] for 1/255), where batch augmentation works."""
+        return pixels.float() * self.scale
+
+    def standardize(self, rescaled: torch.Tensor) -> torch.Tensor:
+        return (rescaled - self.mean) / self.std
 
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, never silently grey pixels

@@ -77,6 +77,20 @@ class DataSettings(Strict):
         return value
 
 
+class AugmentSettings(Strict):
+    """DeiT's batch augmentations, run on the device on whole batches (vit_finetune.augment); all off by default."""
+
+    policy: Literal["none", "randaugment", "trivialaugment"] = "none"  # kornia's automatic augmentation policies
+    randaugment_ops: int = Field(2, gt=0)  # RandAugment: operations per image
+    randaugment_magnitude: int = Field(9, ge=0, le=30)  # RandAugment: strength of every operation, 0-30
+    erasing_prob: float = Field(0.0, ge=0, le=1)  # random erasing: chance per image that a rectangle is blanked
+    mixup: bool = False  # blend pairs of images and their labels (soft-target loss)
+    cutmix: bool = False  # paste a box of another image; its label weighs the pasted area
+    mix_prob: float = Field(1.0, ge=0, le=1)  # chance that a batch is mixed at all, with mixup or cutmix on
+    mix_switch_prob: float = Field(0.5, ge=0, le=1)  # both on: chance that a mixed batch uses CutMix, not Mixup
+    mix_off_epochs: int = Field(0, ge=0)  # no mixing in the last N epochs (train on clean images at the end)
+
+
 class TrainSettings(Strict):
     epochs: int = Field(1, gt=0)
     max_steps: int | None = Field(None, gt=0)  # optimiser steps; stops early when set
@@ -124,6 +138,7 @@ class HubSettings(Strict):
 class Recipe(Strict):
     model: ModelSettings = ModelSettings()
     data: DataSettings = DataSettings()
+    augment: AugmentSettings = AugmentSettings()
     train: TrainSettings = TrainSettings()
     hub: HubSettings = HubSettings()
     output_dir: str = "outputs/run"

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, data, evaluation, export, hub, model as vit
+from . import augment, checkpoint, data, evaluation, export, hub, model as vit
 from .recipe import Recipe
 
 EXIT_NON_FINITE = 3
@@ -49,6 +49,7 @@ class Parts:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     normalize: data.PixelNormalizer
+    augment: augment.BatchAugmenter  # DeiT's batch augmentations, on the device; evaluation never uses it
     steps_per_epoch: int
     total_steps: int
 
@@ -178,8 +179,11 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                        "lower it or train longer")
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
+    batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
+                                             augment.total_epochs(total_steps, steps_per_epoch),
+                                             accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+                 data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps)
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -218,7 +222,10 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
         size = recipe.model.image_size
         blank = torch.zeros(1, 3, size, size, device=labels.device)
         return parts.model(pixel_values=blank).logits.float().sum() * 0.0
-    logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
+    pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
+    logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
+    if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
+        return augment.soft_target_loss(logits, soft_targets)
     return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=recipe.train.label_smoothing)
 
 
@@ -301,6 +308,7 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
         for batch in loader:
             skipped_here += batch["skipped"]
+            batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
             loss, finite = train_step(accelerator, parts, batch, recipe)
             state.batches_done += 1
             if batch["labels"].numel():  # a batch of skipped images only has no loss to report

@@ -1,0 +1,156 @@
+"""DeiT's batch augmentations (vit_finetune.augment): each does what it says, on the real kornia modules.
+
+Images are random, so every pixel of two images differs and a mixed pixel reveals where it came from; labels are
+distinct per image, so a soft target reveals the partner image and its weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runs import STEPS_PER_EPOCH, train
+from vit_finetune import augment
+from vit_finetune.augment import BatchAugmenter
+from vit_finetune.recipe import AugmentSettings
+
+BATCH, SIZE = 8, 16
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(BATCH, 3, SIZE, SIZE, generator=generator), torch.arange(BATCH)
+
+
+def augmenter(total_epochs: int = 3, label_smoothing: float = 0.0, **options) -> BatchAugmenter:
+    return BatchAugmenter(AugmentSettings(**options), BATCH, seed=7, total_epochs=total_epochs,
+                          label_smoothing=label_smoothing)
+
+
+def partners(targets: torch.Tensor) -> list[tuple[int, float]]:
+    """(partner image, partner weight) per row, read from targets over distinct labels (own label = row)."""
+    found = []
+    for row, target in enumerate(targets):
+        others = [(int(j), float(target[j])) for j in torch.nonzero(target).flatten() if j != row]
+        found.append(others[0] if others else (row, 0.0))
+    return found
+
+
+def test_mixup_targets_are_convex_combinations_and_pixels_follow_the_formula():
+    pixels, labels = batch()
+    mixed, targets = augmenter(mixup=True)(pixels, labels, epoch=0, batch=0)
+    assert targets.shape == (BATCH, BATCH)
+    assert (targets >= 0).all() and torch.allclose(targets.sum(dim=1), torch.ones(BATCH))
+    for row, (partner, weight) in enumerate(partners(targets)):
+        assert torch.allclose(targets[row, row] + weight, torch.tensor(1.0))  # only own and partner's labels
+        expected = (1 - weight) * pixels[row] + weight * pixels[partner]
+        assert torch.allclose(mixed[row], expected, atol=1e-6)
+    assert any(0 < w < 1 for _, w in partners(targets))  # it really mixed
+
+
+def test_cutmix_pastes_one_box_of_the_partner_and_its_label_weight_is_the_pasted_area():
+    pixels, labels = batch()
+    mixed, targets = augmenter(cutmix=True)(pixels, labels, epoch=0, batch=0)
+    assert torch.allclose(targets.sum(dim=1), torch.ones(BATCH))
+    pasted_any = False
+    for row, (partner, weight) in enumerate(partners(targets)):
+        changed = (mixed[row] != pixels[row]).any(dim=0)  # (H, W)
+        area = changed.float().mean().item()
+        assert weight == pytest.approx(area, abs=1e-6)
+        if changed.any():
+            pasted_any = True
+            rows, cols = torch.nonzero(changed, as_tuple=True)
+            box = changed[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+            assert box.all()  # one rectangle
+            assert torch.equal(mixed[row][:, changed], pixels[partner][:, changed])
+            assert torch.equal(mixed[row][:, ~changed], pixels[row][:, ~changed])
+    assert pasted_any
+
+
+def test_label_smoothing_composes_with_mixed_targets():
+    pixels, labels = batch()
+    _, plain = augmenter(mixup=True)(pixels, labels, epoch=0, batch=0)
+    _, smoothed = augmenter(mixup=True, label_smoothing=0.1)(pixels, labels, epoch=0, batch=0)
+    assert torch.allclose(smoothed, plain * 0.9 + 0.1 / BATCH)
+    assert torch.allclose(smoothed.sum(dim=1), torch.ones(BATCH))
+
+
+def test_bad_image_rows_train_nothing_and_a_blank_partner_leaves_the_own_label_whole():
+    mix = augmenter(mixup=True)
+    rows = torch.tensor([[0, -1, 0.3], [-1, 0, 0.7], [1, 2, 0.25]])  # (own label, partner's label, lambda)
+    targets = mix.soft_targets(rows, augment.MIXES["mixup"].partner_weight)
+    assert torch.allclose(targets[:, :3], torch.tensor([[1.0, 0, 0], [0, 0, 0], [0, 0.75, 0.25]]))
+    logits = torch.randn(3, BATCH)
+    expected = -(torch.log_softmax(logits, -1)[0, 0] + 0.75 * torch.log_softmax(logits, -1)[2, 1]
+                 + 0.25 * torch.log_softmax(logits, -1)[2, 2]) / 2  # the mean over the two rows with a target
+    assert augment.soft_target_loss(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_mixing_is_off_in_the_last_epochs_and_on_before():
+    pixels, labels = batch()
+    mix = augmenter(total_epochs=3, mixup=True, cutmix=True, mix_off_epochs=1)
+    for position in range(4):
+        _, targets = mix(pixels, labels, epoch=1, batch=position)
+        assert targets is not None
+        untouched, none = mix(pixels, labels, epoch=2, batch=position)
+        assert none is None and torch.equal(untouched, pixels)
+
+
+def test_switch_probability_chooses_cutmix_or_mixup():
+    pixels, labels = batch()
+    for switch, kind in ((0.0, "blended"), (1.0, "pasted")):
+        mix = augmenter(mixup=True, cutmix=True, mix_switch_prob=switch)
+        for position in range(3):
+            mixed, targets = mix(pixels, labels, epoch=0, batch=position)
+            for row, (partner, weight) in enumerate(partners(targets)):
+                if 0 < weight < 1:  # pasted: every pixel is its own or its partner's, at the same place
+                    pasted = ((mixed[row] == pixels[row]) | (mixed[row] == pixels[partner])).all()
+                    assert bool(pasted) == (kind == "pasted")
+
+
+@pytest.mark.parametrize("options", [{"policy": "randaugment"}, {"policy": "trivialaugment"},
+                                     {"erasing_prob": 1.0}, {"mixup": True}, {"cutmix": True}])
+def test_each_option_is_a_pure_function_of_seed_epoch_and_batch(options):
+    pixels, labels = batch()
+    global_state = torch.get_rng_state()
+    first, _ = augmenter(**options)(pixels, labels, epoch=1, batch=2)
+    again, _ = augmenter(**options)(pixels, labels, epoch=1, batch=2)
+    other, _ = augmenter(**options)(pixels, labels, epoch=1, batch=3)
+    assert not torch.equal(first, pixels)  # it changed the training pixels
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert torch.equal(torch.get_rng_state(), global_state)  # dropout draws the same with the option on or off
+
+
+def test_random_erasing_blanks_one_rectangle_per_image():
+    pixels, _ = batch()
+    erased, targets = augmenter(erasing_prob=1.0)(pixels, torch.arange(BATCH), epoch=0, batch=0)
+    assert targets is None
+    for row in range(BATCH):
+        changed = (erased[row] != pixels[row]).any(dim=0)
+        rows, cols = torch.nonzero(changed, as_tuple=True)
+        assert changed[rows.min():rows.max() + 1, cols.min():cols.max() + 1].all()
+        assert (erased[row][:, changed] == 0).all()
+
+
+def test_options_off_leave_the_batch_alone():
+    pixels, labels = batch()
+    same, targets = augmenter()(pixels, labels, epoch=0, batch=0)
+    assert same is pixels and targets is None
+
+
+def test_a_run_augments_every_training_batch_and_no_evaluation_batch(args, tmp_path, monkeypatch):
+    """Through the real CLI: the augmenter sees exactly the training batches (2 epochs, each evaluated)."""
+    seen = []
+    real_call = BatchAugmenter.__call__
+
+    def observed(self, pixels, labels, epoch, batch):
+        seen.append((epoch, batch, tuple(labels.tolist())))
+        return real_call(self, pixels, labels, epoch, batch)
+
+    monkeypatch.setattr(BatchAugmenter, "__call__", observed)
+    options = ["augment.mixup=true", "augment.cutmix=true", "augment.policy=trivialaugment",
+               "augment.erasing_prob=0.5", "augment.mix_off_epochs=1", "train.label_smoothing=0.1"]
+    assert train([*args, *options, f"output_dir={tmp_path / 'out'}"]) == 0
+    assert [(e, b) for e, b, _ in seen] == [(e, b) for e in range(2) for b in range(STEPS_PER_EPOCH)]
+    assert all(len(labels) == 4 for _, _, labels in seen)  # training batches of 4; the eval batch holds 9

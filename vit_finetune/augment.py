@@ -1,0 +1,129 @@
+"""Batch augmentation on the device, DeiT's toolbox through kornia: a policy (RandAugment or TrivialAugment),
+random erasing, then Mixup or CutMix with soft targets.
+
+It runs on whole training batches after they reach the device, on pixels in [0, 1] before the mean/std
+normalisation; evaluation never passes through it. Its randomness comes from a generator seeded by
+(seed, epoch, batch, process), never from the global RNG, whose state it leaves untouched: a resumed run draws
+exactly what the uninterrupted one drew, and dropout draws the same masks with an option on or off.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .recipe import AugmentSettings
+
+SKIPPED_LABEL = -1  # data.SKIPPED_LABEL: a bad image that kept its place in the batch; it trains nothing
+
+
+def _kornia():
+    import kornia.augmentation  # imported on first use: a run with every option off does not need it
+
+    return kornia.augmentation
+
+
+# Image policies: name -> the kornia module for the settings. Each image of a batch gets its own operations.
+POLICIES: dict[str, Callable[[AugmentSettings], torch.nn.Module] | None] = {
+    "none": None,
+    "randaugment": lambda s: _kornia().auto.RandAugment(n=s.randaugment_ops, m=s.randaugment_magnitude),
+    "trivialaugment": lambda s: _kornia().auto.TrivialAugment(),
+}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """One way to mix pairs of images: the kornia module, and the weight of the partner's label from its lambda."""
+
+    make: Callable[[], torch.nn.Module]
+    partner_weight: Callable[[torch.Tensor], torch.Tensor]
+
+
+MIXES = {
+    # kornia's Mixup: x = (1 - lam) * x + lam * partner, lam ~ U(0, 1) per image; the partner's weight is lam.
+    "mixup": Mix(lambda: _kornia().RandomMixUpV2(p=1.0, data_keys=["input", "class"]), lambda lam: lam),
+    # kornia's CutMix (the paper's lambda): lam = 1 - pasted area / image area, so the partner's weight is 1 - lam.
+    "cutmix": Mix(lambda: _kornia().RandomCutMixV2(p=1.0, data_keys=["input", "class"], use_correct_lambda=True),
+                  lambda lam: 1 - lam),
+}
+
+
+class BatchAugmenter:
+    """Augments one training batch: (pixels in [0, 1], labels) -> (pixels, soft targets or None when not mixed)."""
+
+    def __init__(self, settings: AugmentSettings, num_classes: int, seed: int, total_epochs: int,
+                 process_index: int = 0, label_smoothing: float = 0.0):
+        self.settings = settings
+        self.num_classes = num_classes
+        self.seed, self.process_index = seed, process_index
+        self.label_smoothing = label_smoothing
+        self.mix_until_epoch = total_epochs - settings.mix_off_epochs  # epochs from here on are never mixed
+        make_policy = POLICIES[settings.policy]
+        self.policy = make_policy(settings) if make_policy else None
+        self.erasing = _kornia().RandomErasing(p=settings.erasing_prob) if settings.erasing_prob > 0 else None
+        self.mixes = {name: MIXES[name].make() for name in MIXES if getattr(settings, name)}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.policy or self.erasing or self.mixes)
+
+    def __call__(self, pixels: torch.Tensor, labels: torch.Tensor, epoch: int, batch: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`batch` counts the batches of the epoch (accumulation micro-batches included), so each key is drawn once."""
+        if not self.active or labels.numel() == 0:
+            return pixels, None
+        devices = [pixels.device] if pixels.device.type != "cpu" else []
+        with torch.random.fork_rng(devices=devices, device_type=pixels.device.type):
+            key = ((self.seed * 1_000_003 + epoch) * 1_000_003 + batch) * 1024 + self.process_index
+            torch.manual_seed(key % 2**63)
+            if self.policy is not None:
+                pixels = self.policy(pixels)
+            if self.erasing is not None:
+                pixels = self.erasing(pixels)
+            mix = self.choose_mix(epoch)
+            if mix is None:
+                return pixels, None
+            pixels, mixed = self.mixes[mix](pixels, labels)
+        return pixels, self.soft_targets(mixed.view(-1, 3), MIXES[mix].partner_weight)
+
+    def choose_mix(self, epoch: int) -> str | None:
+        """Which mix this batch gets, drawn from the seeded global generator inside __call__; None: not mixed."""
+        if not self.mixes or epoch >= self.mix_until_epoch or torch.rand(()).item() >= self.settings.mix_prob:
+            return None
+        if len(self.mixes) == 1:
+            return next(iter(self.mixes))
+        return "cutmix" if torch.rand(()).item() < self.settings.mix_switch_prob else "mixup"
+
+    def soft_targets(self, mixed: torch.Tensor, partner_weight: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """(label, partner's label, lambda) rows -> probability rows that sum to 1, label smoothing applied.
+
+        A bad image's row (label -1) is all zeros: it trains nothing. An image mixed with a bad image's blank
+        keeps its own label alone, with weight 1: the blank part carries no class.
+        """
+        own, partner = mixed[:, 0].long(), mixed[:, 1].long()
+        weight = partner_weight(mixed[:, 2]).float() * (partner != SKIPPED_LABEL)
+        targets = (one_hot(own, self.num_classes) * (1 - weight)[:, None]
+                   + one_hot(partner, self.num_classes) * weight[:, None])
+        valid = (own != SKIPPED_LABEL).float()[:, None]
+        return (targets * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes) * valid
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """One-hot rows; a label of -1 (a skipped bad image) gives a row of zeros."""
+    rows = torch.nn.functional.one_hot(labels.clamp(min=0), num_classes).float()
+    return rows * (labels >= 0).float()[:, None]
+
+
+def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy against probability rows, averaged over the rows that hold a target (not bad images)."""
+    per_row = -(targets * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
+    rows = (targets.sum(dim=-1) > 0).sum().clamp(min=1)
+    return per_row.sum() / rows
+
+
+def total_epochs(total_steps: int, steps_per_epoch: int) -> int:
+    """The epochs a run touches, the last one partly when train.max_steps ends it mid-epoch."""
+    return math.ceil(total_steps / steps_per_epoch)
