@@ -87,6 +87,21 @@ def test_a_kill_across_an_epoch_boundary_replays_the_end_of_the_epoch_once(args,
     assert_same_run(out, segments, reference)
 
 
+def test_with_every_batch_augmentation_on_a_killed_and_resumed_run_equals_the_uninterrupted_one(args, tmp_path):
+    """Mixup, CutMix, TrivialAugment and erasing draw from (seed, epoch, batch), not the global RNG: a resume is exact."""
+    options = ["augment.mixup=true", "augment.cutmix=true", "augment.policy=trivialaugment",
+               "augment.erasing_prob=0.5", "train.label_smoothing=0.1"]
+    reference = tmp_path / "reference"
+    assert train([*args, *options, f"output_dir={reference}"]) == 0
+    out = tmp_path / "out"
+    run = [*args, *options, f"output_dir={out}", "train.checkpoint_every_steps=4"]
+    with pytest.raises(SimulatedKill):
+        train(run, patches=[kill_at(8)])  # in epoch 1; the checkpoint of step 4 lies in epoch 0
+    assert train([*run, "train.resume=auto"]) == 0
+    assert history(out) == history(reference)
+    assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
+
+
 # ---------------------------------------------------------------- 3. a kill during a checkpoint save
 
 
