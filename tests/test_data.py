@@ -140,7 +140,7 @@ def test_skip_bad_images_drops_and_counts_them():
 
 def test_train_transform_is_deterministic_per_seed_epoch_and_index():
     image = colour_image((90, 60, 30), np.random.default_rng(0), size=(80, 60))
-    settings = DataSettings()
+    settings = DataSettings(crop_scale=(0.05, 1.0))
     first = data.train_transform(image, 32, data.sample_rng(0, 1, 5), settings)
     assert first.dtype == torch.uint8 and first.shape == (3, 32, 32)
     assert torch.equal(first, data.train_transform(image, 32, data.sample_rng(0, 1, 5), settings))
@@ -156,7 +156,7 @@ def test_train_transform_is_the_crop_box_resized_as_pil_would_then_maybe_flipped
     # Smooth ramps in different directions per channel, so a wrong box, axis or flip shows at once.
     y, x = np.mgrid[0:90, 0:120]
     image = Image.fromarray(np.stack([x * 2, y * 2, x + y], axis=-1).astype(np.uint8))
-    unflipped, flipped = DataSettings(horizontal_flip=False), DataSettings()
+    unflipped, flipped = DataSettings(crop_scale=(0.05, 1.0), horizontal_flip=False), DataSettings(crop_scale=(0.05, 1.0))
     mirrored = 0
     for index in range(20):
         box = data.random_resized_crop_box(*image.size, data.sample_rng(0, 0, index), unflipped.crop_scale)
@@ -197,3 +197,26 @@ def test_epoch_sampler_is_a_seeded_permutation_per_epoch():
     sampler.set_epoch(0)
     assert [i for i, _ in sampler] == first
     assert [i for i, _ in data.EpochSampler(5, 4, shuffle=False)] == [0, 1, 2, 3, 4]
+
+
+def test_auto_crop_scale_keeps_more_of_the_image_the_shorter_the_run():
+    (short, short_low), (long, long_low) = data.AUTO_CROP_ANCHORS
+    assert data.auto_crop_scale(10) == data.auto_crop_scale(short) == (short_low, 1.0)
+    assert data.auto_crop_scale(long) == data.auto_crop_scale(100 * long) == (long_low, 1.0)
+    lows = [data.auto_crop_scale(n)[0] for n in (short, 2 * short, 10 * short, long)]
+    assert lows == sorted(lows, reverse=True) and len(set(lows)) == 4
+    middle = int((short * long) ** 0.5)  # halfway on the log scale
+    assert data.auto_crop_scale(middle)[0] == pytest.approx((short_low + long_low) / 2, abs=0.01)
+
+
+def test_a_run_prints_the_auto_crop_it_chose_and_saves_it_resolved_and_overridable(args, tmp_path, capsys):
+    from runs import TRAIN_IMAGES, train
+    from vit_finetune.recipe import read_yaml
+
+    assert train([*args, f"output_dir={tmp_path / 'auto'}"]) == 0
+    chosen = data.auto_crop_scale(2 * TRAIN_IMAGES)  # 2 epochs of 24 images
+    assert f"data.crop_scale=auto -> {list(chosen)} for 48 training images seen" in capsys.readouterr().out
+    assert read_yaml(tmp_path / "auto" / "recipe.yaml")["data"]["crop_scale"] == list(chosen)
+    assert train([*args, "data.crop_scale=[0.2,0.9]", f"output_dir={tmp_path / 'set'}"]) == 0
+    assert "data.crop_scale=auto" not in capsys.readouterr().out
+    assert read_yaml(tmp_path / "set" / "recipe.yaml")["data"]["crop_scale"] == [0.2, 0.9]

@@ -61,8 +61,10 @@ class DataSettings(Strict):
     label_column: str | None = None  # null = detect
     max_train_samples: int | None = Field(None, gt=0)
     max_eval_samples: int | None = Field(None, gt=0)
-    crop_scale: tuple[float, float] = (0.05, 1.0)  # random-resized-crop area range (original ViT recipe)
-    horizontal_flip: bool = True
+    # Random-resized-crop area range; auto: from the images the run will see (data.auto_crop_scale), printed at the
+    # start and written resolved into the output's recipe.yaml. [0.05, 1.0] is the original ViT recipe's.
+    crop_scale: tuple[float, float] | Literal["auto"] = "auto"
+    horizontal_flip: bool = True  # false for digits, text and anything a mirror changes
     skip_bad_images: bool = False
     min_image_side: int = Field(2, gt=0)  # smaller images are treated as corrupt
     max_image_pixels: int = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
@@ -70,7 +72,9 @@ class DataSettings(Strict):
 
     @field_validator("crop_scale")
     @classmethod
-    def _crop_scale_ordered(cls, value: tuple[float, float]) -> tuple[float, float]:
+    def _crop_scale_ordered(cls, value: tuple[float, float] | str) -> tuple[float, float] | str:
+        if value == "auto":
+            return value
         low, high = value
         if not 0 < low <= high <= 1:
             raise ValueError(f"must satisfy 0 < low <= high <= 1, got {list(value)}; e.g. [0.05, 1.0]")

@@ -52,6 +52,7 @@ class Parts:
     augment: augment.BatchAugmenter  # DeiT's batch augmentations, on the device; evaluation never uses it
     steps_per_epoch: int
     total_steps: int
+    recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
 
 
 class InterruptFlag:
@@ -157,9 +158,17 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         model = vit.apply_lora(model, recipe.model.lora)
     size = recipe.model.image_size
     seed = recipe.train.seed
+    images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
+    steps_per_epoch = math.ceil(math.ceil(len(splits.train) / (recipe.train.batch_size * accelerator.num_processes))
+                                / recipe.train.grad_accum)
+    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
+    if recipe.train.warmup_steps >= total_steps:
+        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
+                       "lower it or train longer")
+    as_run = resolve_auto(recipe, total_steps * images_per_step, accelerator)
 
     def train_pixels(image, index, epoch):
-        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), recipe.data)
+        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data)
 
     workers = recipe.data.num_workers
     if workers is None:
@@ -170,20 +179,24 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
     train_sampler = train_loader.sampler
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
-
-    batches_per_epoch = math.ceil(len(train_set) / (recipe.train.batch_size * accelerator.num_processes))
-    steps_per_epoch = math.ceil(batches_per_epoch / recipe.train.grad_accum)
-    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
-    if recipe.train.warmup_steps >= total_steps:
-        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
-                       "lower it or train longer")
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps)
+                 data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps,
+                 as_run)
+
+
+def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
+    """The recipe with every `auto` replaced by its value for this run, which is printed."""
+    if recipe.data.crop_scale != "auto":
+        return recipe
+    crop_scale = data.auto_crop_scale(images_seen)
+    accelerator.print(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen; "
+                      "set data.crop_scale=[low, high] to choose")
+    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -252,7 +265,7 @@ def run(recipe: Recipe) -> dict:
         reapply_hyperparameters(parts, recipe)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(recipe))
+        (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(parts.recipe_as_run))
         trainable, total = vit.count_parameters(parts.model)
         print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
               f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
@@ -265,7 +278,7 @@ def run(recipe: Recipe) -> dict:
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
     if accelerator.is_main_process:
-        save_final(accelerator, parts, recipe, metrics, state)
+        save_final(accelerator, parts, parts.recipe_as_run, metrics, state)
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
