@@ -209,6 +209,33 @@ def test_corrupt_image_is_named_by_path(capsys, base, tmp_path):
     assert not (tmp_path / "o" / "metrics.json").exists()
 
 
+def test_predict_names_missing_image_files(capsys, tmp_path):
+    error = fails(capsys, ["predict", str(tmp_path), str(tmp_path / "nowhere.jpg")])
+    assert "image file(s) not found" in error and "nowhere.jpg" in error
+
+
+def test_push_refuses_an_invalid_repo_id_before_any_upload(capsys, tmp_path):
+    error = fails(capsys, ["push", str(tmp_path), "--repo-id", "has space/x"], code=2)
+    assert "--repo-id" in error and "'has space/x'" in error and "not a valid Hub repo id" in error
+
+
+def test_push_without_a_repo_id_says_how_to_give_one(capsys, tmp_path):
+    error = fails(capsys, ["push", str(tmp_path)])
+    assert "pass --repo-id namespace/name" in error
+
+
+def test_a_plain_library_error_is_a_bug_and_keeps_its_traceback(monkeypatch, base, images, tmp_path):
+    """Only project errors become a one-line message: a ValueError from deep inside is not a user's mistake."""
+    import vit_finetune.train as train_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug deep inside")
+
+    monkeypatch.setattr(train_module, "build_parts", broken)
+    with pytest.raises(ValueError, match="a bug deep inside"):
+        main([f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
+
+
 def test_eval_every_steps_evaluates_on_schedule_and_the_last_step_once(args, tmp_path):
     from runs import train
 

@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
+from .errors import VitFinetuneError
 from .recipe import Recipe, flatten
 
 CHECKPOINTS = "checkpoints"
@@ -40,7 +41,7 @@ WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VitFinetuneError):
     """A checkpoint that cannot be written or resumed from."""
 
 

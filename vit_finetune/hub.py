@@ -13,13 +13,14 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
+from .errors import VitFinetuneError
 from .checkpoint import CHECKPOINTS
 from .export import METRICS_FILE, STAGING
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
 
-class PushError(RuntimeError):
+class PushError(VitFinetuneError):
     """The Hub refused or failed the push; the local outputs are intact."""
 
 

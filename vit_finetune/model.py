@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, ViTConfig, ViTForImageClassification
 
+from .errors import VitFinetuneError
 from .recipe import LoraSettings, ModelSettings
 
 # LoRA roles mapped to module-name suffixes under both transformers naming schemes:
@@ -35,7 +36,7 @@ BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:t
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
-class ModelError(ValueError):
+class ModelError(VitFinetuneError):
     """A base model that this toolkit cannot fine-tune as asked."""
 
 
@@ -53,10 +54,10 @@ def base_location(settings: ModelSettings) -> str:
 
 def load_base_config(settings: ModelSettings) -> ViTConfig:
     """Fetch only config.json and check the base is a ViT the target size suits, before any weights move."""
+    location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
     try:
-        config = AutoConfig.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ModelError(
             f"model.base={settings.base!r} could not be loaded: {error}\n"

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import EXIT_USAGE, VitFinetuneError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
@@ -21,8 +23,10 @@ RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 
 
-class RecipeError(ValueError):
+class RecipeError(VitFinetuneError):
     """A recipe that cannot run; the message lists every problem found, one per line."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, problems: list[str], source: str = "recipe"):
         self.problems = problems

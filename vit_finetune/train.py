@@ -20,22 +20,25 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from . import checkpoint, data, evaluation, export, hub, model as vit
+from .errors import VitFinetuneError
 from .recipe import Recipe
 
-EXIT_NON_FINITE = 3
-EXIT_INTERRUPTED = 130
 
 
-class RunError(RuntimeError):
-    """A run refused before it started, with the reason and the fix."""
+class RunError(VitFinetuneError):
+    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
 
 
-class NonFiniteLoss(RuntimeError):
-    exit_code = EXIT_NON_FINITE
+class NonFiniteLoss(VitFinetuneError):
+    """The loss, a gradient or the weights became NaN/Inf; nothing from then on was saved."""
+
+    exit_code = 3
 
 
-class Interrupted(RuntimeError):
-    exit_code = EXIT_INTERRUPTED
+class Interrupted(VitFinetuneError):
+    """SIGINT/SIGTERM stopped training (after a checkpoint, if checkpoints are on); the shell's code for Ctrl-C."""
+
+    exit_code = 130
 
 
 @dataclass
