@@ -93,9 +93,8 @@ def predict_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
-    from .export import RECIPE_FILE
     from .hub import PushError, push_folder
-    from .recipe import read_yaml, validate
+    from .recipe import RECIPE_FILE, read_yaml, validate
 
     output_dir = Path(args.output_dir)
     saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
