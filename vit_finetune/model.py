@@ -218,10 +218,6 @@ def merged_copy(model: nn.Module) -> ViTForImageClassification:
     return copy.deepcopy(model).merge_and_unload()
 
 
-def saved_config_path(folder: Path) -> Path:
-    return Path(folder) / "config.json"
-
-
 def describe(config: PretrainedConfig) -> str:
     grid = config.image_size // config.patch_size
     return f"ViT {config.hidden_size}d x {config.num_hidden_layers} layers, patch {config.patch_size}, {config.image_size}px ({grid}x{grid} grid)"
