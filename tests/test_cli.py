@@ -53,7 +53,10 @@ def test_output_folder_holds_everything_and_reloads_at_the_new_size(trained):
         assert (trained / name).is_file(), name
     config = json.loads((trained / "config.json").read_text())
     assert config["image_size"] == 64 and config["id2label"] == {"0": "blue", "1": "green", "2": "red"}
-    assert AutoImageProcessor.from_pretrained(trained).size == {"height": 64, "width": 64}
+    processor = AutoImageProcessor.from_pretrained(trained)
+    assert processor.size == {"height": 64, "width": 64}
+    saved_type = json.loads((trained / "preprocessor_config.json").read_text())["image_processor_type"]
+    assert saved_type == type(processor).__name__ == "ViTImageProcessorPil"  # the class evaluation used
     model, info = ViTForImageClassification.from_pretrained(trained, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert model.vit.embeddings.position_embeddings.shape == (1, 1 + 16 * 16, 32)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, ViTConfig, ViTForImageClassification
+from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
+                                                            get_image_processor_class_from_name)
 
 from .errors import VitFinetuneError
 from .recipe import LoraSettings, ModelSettings
@@ -30,6 +32,10 @@ ROLE_SUFFIXES = {
     "mlp_out": (r"mlp\.fc2", r"layer\.\d+\.output\.dense"),
 }
 HEAD_NAME = "classifier"
+# The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
+# pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
+# warning, and a machine with torchvision does not resize slightly differently from the one that measured.
+IMAGE_PROCESSOR_BACKEND = "pil"
 
 
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
@@ -187,15 +193,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
 
 
 def load_image_processor(settings: ModelSettings, image_size: int):
-    """The base's image processor resized to the target resolution (mean/std kept from the base)."""
+    """The base's image processor, PIL backend, resized to the target resolution (mean/std kept from the base)."""
+    location = base_location(settings)
     try:
-        processor = AutoImageProcessor.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
-    except OSError:
-        from transformers import ViTImageProcessor
-
-        processor = ViTImageProcessor()  # the ViT default: mean = std = 0.5
+        processor = AutoImageProcessor.from_pretrained(location, revision=settings.revision,
+                                                       trust_remote_code=settings.trust_remote_code,
+                                                       backend=IMAGE_PROCESSOR_BACKEND)
+    except OSError:  # the base has no preprocessor_config.json: its family's defaults (ViT: mean = std = 0.5)
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
+        family = IMAGE_PROCESSOR_MAPPING_NAMES[config.model_type]
+        processor = get_image_processor_class_from_name(family[IMAGE_PROCESSOR_BACKEND])()
     processor.size = {"height": image_size, "width": image_size}
     if getattr(processor, "crop_size", None):
         processor.crop_size = {"height": image_size, "width": image_size}
