@@ -27,7 +27,6 @@ from .processes import any_process, sum_over_processes
 from .recipe import Recipe, write_recipe
 
 
-
 class RunError(VitFinetuneError):
     """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
 
