@@ -156,7 +156,7 @@ def test_train_transform_is_the_crop_box_resized_as_pil_would_then_maybe_flipped
     # Smooth ramps in different directions per channel, so a wrong box, axis or flip shows at once.
     y, x = np.mgrid[0:90, 0:120]
     image = Image.fromarray(np.stack([x * 2, y * 2, x + y], axis=-1).astype(np.uint8))
-    unflipped, flipped = DataSettings(crop_scale=(0.05, 1.0), horizontal_flip=False), DataSettings(crop_scale=(0.05, 1.0))
+    unflipped, flipped = (DataSettings(crop_scale=(0.05, 1.0), horizontal_flip=flip) for flip in (False, True))
     mirrored = 0
     for index in range(20):
         box = data.random_resized_crop_box(*image.size, data.sample_rng(0, 0, index), unflipped.crop_scale)

@@ -69,7 +69,7 @@ class DataSettings(Strict):
     # Random-resized-crop area range; auto: from the images the run will see (data.auto_crop_scale), printed at the
     # start and written resolved into the output's recipe.yaml. [0.05, 1.0] is the original ViT recipe's.
     crop_scale: tuple[float, float] | Literal["auto"] = "auto"
-    horizontal_flip: bool = True  # false for digits, text and anything a mirror changes
+    horizontal_flip: bool = False  # on for photos; off by default: it is wrong for digits, text, anything a mirror changes
     skip_bad_images: bool = False
     min_image_side: int = Field(2, gt=0)  # smaller images are treated as corrupt
     max_image_pixels: int = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
