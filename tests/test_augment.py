@@ -139,18 +139,24 @@ def test_options_off_leave_the_batch_alone():
     assert same is pixels and targets is None
 
 
-def test_a_run_augments_every_training_batch_and_no_evaluation_batch(args, tmp_path, monkeypatch):
-    """Through the real CLI: the augmenter sees exactly the training batches (2 epochs, each evaluated)."""
+def test_a_run_augments_every_training_batch_and_no_evaluation_batch(args, tmp_path):
+    """Through the real CLI, observed with the callback hook: the run's augmenter sees exactly its training batches
+    (2 epochs of 6 batches of 4, each epoch evaluated on a batch of 9)."""
+    from vit_finetune.callbacks import Callback
+
     seen = []
-    real_call = BatchAugmenter.__call__
 
-    def observed(self, pixels, labels, epoch, batch):
-        seen.append((epoch, batch, tuple(labels.tolist())))
-        return real_call(self, pixels, labels, epoch, batch)
+    class ObserveAugmenter(Callback):
+        def on_train_start(self, run):
+            augmenter = run.parts.augment
 
-    monkeypatch.setattr(BatchAugmenter, "__call__", observed)
+            def observed(pixels, labels, epoch, batch):
+                seen.append((epoch, batch, len(labels)))
+                return augmenter(pixels, labels, epoch, batch)
+
+            run.parts.augment = observed
+
     options = ["augment.mixup=true", "augment.cutmix=true", "augment.policy=trivialaugment",
                "augment.erasing_prob=0.5", "augment.mix_off_epochs=1", "train.label_smoothing=0.1"]
-    assert train([*args, *options, f"output_dir={tmp_path / 'out'}"]) == 0
-    assert [(e, b) for e, b, _ in seen] == [(e, b) for e in range(2) for b in range(STEPS_PER_EPOCH)]
-    assert all(len(labels) == 4 for _, _, labels in seen)  # training batches of 4; the eval batch holds 9
+    assert train([*args, *options, f"output_dir={tmp_path / 'out'}"], callbacks=[ObserveAugmenter()]) == 0
+    assert seen == [(epoch, batch, 4) for epoch in range(2) for batch in range(STEPS_PER_EPOCH)]

@@ -96,7 +96,7 @@ def test_with_every_batch_augmentation_on_a_killed_and_resumed_run_equals_the_un
     out = tmp_path / "out"
     run = [*args, *options, f"output_dir={out}", "train.checkpoint_every_steps=4"]
     with pytest.raises(SimulatedKill):
-        train(run, patches=[kill_at(8)])  # in epoch 1; the checkpoint of step 4 lies in epoch 0
+        train(run, callbacks=[kill_at(8)])  # in epoch 1; the checkpoint of step 4 lies in epoch 0
     assert train([*run, "train.resume=auto"]) == 0
     assert history(out) == history(reference)
     assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
