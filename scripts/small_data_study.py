@@ -93,8 +93,19 @@ OPTIONS = {
     "crop90": ["data.crop_scale=[0.9,1.0]", "data.horizontal_flip=false"],
     "crop08": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=false"],
     "off_flip": ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=true"],
-    "defaults": [],  # whatever the schema's defaults are now
+    # The schema's defaults now, set explicitly because the base recipe (demo.yaml) turns the flip on for its shapes.
+    "defaults": ["data.crop_scale=auto", "data.horizontal_flip=false"],
 }
+# The batch augmentations, each on top of "off" (no crop, no flip), so that only the option differs.
+TOOLBOX = {
+    "mixup": ["augment.mixup=true"],
+    "cutmix": ["augment.cutmix=true"],
+    "mixup_cutmix": ["augment.mixup=true", "augment.cutmix=true", "augment.mix_off_epochs=1"],
+    "trivialaugment": ["augment.policy=trivialaugment"],
+    "randaugment": ["augment.policy=randaugment"],
+    "erasing": ["augment.erasing_prob=0.25"],
+}
+OPTIONS.update({name: [*OPTIONS["off"], *overrides] for name, overrides in TOOLBOX.items()})
 
 
 def split(dataset: SmallDataset) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -147,8 +158,13 @@ def run_argv(name: str, options: str, seed: int, root: Path) -> list[str]:
 
 
 def read_results(root: Path) -> list[dict]:
+    """The recorded runs, the first of each (dataset, options, seed): two studies run side by side may both do one."""
     path = root / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    runs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    first = {}
+    for run in runs:
+        first.setdefault((run["dataset"], run["options"], run["seed"]), run)
+    return list(first.values())
 
 
 def run_one(name: str, options: str, seed: int, root: Path) -> dict:
