@@ -50,6 +50,7 @@ class ModelSettings(Strict):
     revision: str | None = None
     trust_remote_code: bool = False  # off unless a recipe turns it on: remote code runs on your machine
     compile: bool | None = None  # torch.compile; null = on for CUDA, off on CPU
+    window_size: int | None = Field(None, gt=0)  # Swin/Swinv2 attention window; null = keep the checkpoint's
 
 
 class DataSettings(Strict):
