@@ -72,10 +72,11 @@ def last_hidden_state(model, family, pixels, interpolate: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_saved_model_at_twice_the_size_equals_the_base_interpolating(model_type, bases, tmp_path):
+def test_saved_model_at_twice_the_size_equals_the_base_interpolating_and_pipeline_runs_it(model_type, bases, tmp_path):
     family = FAMILIES[model_type]
     settings = ModelSettings(base=str(bases[model_type]), image_size=64, head_init="random")
     vit.build_model(settings, LABELS).save_pretrained(tmp_path)
+    vit.load_image_processor(settings, 64).save_pretrained(tmp_path)
     with transformers_log() as records:
         reloaded = AutoModelForImageClassification.from_pretrained(tmp_path).eval()
     assert weight_warnings(records) == []
@@ -90,14 +91,8 @@ def test_saved_model_at_twice_the_size_equals_the_base_interpolating(model_type,
     difference = (ours - expected).abs().max().item()
     MEASURED[model_type] = difference
     assert difference <= 1e-5, f"{model_type}: max abs difference {difference:.3g}"
-    assert reloaded(pixel_values=pixels).logits.shape == (2, len(LABELS))
 
-
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_pipeline_runs_the_saved_model_at_its_size_without_weight_warnings(model_type, bases, tmp_path):
-    settings = ModelSettings(base=str(bases[model_type]), image_size=64)
-    vit.build_model(settings, LABELS).save_pretrained(tmp_path)
-    vit.load_image_processor(settings, 64).save_pretrained(tmp_path)
+    # pipeline() with the saved processor (each family's own size convention) feeds the model its new size.
     image = Image.fromarray(np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8))
     with transformers_log() as records:
         classify = pipeline("image-classification", model=str(tmp_path))
@@ -200,6 +195,39 @@ def test_position_and_token_parameters_get_no_weight_decay(model_type, bases):
     assert names  # every one of these families has some
     assert not [n for n, p in built.named_parameters() if NO_WEIGHT_DECAY.search(n) and id(p) in decayed_ids]
     assert decayed_ids  # the weight matrices still decay
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, lora", [("deit", True), ("clip", True), ("data2vec-vision", True),
+                                              ("swinv2", True), ("dinov2_with_registers", False), ("swin", False)])
+def test_the_cli_fine_tunes_each_kind_of_family_end_to_end(model_type, lora, bases, tmp_path):
+    from runs import train
+    from tiny import write_colour_folder
+
+    images = write_colour_folder(tmp_path / "images", classes=3, train=4, validation=2)
+    output = tmp_path / "out"
+    lora_args = ["model.lora={r: 4, target_modules: [query, key, value, attention_output, mlp_in, mlp_out]}"] * lora
+    assert train([f"model.base={bases[model_type]}", f"data.dataset={images}", f"output_dir={output}",
+                  "model.image_size=64", "train.max_steps=2", "train.batch_size=4", "data.num_workers=0",
+                  *lora_args]) == 0
+    family = FAMILIES[model_type]
+    with transformers_log() as records:
+        reloaded = AutoModelForImageClassification.from_pretrained(output)
+    assert weight_warnings(records) == [] and family.image_size(reloaded.config) == 64
+    assert (output / "adapter" / "adapter_config.json").is_file() == lora
+    card = (output / "README.md").read_text()
+    assert f"- {model_type}\n" in card and family.name in card
+
+
+@pytest.mark.parametrize("model_type, expected", [
+    ("deit", "DeiT 32d x 2 blocks, patch 4, 64px (16x16 grid)"),
+    ("siglip", "SigLIP vision tower 32d x 2 blocks, patch 4, 64px (16x16 grid)"),
+    ("swin", "Swin 32d x 4 blocks, patch 2, 64px (32x32 grid)"),
+])
+def test_describe_reads_each_familys_own_config_keys(model_type, expected):
+    config = tiny_family_config(model_type)
+    FAMILIES[model_type].set_image_size(config, 64)
+    assert vit.describe(config) == expected
 
 
 def test_report_measured_differences():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from .families import FAMILIES
 from .recipe import REPO_ID_PATTERN, Recipe, to_yaml
 
 METRICS_FILE = "metrics.json"
@@ -57,7 +58,8 @@ def plot_curves(history: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool) -> ModelCard:
+def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool, model_type: str = "vit") -> ModelCard:
+    family = FAMILIES[model_type]
     dataset = recipe.data.dataset
     eval_results = [
         EvalResult(
@@ -77,7 +79,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
         model_name=name,
         library_name="transformers",
         pipeline_tag="image-classification",
-        tags=["vision", "image-classification", "vit", "vit_finetune"] + (["lora", "peft"] if lora else []),
+        tags=["vision", "image-classification", model_type, "vit_finetune"] + (["lora", "peft"] if lora else []),
         base_model=recipe.model.base if is_hub_id(recipe.model.base) else None,
         datasets=[dataset] if is_hub_id(dataset) else None,
         eval_results=eval_results,
@@ -92,9 +94,9 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
     body = f"""
 # {name}
 
-A ViT fine-tuned with [vit_finetune](https://github.com/) from `{recipe.model.base}` on `{dataset}`
-at **{recipe.model.image_size}×{recipe.model.image_size} px**. The position embeddings were resampled once
-to the new grid, so the model runs at this size with no `interpolate_pos_encoding` flag.
+A {family.name} fine-tuned with [vit_finetune](https://github.com/) from `{recipe.model.base}` on `{dataset}`
+at **{recipe.model.image_size}×{recipe.model.image_size} px**. Its position information was moved once to the new
+size ({family.resized}), so the model runs at this size with no `interpolate_pos_encoding` flag.
 
 ## Use
 ```python
@@ -138,7 +140,7 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
     plot_curves(history, staging / CURVES_FILE)
     name = recipe.hub.repo_id or output_dir.name
-    model_card(recipe, metrics, labels, name, adapter_model is not None).save(staging / "README.md")
+    model_card(recipe, metrics, labels, name, adapter_model is not None, model.config.model_type).save(staging / "README.md")
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
     for entry in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
