@@ -122,10 +122,12 @@ def test_every_lora_role_finds_one_linear_per_block_and_merging_keeps_the_logits
                 parameter.normal_(std=0.5)
     adapted.eval()
     merged = vit.merged_copy(adapted).eval()
+    assert not vit.is_lora(merged) and type(merged).__name__ == family.classification_class
     pixels = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         difference = (merged(pixel_values=pixels).logits - adapted(pixel_values=pixels).logits).abs().max().item()
     assert difference <= 1e-5
+    assert vit.is_lora(adapted)  # merging a copy leaves the adapter model usable
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
