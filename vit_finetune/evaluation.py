@@ -81,6 +81,20 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
     return metrics
 
 
+def eval_split_fields(eval_split: str | None) -> dict:
+    """metrics.json's record of what was evaluated: a named split of the dataset, or a part held out from train."""
+    return {"eval_split": eval_split or "held out from train", "eval_carved_from_train": eval_split is None}
+
+
+def describe_eval_split(eval_split: str | None, size: int, settings) -> str:
+    """The console line saying what the eval accuracy will be measured on."""
+    if eval_split is not None:
+        return f"eval split: {eval_split!r} ({size} images)"
+    why = f"the dataset has no {settings.eval_split!r} split" if settings.eval_split else "data.eval_split is null"
+    return (f"eval split: {settings.eval_fraction:.0%} of {settings.train_split!r} held out for evaluation ({size} images, "
+            f"stratified, seeded by train.seed) because {why}")
+
+
 @torch.no_grad()
 def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
     """Metrics over the whole eval split; gather_for_metrics drops the samples padded onto the last batch, and the

@@ -65,7 +65,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
             task_name="Image Classification",
             dataset_type=dataset if is_hub_id(dataset) else "local",
             dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
-            dataset_split=recipe.data.eval_split or "held-out part of train",
+            dataset_split=metrics.get("eval_split", recipe.data.eval_split),
             metric_type=key,
             metric_name=label,
             metric_value=round(float(metrics[key]), 6),
@@ -103,7 +103,7 @@ classify = pipeline("image-classification", model="{name}")
 classify("photo.jpg")
 ```
 
-## Results ({metrics.get("eval_samples", "?")} eval images, measured at the end of training)
+## Results ({eval_set_text(metrics, recipe)}, measured at the end of training)
 | metric | value |
 |---|---|
 {rows}
@@ -119,6 +119,17 @@ classify("photo.jpg")
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def eval_set_text(metrics: dict, recipe: Recipe) -> str:
+    """What the card's numbers were measured on, in words."""
+    size = metrics.get("eval_samples", "?")
+    if metrics.get("eval_carved_from_train"):
+        why = (f"the dataset has no `{recipe.data.eval_split}` split" if recipe.data.eval_split
+               else "data.eval_split is null")
+        return (f"{size} eval images held out from `{recipe.data.train_split}` ({recipe.data.eval_fraction:.0%}, "
+                f"stratified, seed {recipe.train.seed}) because {why}")
+    return f"{size} eval images, split `{metrics.get('eval_split', recipe.data.eval_split)}`"
 
 
 def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: dict, history: list[dict],

@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
-from tqdm.auto import tqdm
 
-from . import checkpoint, data, evaluation, export, hub, model as vit
+from . import checkpoint, data, evaluation, export, hub, model as vit, progress as display
 from .recipe import Recipe
 
 EXIT_NON_FINITE = 3
@@ -51,6 +50,7 @@ class Parts:
     normalize: data.PixelNormalizer
     steps_per_epoch: int
     total_steps: int
+    eval_split: str | None = None  # None: held out from train (data.eval_fraction)
 
 
 class InterruptFlag:
@@ -179,7 +179,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps, splits.eval_split)
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -247,15 +247,17 @@ def run(recipe: Recipe) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(recipe))
         trainable, total = vit.count_parameters(parts.model)
-        print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
-              f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
-              + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
+                    f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
+                    + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
 
     train_loop(accelerator, parts, recipe, state)
     metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
+    metrics.update(evaluation.eval_split_fields(parts.eval_split))
     state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
     if accelerator.is_main_process:
         save_final(accelerator, parts, recipe, metrics, state)
@@ -274,17 +276,16 @@ def _eval_entry(metrics: dict) -> dict:
 
 def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState) -> None:
     interrupt = InterruptFlag()
-    progress = tqdm(total=parts.total_steps, initial=state.step, disable=not accelerator.is_main_process,
-                    desc="train", dynamic_ncols=True)
+    bar = display.progress(parts.total_steps, state.step, "train", enabled=accelerator.is_main_process)
     try:
-        _optimise(accelerator, parts, recipe, state, interrupt, progress)
+        _optimise(accelerator, parts, recipe, state, interrupt, bar)
     finally:
-        progress.close()  # on an error too: its message must start on a line of its own
+        bar.close()  # on an error too: its message must start on a line of its own
         interrupt.restore()
 
 
 def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState,
-              interrupt: InterruptFlag, progress: tqdm) -> None:
+              interrupt: InterruptFlag, bar) -> None:
     t = recipe.train
     pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
     loss_count, images, clock = 0, 0, time.perf_counter()
@@ -310,7 +311,7 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
             if not accelerator.sync_gradients:
                 continue
             state.step += 1
-            progress.update(1)
+            bar.update(1)
             if pending_finite is not None:
                 _stop_if_non_finite(pending_finite, state.step - 1, accelerator)
             pending_finite = finite
@@ -322,7 +323,7 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
                 trained = {} if mean_loss is None else {"loss": mean_loss}
                 state.history.append({"step": state.step, "epoch": state.epoch, **trained, "lr": lr,
                                       "images_per_s": rate})
-                progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
+                bar.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
                                      img_s=f"{rate:.0f}")
                 running_loss.zero_()
                 loss_count, images, clock = 0, 0, time.perf_counter()
@@ -398,7 +399,7 @@ def _evaluate_during_training(accelerator: Accelerator, parts: Parts, state: che
     metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
     state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
     if accelerator.is_main_process:
-        tqdm.write(f"step {state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+        display.say(f"step {state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
 
 
 def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
