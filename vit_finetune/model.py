@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +136,18 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     return config
 
 
-def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassification:
-    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied)."""
+def build_model(settings: ModelSettings, labels: list[str],
+                on_resample: Callable[[torch.Tensor | None, torch.Tensor], None] | None = None) -> ViTForImageClassification:
+    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
+
+    `on_resample(before, after)` receives the position table as loaded and as resampled (before is None for a
+    model from random weights), e.g. to draw them.
+    """
     if not settings.pretrained:
-        return ViTForImageClassification(target_config(load_base_config(settings), settings, labels)).float()
+        model = ViTForImageClassification(target_config(load_base_config(settings), settings, labels)).float()
+        if on_resample is not None:
+            on_resample(None, model.vit.embeddings.position_embeddings.detach().clone())
+        return model
     pretrained = load_pretrained(settings)
     config = target_config(pretrained.config, settings, labels)
     model = ViTForImageClassification(config).float()
@@ -146,7 +155,10 @@ def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassi
     state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(HEAD_NAME)}
     grid_side = settings.image_size // config.patch_size
     key = "vit.embeddings.position_embeddings"
-    state[key] = resample_position_embeddings(state[key], (grid_side, grid_side))
+    before = state[key]
+    state[key] = resample_position_embeddings(before, (grid_side, grid_side))
+    if on_resample is not None:
+        on_resample(before.detach().clone(), state[key].detach().clone())
     state.update(new_head_state(model.classifier, settings.head_init))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model

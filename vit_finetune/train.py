@@ -11,14 +11,15 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 
-from . import checkpoint, data, evaluation, export, hub, model as vit, progress as display
+from . import checkpoint, data, evaluation, export, hub, model as vit, pictures, progress as display
 from .recipe import Recipe
 
 EXIT_NON_FINITE = 3
@@ -51,6 +52,7 @@ class Parts:
     steps_per_epoch: int
     total_steps: int
     eval_split: str | None = None  # None: held out from train (data.eval_fraction)
+    position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
 
 
 class InterruptFlag:
@@ -150,7 +152,9 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     splits = data.load_splits(recipe.data, recipe.train.seed)
-    model = vit.build_model(recipe.model, splits.labels)
+    tables: dict = {}
+    model = vit.build_model(recipe.model, splits.labels,
+                            on_resample=lambda before, after: tables.update(before=before, after=after))
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
@@ -179,7 +183,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps, splits.eval_split)
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps, splits.eval_split,
+                 tables)
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -251,16 +256,27 @@ def run(recipe: Recipe) -> dict:
                     f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
                     + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
+        if parts.position_tables:
+            pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
+                                              output_dir / pictures.POSITION_FILE)
 
+    started = time.perf_counter()
     train_loop(accelerator, parts, recipe, state)
-    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
+    training_seconds = time.perf_counter() - started
+    predictions = evaluation.predict_split(parts.model, parts.eval_loader, accelerator, parts.normalize,
+                                           len(parts.labels))
+    metrics = evaluation.summarise(predictions, len(parts.labels))
+    metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
     state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
     if accelerator.is_main_process:
-        save_final(accelerator, parts, recipe, metrics, state)
+        info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
+                               state.history, training_seconds, resume_from)
+        draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
+        save_final(accelerator, parts, recipe, metrics, state, info, draw)
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
@@ -268,6 +284,13 @@ def run(recipe: Recipe) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
+
+
+def device_name(device: torch.device) -> str:
+    """For run_info.json and the card: the accelerator's model name, or the CPU and its usable cores."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
 
 
 def _eval_entry(metrics: dict) -> dict:
@@ -402,13 +425,14 @@ def _evaluate_during_training(accelerator: Accelerator, parts: Parts, state: che
         display.say(f"step {state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
 
 
-def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
+def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState,
+               info: dict | None = None, draw_pictures=None) -> None:
     output_dir = Path(recipe.output_dir)
     trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
-                             adapter_model=adapter)
+                             adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
         shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
         previous = checkpoint.latest_checkpoint(output_dir)
