@@ -15,6 +15,7 @@ transformers, datasets) is imported until a command needs it, so the help and th
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ EXIT_USAGE = 2
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
-        description="Fine-tune a Vision Transformer from a recipe. Subcommands: predict, push.",
+        description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
+                    "predict, evaluate, explain, push.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
@@ -37,13 +39,41 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="a trained output folder or a Hub model id")
+    parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
+
+
 def _predict_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m vit_finetune predict",
-                                     description="Top-5 labels and scores for each image.")
-    parser.add_argument("model", help="a trained output folder or a Hub model id")
-    parser.add_argument("images", nargs="+", help="image files")
+                                     description="Top-k labels and scores for each image; an unreadable image gets "
+                                                 "its error in its row and the rest go on.")
+    _add_model_options(parser)
+    parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
+    parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
+    parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
+    parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--top-k", type=int, default=5)
     return parser
+
+
+def _evaluate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vit_finetune evaluate",
+                                     description="Metrics of a saved model on a labelled split. With no --dataset: "
+                                                 "the run's own eval split, reproducing its metrics.json.")
+    _add_model_options(parser)
+    parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
+    parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
+    parser.add_argument("--output-dir", type=Path,
+                        help="also write metrics.json, confusion_matrix.png and misclassified.png here")
+    return parser
+
+
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def _push_parser() -> argparse.ArgumentParser:
@@ -98,20 +128,41 @@ def train_command(argv: list[str]) -> int:
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    missing = [image for image in args.images if not Path(image).is_file()]
-    if missing:
-        raise FileNotFoundError(f"image file(s) not found: {missing}")
-    from transformers import pipeline
+    from . import inference
 
-    from .data import decode_image
-    from .recipe import DataSettings
+    write = inference.writer_for(args.output)  # a wrong suffix or model path fails before anything loads
+    inference.model_location(args.model)
+    if bool(args.images) == bool(args.dataset):
+        raise ValueError("give image files/folders/globs, or --dataset D --split S (one of the two)")
+    sources = (inference.dataset_images(args.dataset, args.split) if args.dataset
+               else inference.collect_images(args.images))
+    model, processor = inference.load_classifier(args.model, _device(args.device))
+    unreadable: list[str] = []
 
-    classify = pipeline("image-classification", model=args.model, device=-1)
-    for image_path in args.images:
-        image = decode_image({"path": image_path, "bytes": None}, 0, DataSettings())
-        print(image_path)
-        for guess in classify(image, top_k=args.top_k):
-            print(f"  {guess['score']:.4f}  {guess['label']}")
+    def noting_errors(rows):
+        for row in rows:
+            if row["error"]:
+                unreadable.append(row["image"])
+            yield row
+
+    rows = noting_errors(inference.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
+    if write is None:
+        inference.write_text(rows)
+        return 0
+    count = write(rows, Path(args.output), min(args.top_k, model.config.num_labels))
+    print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
+                                                f"{unreadable[:5]}" if unreadable else ""))
+    return 0
+
+
+def evaluate_command(argv: list[str]) -> int:
+    args = _evaluate_parser().parse_args(argv)
+    from . import inference
+
+    metrics = inference.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
+                                       args.batch_size, _device(args.device), args.output_dir)
+    shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
+    print(json.dumps(shown, indent=1))
     return 0
 
 
@@ -167,10 +218,13 @@ def exit_code_for(error: BaseException) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"predict": predict_command, "push": push_command}
+    commands = {"predict": predict_command, "evaluate": evaluate_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
+    from . import progress
+
+    progress.configure()  # before the heavy libraries load: their bars follow the terminal / log-file choice
     try:
         return command(argv)
     except Exception as error:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, ViTConfig, ViTForImageClassification
 
-from .recipe import LoraSettings, ModelSettings
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, LoraSettings, ModelSettings
 
 # LoRA roles mapped to module-name suffixes under both transformers naming schemes:
 # 5.x: vit.layers.N.attention.q_proj / mlp.fc1 ; 4.x: vit.encoder.layer.N.attention.attention.query / intermediate.dense
@@ -32,8 +32,6 @@ ROLE_SUFFIXES = {
 HEAD_NAME = "classifier"
 
 
-BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
 class ModelError(ValueError):

@@ -50,8 +50,8 @@ def say(text: str) -> None:
 class LogLines:
     """The tqdm methods the training loop uses, printing one plain line per set_postfix (each logged step)."""
 
-    def __init__(self, total: int, initial: int = 0, desc: str = "train", disable: bool = False):
-        self.total, self.count, self.desc, self.disable = total, initial, desc, disable
+    def __init__(self, total: int, initial: int = 0, desc: str = "train", disable: bool = False, unit: str = "step"):
+        self.total, self.count, self.desc, self.disable, self.unit = total, initial, desc, disable, unit
         self.start = time.perf_counter()
 
     def update(self, steps: int = 1) -> None:
@@ -62,18 +62,18 @@ class LogLines:
             return
         elapsed = time.perf_counter() - self.start
         fields = " ".join(f"{key} {value}" for key, value in values.items())
-        print(f"{self.desc} step {self.count}/{self.total} ({100 * self.count / max(1, self.total):.0f}%) {fields} "
+        print(f"{self.desc} {self.unit} {self.count}/{self.total} ({100 * self.count / max(1, self.total):.0f}%) {fields} "
               f"[{elapsed:.0f}s]", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         pass
 
 
-def progress(total: int, initial: int = 0, desc: str = "train", enabled: bool = True):
+def progress(total: int, initial: int = 0, desc: str = "train", enabled: bool = True, unit: str = "step"):
     """A tqdm bar on a terminal, LogLines elsewhere; silent when disabled or quiet."""
     disable = not enabled or _quiet
     if interactive():
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True)
-    return LogLines(total, initial, desc, disable)
+        return tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True, unit=unit)
+    return LogLines(total, initial, desc, disable, unit)

@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
+ASSETS_DIR = PACKAGE_DIR / "assets"
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
