@@ -70,6 +70,20 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _explain_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vit_finetune explain",
+                                     description="Per image, a PNG with the image, where the model looked (a heat map "
+                                                 "over its patch grid) and its top predictions.")
+    _add_model_options(parser)
+    parser.add_argument("images", nargs="+", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
+    parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
+                        help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
+    parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
+    parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
+    parser.add_argument("--top-k", type=int, default=5)
+    return parser
+
+
 def _device(name: str) -> str:
     import torch
 
@@ -166,6 +180,20 @@ def evaluate_command(argv: list[str]) -> int:
     return 0
 
 
+def explain_command(argv: list[str]) -> int:
+    args = _explain_parser().parse_args(argv)
+    from . import inference
+
+    inference.model_location(args.model)
+    sources = inference.collect_images(args.images)
+    from .explain import explain_images
+
+    written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
+                             args.top_k)
+    print(f"{len(written)} picture(s) in {args.output_dir}")
+    return 0
+
+
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from .hub import push_folder
@@ -218,7 +246,8 @@ def exit_code_for(error: BaseException) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"predict": predict_command, "evaluate": evaluate_command, "push": push_command}
+    commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
+                "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
