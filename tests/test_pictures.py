@@ -161,3 +161,15 @@ def test_a_run_writes_its_pictures_and_shows_them_in_the_card(base, images, tmp_
     assert info["weights"] == "last step" and info["processes"] == 1 and info["device"].startswith("cpu")
     assert set(info["versions"]) == {"torch", "transformers", "peft", "accelerate", "datasets"}
     assert f'model="{output}"' in card and "github.com/)" not in card  # not pushed: the folder loads the model
+
+
+def test_card_usage_names_the_repo_when_pushed_and_the_folder_otherwise(tmp_path):
+    from vit_finetune.export import model_card, usage_id
+    from vit_finetune.recipe import load_recipe
+
+    metrics = {"accuracy": 0.5, "eval_samples": 4, "eval_split": "validation", "eval_carved_from_train": False}
+    pushed = load_recipe("demo", ["hub.push=true", "hub.repo_id=you/shapes"])
+    local = load_recipe("demo", ["hub.repo_id=you/shapes"])  # a repo id alone does not publish anything
+    assert usage_id(pushed, tmp_path) == "you/shapes" and usage_id(local, tmp_path) == str(tmp_path)
+    card = str(model_card(local, metrics, ["a", "b"], "shapes", False, usage_id(local, tmp_path)))
+    assert f'model="{tmp_path}"' in card and "https://github.com/" not in card
