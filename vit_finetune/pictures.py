@@ -101,9 +101,12 @@ def draw_confusion_matrix(matrix: list[list[int]], labels: list[str], path: Path
 
 
 def misclassified_positions(predicted: np.ndarray, references: np.ndarray, limit: int = MAX_MISCLASSIFIED) -> list[int]:
-    """Positions of the first `limit` wrong predictions (skipped images, label -1, are not mistakes)."""
+    """Positions of up to `limit` wrong predictions spread evenly over the split (which is often sorted by class),
+    so the grid shows many classes; skipped images (label -1) are not mistakes."""
     wrong = np.flatnonzero((predicted != references) & (references >= 0))
-    return wrong[:limit].tolist()
+    if len(wrong) <= limit:
+        return wrong.tolist()
+    return wrong[np.linspace(0, len(wrong) - 1, limit).round().astype(int)].tolist()
 
 
 def draw_misclassified(images: list, truths: list[str], guesses: list[str], path: Path) -> None:
