@@ -39,17 +39,18 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_model_options(parser: argparse.ArgumentParser) -> None:
+def _model_command_parser(command: str, description: str) -> argparse.ArgumentParser:
+    """The parser of a command that uses a trained model: its name, what it does, and the options all share."""
+    parser = argparse.ArgumentParser(prog=f"python -m vit_finetune {command}", description=description)
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
+    return parser
 
 
 def _predict_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vit_finetune predict",
-                                     description="Top-k labels and scores for each image; an unreadable image gets "
-                                                 "its error in its row and the rest go on.")
-    _add_model_options(parser)
+    parser = _model_command_parser("predict", "Top-k labels and scores for each image; an unreadable image gets "
+                                    "its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
     parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
@@ -59,10 +60,8 @@ def _predict_parser() -> argparse.ArgumentParser:
 
 
 def _evaluate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vit_finetune evaluate",
-                                     description="Metrics of a saved model on a labelled split. With no --dataset: "
-                                                 "the run's own eval split, reproducing its metrics.json.")
-    _add_model_options(parser)
+    parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
+                                    "the run's own eval split, reproducing its metrics.json.")
     parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
     parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
     parser.add_argument("--output-dir", type=Path,
@@ -71,10 +70,8 @@ def _evaluate_parser() -> argparse.ArgumentParser:
 
 
 def _explain_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vit_finetune explain",
-                                     description="Per image, a PNG with the image, where the model looked (a heat map "
-                                                 "over its patch grid) and its top predictions.")
-    _add_model_options(parser)
+    parser = _model_command_parser("explain", "Per image, a PNG with the image, where the model looked (a heat map "
+                                    "over its patch grid) and its top predictions.")
     parser.add_argument("images", nargs="+", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
                         help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
