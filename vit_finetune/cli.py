@@ -39,11 +39,12 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_command_parser(command: str, description: str) -> argparse.ArgumentParser:
+def _model_command_parser(command: str, description: str, batches: bool = True) -> argparse.ArgumentParser:
     """The parser of a command that uses a trained model: its name, what it does, and the options all share."""
     parser = argparse.ArgumentParser(prog=f"python -m vit_finetune {command}", description=description)
     parser.add_argument("model", help="a trained output folder or a Hub model id")
-    parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+    if batches:
+        parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
     return parser
 
@@ -71,7 +72,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
 
 def _explain_parser() -> argparse.ArgumentParser:
     parser = _model_command_parser("explain", "Per image, a PNG with the image, where the model looked (a heat map "
-                                    "over its patch grid) and its top predictions.")
+                                    "over its patch grid) and its top predictions.", batches=False)
     parser.add_argument("images", nargs="+", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
                         help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
