@@ -138,10 +138,11 @@ def test_a_wrong_output_format_is_refused_before_work(trained, photos, tmp_path,
 
 
 @pytest.mark.slow
-def test_predict_with_a_hub_model_id(trained, photos, hub, hub_env, hub_token, hub_repo_id, tmp_path):
+def test_predict_with_a_hub_model_id(trained, photos, hub, hub_env, hub_token, hub_repo_id, tmp_path, monkeypatch):
     from vit_finetune.hub import push_folder
 
-    push_folder(trained, hub_repo_id, token=hub_token)
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    push_folder(trained, hub_repo_id)
     result = run_cli("predict", hub_repo_id, str(photos / "red.png"), "--output", str(tmp_path / "h.csv"),
                      env=hub_env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -19,8 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
-
 
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -145,7 +143,7 @@ def predict_command(argv: list[str]) -> int:
     write = inference.writer_for(args.output)  # a wrong suffix or model path fails before anything loads
     inference.model_location(args.model)
     if bool(args.images) == bool(args.dataset):
-        raise ValueError("give image files/folders/globs, or --dataset D --split S (one of the two)")
+        raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
     sources = (inference.dataset_images(args.dataset, args.split) if args.dataset
                else inference.collect_images(args.images))
     model, processor = inference.load_classifier(args.model, _device(args.device))
@@ -194,55 +192,29 @@ def explain_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
-    from .hub import push_folder
-    from .recipe import read_yaml
+    from .hub import PushError, push_folder, require_token
+    from .recipe import RECIPE_FILE, read_yaml, validate
 
     output_dir = Path(args.output_dir)
-    saved = read_yaml(output_dir / "recipe.yaml").get("hub", {}) if (output_dir / "recipe.yaml").is_file() else {}
+    saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
     repo_id = args.repo_id or saved.get("repo_id")
     if not repo_id:
-        raise ValueError("no repo id: pass --repo-id namespace/name")
-    from .recipe import HubSettings
-
-    HubSettings(repo_id=repo_id)  # same validation as in recipes
+        raise PushError("no repo id: pass --repo-id namespace/name")
+    validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
     private = args.private if args.private is not None else bool(saved.get("private", False))
     from .export import METRICS_FILE
-    from .hub import require_token
 
     if not (output_dir / METRICS_FILE).is_file():
-        raise FileNotFoundError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
-    print(f"pushed to {push_folder(output_dir, repo_id, private, token=require_token('push'))}")
+        raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
+    require_token("push")  # the message speaks of this command, not of hub.push=true
+    print(f"pushed to {push_folder(output_dir, repo_id, private)}")
     return 0
 
 
-# The errors a user can cause, by (module, class), with their exit codes (None: the error carries its own).
-# They are looked up only in modules already imported: an unloaded module raised nothing, and importing the
-# training modules here would cost seconds on every `--help`.
-USER_ERRORS = {
-    ("vit_finetune.recipe", "RecipeError"): EXIT_USAGE,
-    ("pydantic", "ValidationError"): EXIT_USAGE,
-    ("vit_finetune.train", "NonFiniteLoss"): None,
-    ("vit_finetune.train", "Interrupted"): None,
-    ("vit_finetune.train", "RunError"): 1,
-    ("vit_finetune.model", "ModelError"): 1,
-    ("vit_finetune.data", "DataError"): 1,
-    ("vit_finetune.checkpoint", "CheckpointError"): 1,
-    ("vit_finetune.hub", "PushError"): 1,
-    ("builtins", "FileNotFoundError"): 1,
-    ("builtins", "ValueError"): 1,
-}
-
-
-def exit_code_for(error: BaseException) -> int | None:
-    """The exit code of a user's mistake, or None for a bug (which keeps its traceback)."""
-    for (module_name, class_name), code in USER_ERRORS.items():
-        error_type = getattr(sys.modules.get(module_name), class_name, None)
-        if error_type is not None and isinstance(error, error_type):
-            return error.exit_code if code is None else code
-    return None
-
-
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
+    from .errors import VitFinetuneError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
                 "push": push_command}
@@ -254,12 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     progress.configure()  # before the heavy libraries load: their bars follow the terminal / log-file choice
     try:
         return command(argv)
-    except Exception as error:
-        code = exit_code_for(error)
-        if code is None:
-            raise
+    except VitFinetuneError as error:
         print(f"error: {error}", file=sys.stderr)
-        return code
+        return error.exit_code
 
 
 def main_exit() -> None:

@@ -14,7 +14,7 @@ import evaluate
 import numpy as np
 import torch
 
-from .data import SKIPPED_LABEL
+from .data import SKIPPED_LABEL, DataError
 
 TOP_K = 5
 
@@ -136,7 +136,7 @@ def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     """The reported metrics; the places of images skipped as bad are left out and counted."""
     kept = predictions.kept
     if not kept.any():
-        raise ValueError("the eval split is empty (every image was skipped or the split has no rows)")
+        raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
     metrics = compute_metrics(predictions.ranked[kept].numpy(), predictions.references[kept].numpy(), num_classes)
     metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())

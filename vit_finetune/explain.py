@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import VitFinetuneError
+
 METHODS = ("rollout", "gradient")
 # Families whose attention does not span the whole image: a rollout over all patches is not defined there.
 UNSUPPORTED = {
@@ -23,6 +25,10 @@ UNSUPPORTED = {
     "swinv2": "Swin V2 attends within local windows (shifted between layers), so no token attends to the whole image",
 }
 MEAN_POOLED = {"siglip", "siglip_vision_model"}  # besides any config with use_mean_pooling (BEiT, Data2Vec-vision)
+
+
+class ExplainError(VitFinetuneError):
+    """A model or class that explain cannot draw, with the reason."""
 
 
 @dataclass
@@ -38,7 +44,7 @@ def check_supported(config) -> None:
     vision = getattr(config, "vision_config", None) or config
     for model_type in (config.model_type, vision.model_type):
         if model_type in UNSUPPORTED:
-            raise ValueError(f"explain does not support {config.model_type!r} models: {UNSUPPORTED[model_type]}")
+            raise ExplainError(f"explain does not support {config.model_type!r} models: {UNSUPPORTED[model_type]}")
 
 
 def token_layout(config, tokens: int) -> TokenLayout:
@@ -48,7 +54,7 @@ def token_layout(config, tokens: int) -> TokenLayout:
     grid = vision.image_size // vision.patch_size
     prefix = tokens - grid * grid
     if prefix < 0:
-        raise ValueError(f"{tokens} tokens cannot hold a {grid}x{grid} patch grid; explain cannot map this model")
+        raise ExplainError(f"{tokens} tokens cannot hold a {grid}x{grid} patch grid; explain cannot map this model")
     mean_pooled = (bool(getattr(vision, "use_mean_pooling", False)) or config.model_type in MEAN_POOLED
                    or vision.model_type in MEAN_POOLED or prefix == 0)
     return TokenLayout(prefix, grid, mean_pooled)
@@ -96,7 +102,7 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
     with torch.set_grad_enabled(method == "gradient"):
         outputs = model(pixel_values=pixels, output_attentions=True)
     if not outputs.attentions:
-        raise ValueError("the model returned no attention weights; load it with attn_implementation='eager'")
+        raise ExplainError("the model returned no attention weights; load it with attn_implementation='eager'")
     attentions = outputs.attentions
     probabilities = outputs.logits[0].detach().float().softmax(-1)
     values, indices = probabilities.topk(min(top_k, probabilities.numel()))
@@ -155,7 +161,7 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
     model, processor = load_classifier(model_name, device, eager_attention=True)
     check_supported(model.config)  # before any image is read
     if label is not None and label not in model.config.label2id:
-        raise ValueError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
+        raise ExplainError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
     vision = getattr(model.config, "vision_config", None) or model.config
     output_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -12,12 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from .errors import VitFinetuneError
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
 # fail in a fraction of a second, before seconds of imports.
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+class InputError(VitFinetuneError):
+    """A model, image or output that cannot be used as given; the message names it and the fix."""
 
 
 @dataclass
@@ -38,18 +43,18 @@ def model_location(name: str) -> str:
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{name} is a folder but holds no config.json: not a saved model. "
+            raise InputError(f"{name} is a folder but holds no config.json: not a saved model. "
                                     "Give a run's output_dir or a Hub model id")
         return str(path)
     not_found = f"folder not found: {name}"
     looks_local = (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1
                    or path.parent != Path(".") and path.parent.is_dir() or not REPO_ID_PATTERN.match(name))
     if looks_local:
-        raise FileNotFoundError(f"{not_found}. Give an existing output folder, or a Hub model id such as "
+        raise InputError(f"{not_found}. Give an existing output folder, or a Hub model id such as "
                                 "google/vit-base-patch16-224")
     problem = _hub_problem(name)
     if problem:
-        raise FileNotFoundError(f"{not_found}, and {problem}. Give an existing output folder or a Hub model id")
+        raise InputError(f"{not_found}, and {problem}. Give an existing output folder or a Hub model id")
     return name
 
 
@@ -80,7 +85,7 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
         model = AutoModelForImageClassification.from_pretrained(location, **extra)
         processor = AutoImageProcessor.from_pretrained(location)
     except (OSError, ValueError) as error:
-        raise FileNotFoundError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
+        raise InputError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
     return model.to(device).eval(), processor
 
 
@@ -100,7 +105,7 @@ def collect_images(specs: list[str]) -> list[ImageSource]:
             unmatched.append(spec)
         found.update(dict.fromkeys(matches))
     if unmatched:
-        raise FileNotFoundError(f"no image file found for {unmatched}: give files, folders or globs such as 'photos/*.jpg'")
+        raise InputError(f"no image file found for {unmatched}: give files, folders or globs such as 'photos/*.jpg'")
     return [ImageSource(path, {"path": path, "bytes": None}) for path in found]
 
 
@@ -211,7 +216,7 @@ def writer_for(output: str | None):
         return None
     suffix = Path(output).suffix.lower()
     if suffix not in WRITERS:
-        raise ValueError(f"--output {output!r}: unknown format {suffix or '(no suffix)'!r}; use a name ending in "
+        raise InputError(f"--output {output!r}: unknown format {suffix or '(no suffix)'!r}; use a name ending in "
                          f"{' or '.join(WRITERS)}")
     return WRITERS[suffix]
 
@@ -254,7 +259,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     if dataset is None:
         recipe_file = Path(model_location(name)) / "recipe.yaml"
         if not recipe_file.is_file():
-            raise FileNotFoundError(f"{name} holds no recipe.yaml, so its eval split is unknown; "
+            raise InputError(f"{name} holds no recipe.yaml, so its eval split is unknown; "
                                     "pass --dataset D --split S")
         recipe = load_recipe(str(recipe_file))
         splits = data.load_splits(recipe.data, recipe.train.seed)
