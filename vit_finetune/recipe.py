@@ -117,6 +117,9 @@ class TrainSettings(Strict):
     resume: str | None = Field(None, description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
         [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
+        [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
+                        "(files in output_dir/runs); each needs its package installed")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

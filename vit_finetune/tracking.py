@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .callbacks import Callback
+from .errors import VitFinetuneError
 
 TRACKER_DIR = "runs"  # under output_dir: where file-based trackers (tensorboard) write
 # Each tracker: the package it needs (checked before the run starts) and how it takes a picture, if it can.
@@ -31,8 +32,8 @@ TRACKERS = {
 }
 
 
-class TrackerMissing(Exception):
-    pass
+class TrackerMissing(VitFinetuneError):
+    """train.report_to names a tracker whose package is not installed."""
 
 
 def check_trackers(names: list[str]) -> None:
@@ -42,6 +43,11 @@ def check_trackers(names: list[str]) -> None:
         packages = " ".join(TRACKERS[name]["package"] for name in missing)
         raise TrackerMissing(f"train.report_to={names} needs {packages!r}, which is not installed. "
                              f"Fix: pip install {packages}, or leave {missing} out of train.report_to")
+
+
+def callbacks_for(names: list[str]) -> list[Callback]:
+    """The callback that feeds the trackers, when train.report_to names any."""
+    return [TrackingCallback(names)] if names else []
 
 
 def flat_hyperparameters(recipe) -> dict:

@@ -18,9 +18,9 @@ from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
-from . import checkpoint, data, evaluation, export, hub, model as vit, pictures, progress as display
+from . import checkpoint, data, evaluation, export, hub, model as vit, pictures, progress as display, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import any_process, sum_over_processes
@@ -104,6 +104,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
+        # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
+        log_with=t.report_to or None,
+        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
     )
     return accelerator
 
@@ -237,6 +240,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
+    tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
@@ -264,7 +268,8 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
                                               output_dir / pictures.POSITION_FILE)
 
-    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList([*REGISTERED, *callbacks])
+    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList(
+        [*REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
     started = time.perf_counter()
     train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
