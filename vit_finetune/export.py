@@ -253,9 +253,11 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
 def clear_previous_run(output_dir: Path) -> None:
     """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
     from .checkpoint import CHECKPOINTS
+    from .tracking import TRACKER_DIR
 
     for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
-                 CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, STAGING):
+                 CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, TRACKER_DIR,
+                 STAGING):
         path = Path(output_dir) / name
         if path.is_dir():
             shutil.rmtree(path)

@@ -54,13 +54,15 @@ class ModelSettings(Strict):
         "the pretrained ViT: a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: int = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
-    lora: LoraSettings | None = Field(None, description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
+    lora: LoraSettings | None = Field(None,
+        description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
     head_init: Literal["zero", "random"] = Field(
         "zero", description="new classifier head: zero (big_vision's choice: start from uniform predictions) or random")
     pretrained: bool = Field(
         True, description="false = the same architecture from random weights, a baseline to compare against")
     revision: str | None = Field(None, description="Hub branch, tag or commit of model.base; null = main")
-    trust_remote_code: bool = Field(False, description="run the base's own Python code from the Hub; off unless you trust it")
+    trust_remote_code: bool = Field(False,
+        description="run the base's own Python code from the Hub; off unless you trust it")
     compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
 
 
@@ -72,18 +74,23 @@ class DataSettings(Strict):
     eval_split: str | None = Field("validation", description=(
         "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
         "(a dataset with only train/test uses test)"))
-    eval_fraction: float = Field(0.1, gt=0, lt=1, description="share of train held out (stratified, seeded) when there is no eval split")
+    eval_fraction: float = Field(0.1, gt=0, lt=1,
+        description="share of train held out (stratified, seeded) when there is no eval split")
     image_column: str | None = Field(None, description="column holding the images; null = detect")
     label_column: str | None = Field(None, description="column holding the labels; null = detect")
-    max_train_samples: int | None = Field(None, gt=0, description="train on a seeded random subset of this size; null = all")
-    max_eval_samples: int | None = Field(None, gt=0, description="evaluate on a seeded random subset of this size; null = all")
+    max_train_samples: int | None = Field(None, gt=0,
+        description="train on a seeded random subset of this size; null = all")
+    max_eval_samples: int | None = Field(None, gt=0,
+        description="evaluate on a seeded random subset of this size; null = all")
     crop_scale: tuple[float, float] = Field(
         (0.05, 1.0), description="random-resized-crop area range [low, high] as shares of the image (original ViT recipe)")
     horizontal_flip: bool = Field(True, description="flip training crops left-right with probability 0.5")
     skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
     min_image_side: int = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
-    max_image_pixels: int = Field(89_478_485, gt=0, description="larger images are refused (PIL's decompression-bomb limit)")
-    num_workers: int | None = Field(None, ge=0, description="DataLoader decode processes; null = chosen from the CPU count and the device")
+    max_image_pixels: int = Field(89_478_485, gt=0,
+        description="larger images are refused (PIL's decompression-bomb limit)")
+    num_workers: int | None = Field(None, ge=0,
+        description="DataLoader decode processes; null = chosen from the CPU count and the device")
 
     @field_validator("crop_scale")
     @classmethod
@@ -98,23 +105,33 @@ class TrainSettings(Strict):
     epochs: int = Field(1, gt=0, description="passes over the training split")
     max_steps: int | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
     batch_size: int = Field(32, gt=0, description="images per device per forward pass")
-    grad_accum: int = Field(1, gt=0, description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
+    grad_accum: int = Field(1, gt=0,
+        description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
     # Beyond 1e6 the lr overflows inside the optimiser.
-    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False, description="peak learning rate, reached after the warm-up")
+    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
+        description="peak learning rate, reached after the warm-up")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
-    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
+    weight_decay: float = Field(0.0, ge=0,
+        description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
     warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
-    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="lr decay after the warm-up: cosine, linear or constant")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm to this; null = no clipping")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
+        description="lr decay after the warm-up: cosine, linear or constant")
+    max_grad_norm: float | None = Field(1.0, gt=0,
+        description="clip the global gradient norm to this; null = no clipping")
     label_smoothing: float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
     seed: int = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no", description="no, bf16 or fp16 autocast; weights stay float32")
-    log_every_steps: int = Field(10, gt=0, description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
-    eval_every_steps: int | None = Field(None, gt=0, description="evaluate every this many steps; null = at the end of every epoch")
-    checkpoint_every_steps: int | None = Field(None, gt=0, description="save a resumable checkpoint every this many steps; null = none")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
+        description="no, bf16 or fp16 autocast; weights stay float32")
+    log_every_steps: int = Field(10, gt=0,
+        description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
+    eval_every_steps: int | None = Field(None, gt=0,
+        description="evaluate every this many steps; null = at the end of every epoch")
+    checkpoint_every_steps: int | None = Field(None, gt=0,
+        description="save a resumable checkpoint every this many steps; null = none")
     keep_checkpoints: int = Field(2, gt=0, description="how many of the newest checkpoints to keep")
-    resume: str | None = Field(None, description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
+    resume: str | None = Field(None,
+        description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
         [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
     report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
@@ -128,7 +145,8 @@ class TrainSettings(Strict):
 
 
 class HubSettings(Strict):
-    push: bool = Field(False, description="upload the finished output folder to the Hub (needs a token and hub.repo_id)")
+    push: bool = Field(False,
+        description="upload the finished output folder to the Hub (needs a token and hub.repo_id)")
     repo_id: str | None = Field(None, description="namespace/name of the Hub model repo to push to")
     private: bool = Field(False, description="create the Hub repo as private")
 
