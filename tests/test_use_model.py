@@ -18,11 +18,11 @@ from vit_finetune.cli import main
 
 
 @pytest.fixture(scope="module")
-def trained(base, images, tmp_path_factory) -> Path:
+def trained(args, tmp_path_factory) -> Path:
+    from runs import train
+
     output = tmp_path_factory.mktemp("use") / "run"
-    result = run_cli(f"model.base={base}", f"data.dataset={images}", f"output_dir={output}", "model.image_size=32",
-                     "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "data.num_workers=0")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert train([*args, f"output_dir={output}"]) == 0
     return output
 
 
