@@ -140,12 +140,12 @@ def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
     from . import inference
 
-    write = inference.writer_for(args.output)  # a wrong suffix or model path fails before anything loads
-    inference.model_location(args.model)
+    write = inference.writer_for(args.output)  # a wrong suffix, image or model path fails before anything loads
     if bool(args.images) == bool(args.dataset):
         raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
-    sources = (inference.dataset_images(args.dataset, args.split) if args.dataset
-               else inference.collect_images(args.images))
+    sources = None if args.dataset else inference.collect_images(args.images)
+    inference.model_location(args.model)
+    sources = sources or inference.dataset_images(args.dataset, args.split)
     model, processor = inference.load_classifier(args.model, _device(args.device))
     unreadable: list[str] = []
 
@@ -180,8 +180,8 @@ def explain_command(argv: list[str]) -> int:
     args = _explain_parser().parse_args(argv)
     from . import inference
 
-    inference.model_location(args.model)
     sources = inference.collect_images(args.images)
+    inference.model_location(args.model)
     from .explain import explain_images
 
     written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),

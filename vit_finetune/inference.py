@@ -105,7 +105,7 @@ def collect_images(specs: list[str]) -> list[ImageSource]:
             unmatched.append(spec)
         found.update(dict.fromkeys(matches))
     if unmatched:
-        raise InputError(f"no image file found for {unmatched}: give files, folders or globs such as 'photos/*.jpg'")
+        raise InputError(f"image file(s) not found: {unmatched}; give files, folders or globs such as 'photos/*.jpg'")
     return [ImageSource(path, {"path": path, "bytes": None}) for path in found]
 
 
