@@ -10,20 +10,26 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
+                                                            get_image_processor_class_from_name)
 
-from .families import FAMILIES, Family, Geometry
+from .errors import VitFinetuneError
+from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
-from .recipe import LoraSettings, ModelSettings
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, LoraSettings, ModelSettings
 
-BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+# The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
+# pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
+# warning, and a machine with torchvision does not resize slightly differently from the one that measured.
+IMAGE_PROCESSOR_BACKEND = "pil"
 
 
-class ModelError(ValueError):
+class ModelError(VitFinetuneError):
     """A base model that this toolkit cannot fine-tune as asked."""
 
 
@@ -53,10 +59,10 @@ def family_of(config: PretrainedConfig, base: str = "") -> Family:
 
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     """Fetch only config.json and check the base is a supported family the target size suits, before any weights move."""
+    location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
     try:
-        config = AutoConfig.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ModelError(
             f"model.base={settings.base!r} could not be loaded: {error}\n"
@@ -127,11 +133,27 @@ def geometry(family: Family, base: PretrainedConfig, target: PretrainedConfig) -
     return Geometry((old, old), (new, new), family.window(base), family.window(target))
 
 
-def build_model(settings: ModelSettings, labels: list[str]) -> PreTrainedModel:
-    """Pretrained model at `settings.image_size` with a new head for `labels` (LoRA not yet applied)."""
+def absolute_table(family: Family, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The family's absolute position table as (1, rows, D), if the model has one (Swin, most BEiTs: none)."""
+    suffixes = tuple(r.suffix for r in family.position if isinstance(r, AbsoluteTable))
+    table = next((t for k, t in state.items() if suffixes and k.endswith(suffixes)), None)
+    return None if table is None else table.detach().reshape(1, -1, table.shape[-1]).clone()
+
+
+def build_model(settings: ModelSettings, labels: list[str],
+                on_resample: Callable[[torch.Tensor | None, torch.Tensor], None] | None = None) -> PreTrainedModel:
+    """Pretrained model at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
+
+    `on_resample(before, after)` receives the absolute position table as loaded and as resampled (before is None
+    for a model from random weights), e.g. to draw them; it is not called for a family without one.
+    """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
-        return family_of(config).model_class()(config).float()
+        model = family_of(config).model_class()(config).float()
+        after = absolute_table(family_of(config), model.state_dict())
+        if on_resample is not None and after is not None:
+            on_resample(None, after)
+        return model
     family = family_of(load_base_config(settings), settings.base)
     pretrained = load_pretrained(settings, family)
     config = target_config(pretrained.config, settings, labels)
@@ -139,9 +161,12 @@ def build_model(settings: ModelSettings, labels: list[str]) -> PreTrainedModel:
 
     # What the family initialises with the head (BEiT's pooling norm) is in `pretrained`: loaded, or fresh there.
     state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(f"{family.head}.")}
+    before = absolute_table(family, state)
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
         resize(state, moved)
+    if on_resample is not None and before is not None:
+        on_resample(before, absolute_table(family, state))
     state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model
@@ -181,15 +206,17 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings):
 
 
 def load_image_processor(settings: ModelSettings, image_size: int):
-    """The base's image processor resized to the target resolution (mean/std kept from the base)."""
+    """The base's image processor, PIL backend, resized to the target resolution (mean/std kept from the base)."""
+    location = base_location(settings)
     try:
-        processor = AutoImageProcessor.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
-    except OSError:
-        from transformers import ViTImageProcessor
-
-        processor = ViTImageProcessor()  # the ViT default: mean = std = 0.5
+        processor = AutoImageProcessor.from_pretrained(location, revision=settings.revision,
+                                                       trust_remote_code=settings.trust_remote_code,
+                                                       backend=IMAGE_PROCESSOR_BACKEND)
+    except OSError:  # the base has no preprocessor_config.json: its family's defaults (ViT: mean = std = 0.5)
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
+        family = IMAGE_PROCESSOR_MAPPING_NAMES[config.model_type]
+        processor = get_image_processor_class_from_name(family[IMAGE_PROCESSOR_BACKEND])()
     processor.size = {"height": image_size, "width": image_size}
     if getattr(processor, "crop_size", None):
         processor.crop_size = {"height": image_size, "width": image_size}
@@ -208,10 +235,6 @@ def is_lora(model: nn.Module) -> bool:
 def merged_copy(model: nn.Module) -> PreTrainedModel:
     """A plain transformers model with LoRA folded into the weights (the adapter model is left intact)."""
     return copy.deepcopy(model).merge_and_unload()
-
-
-def saved_config_path(folder: Path) -> Path:
-    return Path(folder) / "config.json"
 
 
 def describe(config: PretrainedConfig) -> str:
