@@ -232,6 +232,16 @@ def test_describe_reads_each_familys_own_config_keys(model_type, expected):
     assert vit.describe(config) == expected
 
 
+def test_the_resample_hook_sees_the_familys_absolute_table_and_skips_families_without_one(bases):
+    seen = []
+    vit.build_model(ModelSettings(base=str(bases["clip"]), image_size=64), LABELS,
+                    on_resample=lambda before, after: seen.append((before.shape, after.shape)))
+    assert seen == [((1, 1 + 8 * 8, 32), (1, 1 + 16 * 16, 32))]  # the nn.Embedding weight, as (1, rows, D)
+    vit.build_model(ModelSettings(base=str(bases["swin"]), image_size=64), LABELS,
+                    on_resample=lambda before, after: seen.append("swin"))
+    assert "swin" not in seen
+
+
 def test_report_measured_differences():
     """Prints the invariant's measured differences (run with -s); runs last in this file."""
     for model_type, difference in MEASURED.items():
