@@ -11,18 +11,19 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
-from . import augment, checkpoint, data, evaluation, export, hub, model as vit
+from . import augment, checkpoint, data, evaluation, export, hub, model as vit, pictures, progress as display, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
+from .families import NO_WEIGHT_DECAY
 from .processes import any_process, sum_over_processes
 from .recipe import Recipe, write_recipe
 
@@ -57,6 +58,8 @@ class Parts:
     steps_per_epoch: int
     total_steps: int
     recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
+    eval_split: str | None = None  # None: held out from train (data.eval_fraction)
+    position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
 
 
 class InterruptFlag:
@@ -104,6 +107,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
+        # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
+        log_with=t.report_to or None,
+        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
     )
     return accelerator
 
@@ -111,7 +117,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
     parameters = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay on biases, norms, CLS and position embeddings (the usual ViT practice).
+    # No weight decay on biases, norms, tokens and position tables (the usual ViT practice, across the family).
     decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
     no_decay = [p for p in parameters if all(p is not q for q in decay)]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -121,7 +127,8 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
 
 
 def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
-    return any(parameter is p for n, p in model.named_parameters() if n.endswith("position_embeddings"))
+    """A position table or token of any family (families.NO_WEIGHT_DECAY), also under a LoRA wrapper's names."""
+    return any(parameter is p for n, p in model.named_parameters() if NO_WEIGHT_DECAY.search(n))
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -156,7 +163,9 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     splits = data.load_splits(recipe.data, recipe.train.seed)
-    model = vit.build_model(recipe.model, splits.labels)
+    tables: dict = {}
+    model = vit.build_model(recipe.model, splits.labels,
+                            on_resample=lambda before, after: tables.update(before=before, after=after))
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
@@ -189,7 +198,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                                              accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps,
-                 as_run)
+                 as_run, splits.eval_split, tables)
 
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
@@ -252,6 +261,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
+    tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
@@ -271,19 +281,29 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_recipe(parts.recipe_as_run, output_dir)
         trainable, total = vit.count_parameters(parts.model)
-        print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
-              f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
-              + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
+                    f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
+                    + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
+        if parts.position_tables:
+            pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
+                                              output_dir / pictures.POSITION_FILE)
 
-    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList([*REGISTERED, *callbacks])
+    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList(
+        [*REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    started = time.perf_counter()
     train_loop(training, hooks)
-    metrics = evaluate(training, hooks)
+    training_seconds = time.perf_counter() - started
+    metrics, predictions = evaluate(training, hooks)
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
-        save_final(accelerator, parts, parts.recipe_as_run, metrics, state)
+        info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
+                               state.history, training_seconds, resume_from)
+        draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
+        save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw)
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
@@ -291,6 +311,13 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
+
+
+def device_name(device: torch.device) -> str:
+    """For run_info.json and the card: the accelerator's model name, or the CPU and its usable cores."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
 
 
 def _eval_entry(metrics: dict) -> dict:
@@ -303,8 +330,8 @@ class TrainLog:
 
     def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, total_steps: int):
         self.accelerator = accelerator
-        self.progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
-                             desc="train", dynamic_ncols=True)
+        # A redrawn bar on a terminal, one plain line per log entry in a log file or CI, nothing with --quiet.
+        self.progress = display.progress(total_steps, state.step, "train", enabled=accelerator.is_main_process)
         # Skipped images are counted per process and summed over processes only where the count is saved (each
         # checkpoint, the end): reading a count back every step would sync host and device.
         self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
@@ -461,29 +488,34 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def evaluate(run: TrainingRun, callbacks: Callback) -> dict:
-    """Metrics of the current weights on the eval split, added to the history and passed to the callbacks."""
+def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
+    """Metrics of the current weights on the eval split (labelled, with what the split was), added to the history
+    and passed to the callbacks; and the per-image predictions behind them, for the pictures."""
     parts = run.parts
-    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
-                                        len(parts.labels))
+    predictions = evaluation.predict_split(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
+                                           len(parts.labels))
+    metrics = evaluation.summarise(predictions, len(parts.labels))
+    metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
+    metrics.update(evaluation.eval_split_fields(parts.eval_split))
     run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **_eval_entry(metrics)})
     callbacks.on_evaluate(run, metrics)
-    return metrics
+    return metrics, predictions
 
 
 def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
-    metrics = evaluate(run, callbacks)
+    metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
-        tqdm.write(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+        display.say(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
 
 
-def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
+def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState,
+               info: dict | None = None, draw_pictures=None) -> None:
     output_dir = Path(recipe.output_dir)
     trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
-                             adapter_model=adapter)
+                             adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
         shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
         previous = checkpoint.latest_checkpoint(output_dir)
