@@ -90,10 +90,10 @@ def test_every_colour_mode_decodes_to_rgb(mode):
     assert image.mode == "RGB" and image.size == (9, 7)
 
 
-def test_transparent_pixels_become_white():
+def test_transparent_pixels_keep_their_colour_as_pipeline_reads_them():
     rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
     image = data.decode_image({"bytes": png_bytes(rgba), "path": None}, 0, DataSettings())
-    assert image.getpixel((0, 0)) == (255, 255, 255)
+    assert image.getpixel((0, 0)) == (255, 0, 0)  # alpha dropped, as transformers' load_image drops it
 
 
 def bad_samples(tmp_path: Path) -> dict[str, dict]:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .recipe import DataSettings
@@ -197,17 +197,19 @@ def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Ima
         ) from None
 
 
+# 16-bit greyscale modes: convert("RGB") clips them at 255 (an almost white image); they are scaled instead.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Grey, palette, CMYK and alpha images as RGB; transparency is composited on white, as browsers show it."""
-    if image.mode == "RGB":
-        return image
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA"):
-        background = Image.new("RGB", image.size, (255, 255, 255))
-        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
-        return background
-    return image.convert("RGB")
+    """RGB pixels as `pipeline()` reads a file (transformers' load_image): EXIF orientation applied, then
+    convert("RGB"), which drops alpha and maps grey, palette and CMYK. One exception: 16-bit grey is scaled to
+    8 bits (load_image clips it); `predict` decodes with this function, so its pixels match evaluation."""
+    ImageOps.exif_transpose(image, in_place=True)
+    if image.mode in SIXTEEN_BIT_MODES:
+        sixteen = np.asarray(image, dtype=np.uint16)
+        image = Image.fromarray(np.round(sixteen / 257.0).astype(np.uint8))  # mode L
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
