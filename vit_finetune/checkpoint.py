@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from .recipe import Recipe, flatten
+from .recipe import Recipe, excerpt, flatten
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -176,7 +176,7 @@ def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     defaults = flatten(Recipe().model_dump(mode="json"))
     allowed = NEUTRAL_KEYS | set(recipe.train.resume_ignore_changes)
     return sorted(
-        f"{key}: {saved.get(key, defaults.get(key))!r} -> {current.get(key)!r}"
+        f"{key}: {excerpt(saved.get(key, defaults.get(key)))} -> {excerpt(current.get(key))}"
         for key in set(saved) | set(current)
         if key not in allowed and saved.get(key, defaults.get(key)) != current.get(key)
     )

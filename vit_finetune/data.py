@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .recipe import DataSettings
+from .recipe import DataSettings, excerpt
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
@@ -71,6 +72,7 @@ def open_dataset(settings: DataSettings):
         if source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
         elif source.is_dir():
+            check_image_folder_layout(source, settings.dataset)
             loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
         elif source.exists() or settings.dataset.startswith((".", "/", "~")):
             raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
@@ -86,6 +88,46 @@ def open_dataset(settings: DataSettings):
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({settings.train_split: loaded})
     return loaded
+
+
+def names_a_split(folder_name: str) -> bool:
+    """Whether datasets' imagefolder reads a top-level folder of this name as a split (train, test, val, ...)."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    first_word = re.split(r"[-._ ]", folder_name)[0]
+    return any(first_word == word for words in SPLIT_KEYWORDS.values() for word in words)
+
+
+def check_image_folder_layout(root: Path, name: str) -> None:
+    """Refuse, saying what is wrong, the class-folder layouts that imagefolder would misread without a word."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    if any(root.rglob("metadata.*")):  # labels may then come from the metadata file, at any depth
+        return
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    splits = [f for f in folders if names_a_split(f)]
+    classes = [f for f in folders if not names_a_split(f)]
+    if splits and classes:
+        raise DataError(
+            f"data.dataset={excerpt(name)}: the folder holds class folders {excerpt(classes)} beside {splits}, which "
+            f"datasets reads as a split, not a class. Fix: rename the class folder {splits[0]!r} (e.g. "
+            f"'{splits[0]}_class'), or put all classes under train/ (and validation/ or test/)"
+        )
+    extensions = set(ImageFolder.EXTENSIONS)
+    for split_root in [root / f for f in splits] or [root]:
+        examples: dict[int, Path] = {}  # images' depth below the split -> one of them
+        for path in split_root.rglob("*"):
+            relative = path.relative_to(split_root)
+            if path.suffix.lower() in extensions and not any(part.startswith((".", "__")) for part in relative.parts):
+                examples.setdefault(len(relative.parts), relative)
+        if len(examples) > 1:
+            found = ", ".join(f"'{example.as_posix()}'" for _, example in sorted(examples.items()))
+            raise DataError(
+                f"data.dataset={excerpt(name)}: images sit at different depths below {str(split_root)!r} (e.g. {found}); "
+                "each image's label is the folder that holds it only when all images are one folder deep, so "
+                "datasets would drop the labels. Fix: one folder per class holding its images directly, "
+                "e.g. red/1.png, green/2.png (move nested folders up, or make each its own class folder)"
+            )
 
 
 def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[str, ...], feature_type: type) -> str:

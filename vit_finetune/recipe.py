@@ -8,17 +8,42 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# A recipe has ~60 keys. A YAML alias bomb ("billion laughs") loads in milliseconds as shared references, then
+# expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.
+MAX_RECIPE_VALUES = 10_000
+MAX_RECIPE_BYTES = 1_000_000
+EXCERPT = reprlib.Repr()
+EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
+EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
+
+
+def excerpt(value: Any) -> str:
+    """A short repr for messages: never the whole of a huge or deeply nested value (reprlib stops early)."""
+    return EXCERPT.repr(value)
+
+
+def _not_a_bool(value: Any) -> Any:
+    # YAML reads `true` as a bool, and pydantic's lax mode would take it as 1 for a number.
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number; give a number")
+    return value
+
+
+# Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
 class RecipeError(ValueError):
@@ -26,24 +51,26 @@ class RecipeError(ValueError):
 
     def __init__(self, problems: list[str], source: str = "recipe"):
         self.problems = problems
+        source = source if len(source) <= 300 else excerpt(source)
         super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No path, id or name is longer than PATH_MAX: a longer string is a mistake, and would flood every message.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, str_max_length=4096)
 
 
 class LoraSettings(Strict):
-    r: int = Field(16, gt=0, description="rank: higher = more capacity, more memory")
-    alpha: float = Field(16, gt=0, description="scale of the update is alpha / r")
-    dropout: float = Field(0.1, ge=0, lt=1)
+    r: StrictInt = Field(16, gt=0, description="rank: higher = more capacity, more memory")
+    alpha: Float = Field(16, gt=0, description="scale of the update is alpha / r")
+    dropout: Float = Field(0.1, ge=0, lt=1)
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
     target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = ["query", "value"]
 
 
 class ModelSettings(Strict):
     base: str = "google/vit-base-patch16-224"
-    image_size: int = Field(384, gt=0)
+    image_size: StrictInt = Field(384, gt=0)
     lora: LoraSettings | None = None
     head_init: Literal["zero", "random"] = "zero"  # zero = big_vision's choice: start from uniform predictions
     pretrained: bool = True  # false = the same architecture from random weights, a baseline to compare against
@@ -56,17 +83,17 @@ class DataSettings(Strict):
     dataset: str = "ethz/food101"
     train_split: str = "train"
     eval_split: str | None = "validation"  # null or missing from the dataset: carve one from train
-    eval_fraction: float = Field(0.1, gt=0, lt=1)
+    eval_fraction: Float = Field(0.1, gt=0, lt=1)
     image_column: str | None = None  # null = detect
     label_column: str | None = None  # null = detect
-    max_train_samples: int | None = Field(None, gt=0)
-    max_eval_samples: int | None = Field(None, gt=0)
-    crop_scale: tuple[float, float] = (0.05, 1.0)  # random-resized-crop area range (original ViT recipe)
+    max_train_samples: StrictInt | None = Field(None, gt=0)
+    max_eval_samples: StrictInt | None = Field(None, gt=0)
+    crop_scale: tuple[Float, Float] = (0.05, 1.0)  # random-resized-crop area range (original ViT recipe)
     horizontal_flip: bool = True
     skip_bad_images: bool = False
-    min_image_side: int = Field(2, gt=0)  # smaller images are treated as corrupt
-    max_image_pixels: int = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
-    num_workers: int | None = Field(None, ge=0)  # null = chosen from the CPU count and the device
+    min_image_side: StrictInt = Field(2, gt=0)  # smaller images are treated as corrupt
+    max_image_pixels: StrictInt = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
+    num_workers: StrictInt | None = Field(None, ge=0)  # null = chosen from the CPU count and the device
 
     @field_validator("crop_scale")
     @classmethod
@@ -78,24 +105,24 @@ class DataSettings(Strict):
 
 
 class TrainSettings(Strict):
-    epochs: int = Field(1, gt=0)
-    max_steps: int | None = Field(None, gt=0)  # optimiser steps; stops early when set
-    batch_size: int = Field(32, gt=0)  # per device
-    grad_accum: int = Field(1, gt=0)
+    epochs: StrictInt = Field(1, gt=0)
+    max_steps: StrictInt | None = Field(None, gt=0)  # optimiser steps; stops early when set
+    batch_size: StrictInt = Field(32, gt=0)  # per device
+    grad_accum: StrictInt = Field(1, gt=0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False)  # beyond 1e6 it overflows inside the optimiser
-    momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    lr: Float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False)  # beyond 1e6 it overflows inside the optimiser
+    momentum: Float = Field(0.9, ge=0, lt=1)  # sgd only
+    weight_decay: Float = Field(0.0, ge=0)
+    warmup_steps: StrictInt = Field(0, ge=0)
     scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    seed: int = 0
+    max_grad_norm: Float | None = Field(1.0, gt=0)
+    label_smoothing: Float = Field(0.0, ge=0, lt=1)
+    seed: StrictInt = 0
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    log_every_steps: int = Field(10, gt=0)  # the loss is read back from the device only this often
-    eval_every_steps: int | None = Field(None, gt=0)  # null = evaluate at the end of every epoch
-    checkpoint_every_steps: int | None = Field(None, gt=0)
-    keep_checkpoints: int = Field(2, gt=0)
+    log_every_steps: StrictInt = Field(10, gt=0)  # the loss is read back from the device only this often
+    eval_every_steps: StrictInt | None = Field(None, gt=0)  # null = evaluate at the end of every epoch
+    checkpoint_every_steps: StrictInt | None = Field(None, gt=0)
+    keep_checkpoints: StrictInt = Field(2, gt=0)
     resume: str | None = None  # null | auto | path to a checkpoint folder
     resume_ignore_changes: list[str] = []  # recipe keys allowed to differ from the checkpoint's, e.g. [train.epochs]
 
@@ -115,7 +142,7 @@ class HubSettings(Strict):
     def _repo_id_is_valid(cls, value: str | None) -> str | None:
         if value is not None and not REPO_ID_PATTERN.match(value):
             raise ValueError(
-                f"{value!r} is not a valid Hub repo id; use 'name' or 'namespace/name' "
+                f"{excerpt(value)} is not a valid Hub repo id; use 'name' or 'namespace/name' "
                 "(letters, digits, '-', '_', '.', no spaces)"
             )
         return value
@@ -138,7 +165,7 @@ class Recipe(Strict):
             problems.append(f"train.resume={self.train.resume!r} is neither null, auto nor an existing checkpoint folder")
         unknown = sorted(set(self.train.resume_ignore_changes) - set(flatten(self.model_dump(mode="json"))))
         if unknown:
-            problems.append(f"train.resume_ignore_changes names unknown keys {unknown}; use dotted keys such as train.epochs")
+            problems.append(f"train.resume_ignore_changes names unknown keys {excerpt(unknown)}; use dotted keys such as train.epochs")
         if self.train.resume is not None and self.overwrite:
             problems.append("train.resume and overwrite=true contradict each other: choose one")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
@@ -195,6 +222,9 @@ def find_recipe(name_or_path: str) -> Path:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError([f"{path} is {path.stat().st_size:,} bytes; a recipe is a few KB (limit "
+                               f"{MAX_RECIPE_BYTES:,}). Is it the right file?"], str(path))
         data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
@@ -217,7 +247,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = override.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            problems.append(f"override {override!r} must look like section.key=value, e.g. train.lr=0.01")
+            problems.append(f"override {excerpt(override)} must look like section.key=value, e.g. train.lr=0.01")
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
@@ -256,11 +286,40 @@ def _describe(error: dict[str, Any]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if location == "":
         return message
-    return f"{location}={value!r}: {message}"
+    return f"{location}={excerpt(value)}: {message}"
+
+
+def count_values(data: Any, limit: int = MAX_RECIPE_VALUES) -> int:
+    """Values in `data` with YAML aliases expanded, counted without expanding them (each shared node's count is
+    remembered); anything over `limit`, or a node that contains itself, counts as limit + 1."""
+    counts: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def count(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        key = id(node)
+        if key in open_nodes:  # `a: &a [*a]` is a list that holds itself: infinitely large once expanded
+            return limit + 1
+        if key not in counts:
+            open_nodes.add(key)
+            children = node.values() if isinstance(node, dict) else node
+            counts[key] = min(limit + 1, 1 + sum(count(child) for child in children))
+            open_nodes.discard(key)
+        return counts[key]
+
+    try:
+        return count(data)
+    except RecursionError:  # nested deeper than Python's stack: no recipe is
+        return limit + 1
 
 
 def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     """Type and check a recipe mapping; raise RecipeError listing every problem."""
+    if count_values(data) > MAX_RECIPE_VALUES:
+        raise RecipeError([f"the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases repeated "
+                           "inside each other, or a value that contains itself); a recipe has about 60. Write the "
+                           "values out instead of nesting aliases"], source)
     try:
         return Recipe.model_validate(data)
     except ValidationError as error:

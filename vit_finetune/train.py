@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, data, evaluation, export, hub, model as vit
+from . import checkpoint, data, evaluation, export, hub, memory, model as vit
 from .recipe import Recipe
 
 EXIT_NON_FINITE = 3
@@ -231,7 +231,10 @@ def run(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
-        vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+        config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+        too_big = memory.why_it_cannot_fit(config, recipe, accelerator.device)
+        if too_big:
+            raise RunError(too_big)
         set_seed(recipe.train.seed)
         if accelerator.is_main_process and recipe.overwrite:
             export.clear_previous_run(output_dir)
