@@ -7,8 +7,10 @@ folder that looks finished.
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +24,8 @@ CURVES_FILE = "training_curves.png"
 HISTORY_FILE = "history.json"
 ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
+# Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
+MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
 METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
 
 
@@ -55,6 +59,12 @@ def plot_curves(history: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
+
+
+def markdown_text(value: str) -> str:
+    """A label as inert Markdown text on one line: HTML and Markdown's marks escaped, line breaks made spaces."""
+    one_line = " ".join(str(value).split())
+    return MARKDOWN_MARKS.sub(r"\\\g<0>", html.escape(one_line, quote=False))
 
 
 def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool) -> ModelCard:
@@ -112,7 +122,7 @@ classify("photo.jpg")
 
 ## Training
 - Method: {lora_text}
-- Labels: {len(labels)} ({", ".join(labels[:10])}{", ..." if len(labels) > 10 else ""})
+- Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr}, weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}
 - Precision: {t.mixed_precision}; gradient clipping: {t.max_grad_norm}; seed {t.seed}
