@@ -7,8 +7,8 @@ runs, undone by pytest's monkeypatch); for a subprocess or an `accelerate launch
 when VIT_FINETUNE_RECORD names a folder, so the command line stays exactly the user's.
 
 Written into the record folder, one file set per process id (a SIGKILL loses nothing already written):
-- samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, labels and a fingerprint of
-  each sample's pixels (the pixels are a pure function of seed, epoch and sample, so equal
+- samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, the batch's places, and the labels and
+  a fingerprint of the pixels of each sample that is not a bad image's blank place (the pixels are a pure function of seed, epoch and sample, so equal
   fingerprints mean the same sample with the same augmentation).
 - weights-<rank>.safetensors: the process's own model state when the training loop returns.
 - writes-<pid>.jsonl (subprocesses only): path and kind of every file or folder written, renamed or
@@ -51,6 +51,7 @@ def install(record_dir: Path, patch=setattr) -> None:
     """Wrap vit_finetune.train's loop and step; `patch` is setattr or pytest's monkeypatch.setattr."""
     import vit_finetune.train as train
     from safetensors.torch import save_file
+    from vit_finetune.data import SKIPPED_LABEL
 
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
@@ -67,8 +68,12 @@ def install(record_dir: Path, patch=setattr) -> None:
 
     def train_step(accelerator, parts, batch, recipe):
         state = current["state"]
+        labels = batch["labels"].tolist()
+        real = [(label, pixels) for label, pixels in zip(labels, batch["pixel_values"]) if label != SKIPPED_LABEL]
+        # "places": the batch's size, skipped bad images' blank places included; the rest is about real images only.
         samples.write({"step": state.step + 1, "epoch": state.epoch, "rank": accelerator.process_index,
-                       "labels": batch["labels"].tolist(), "samples": [fingerprint(p) for p in batch["pixel_values"]]})
+                       "places": len(labels), "labels": [label for label, _ in real],
+                       "samples": [fingerprint(pixels) for _, pixels in real]})
         return original_step(accelerator, parts, batch, recipe)
 
     patch(train, "train_loop", train_loop)

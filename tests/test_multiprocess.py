@@ -98,6 +98,7 @@ def test_skipped_images_are_counted_over_all_ranks_and_a_rank_with_only_bad_imag
     steps = recorder.read_samples(record)
     first = {entry["rank"]: entry for entry in steps if entry["step"] == 1}
     assert first[0]["samples"] == [] and len(first[1]["samples"]) == BATCH  # the case under test did happen
+    assert {entry["places"] for entry in steps} == {BATCH}  # the bad images kept their places in the batch
     # Every bad file is met once per epoch, on one rank or the other; the count is the run's total over ranks.
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["skipped_images"] == BAD_IMAGES * EPOCHS and metrics["steps"] == 6
@@ -107,6 +108,10 @@ def test_skipped_images_are_counted_over_all_ranks_and_a_rank_with_only_bad_imag
     assert saved[3]["skipped_images"] == BAD_IMAGES and saved[6]["skipped_images"] == BAD_IMAGES * EPOCHS
     history = json.loads((out / "history.json").read_text())
     assert all(math.isfinite(value) for entry in history for key, value in entry.items() if "loss" in key)
+    # The console says so at the end of each epoch, counted over both ranks, naming the files.
+    for epoch in range(EPOCHS):
+        line = next(line for line in two_process_run["stdout"].splitlines() if line.startswith(f"epoch {epoch}: skip"))
+        assert line.startswith(f"epoch {epoch}: skipped {BAD_IMAGES} bad image(s)") and str(two_process_run["images"]) in line
 
 
 @pytest.mark.timeout(400)

@@ -82,7 +82,7 @@ def our_eval_pixels_and_logits(out: Path, images: Path) -> dict[str, tuple[torch
     model = ViTForImageClassification.from_pretrained(out).eval()
     found = {}
     for index in range(len(eval_set)):
-        pixels, _label = eval_set[(index, 0)]
+        pixels, _label, _skipped = eval_set[(index, 0)]
         path = Path(splits.eval[index][splits.image_column]["path"])
         with torch.no_grad():
             logits = model(pixel_values=data.PixelNormalizer(processor, torch.device("cpu"))(pixels[None])).logits[0]
@@ -141,7 +141,6 @@ def test_exif_orientation_is_applied_as_pipeline_applies_it_for_training_too(tmp
     # Training decodes through the same function: its crops come from the upright image.
     settings = DataSettings(crop_scale=(1.0, 1.0), horizontal_flip=False)
     table = datasets.Dataset.from_dict({"image": [{"path": str(path), "bytes": None}], "label": [0]})
-    train_set = data.ImageClassificationDataset(
-        table, "image", "label", settings,
-        lambda image, index, epoch: torch.tensor(image.size))
+    splits = data.Splits(table, table, "image", "label", ["a"])
+    train_set = data.train_dataset(splits, settings, 8, lambda image, index, epoch: torch.tensor(image.size))
     assert train_set[(0, 0)][0].tolist() == [28, 40]

@@ -214,7 +214,7 @@ def subsample(dataset, limit: int | None, seed: int):
 
 def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Image:
     """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample."""
-    where = encoded.get("path") or f"sample #{index}"
+    where = sample_name(encoded, index)
     try:
         raw = encoded.get("bytes")
         source = io.BytesIO(raw) if raw is not None else encoded.get("path")
@@ -291,18 +291,24 @@ def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random(f"{seed}-{epoch}-{index}")
 
 
-# The label of an eval image skipped as bad. Evaluation keeps such an image's place (blank pixels) so that every
-# process's batch keeps its shape: gather_for_metrics needs equal shapes, and it drops the padding Accelerate adds
-# to the last batch by counting positions. The metrics leave these places out.
+# The label of an image skipped as bad. Training and evaluation keep such an image's place (blank pixels, this
+# label) so that batch shapes never change: every process's eval batch keeps its shape (gather_for_metrics needs
+# equal shapes, and drops the padding Accelerate adds to the last batch by counting positions), and a training
+# batch is never smaller (no recompile under torch.compile). The loss and the metrics leave these places out.
 SKIPPED_LABEL = -1
 
 
+def sample_name(encoded: dict, index: int) -> str:
+    """How messages name a sample: its file, or its index when it came as bytes."""
+    return encoded.get("path") or f"sample #{index}"
+
+
 class ImageClassificationDataset(Dataset):
-    """Indexed by (sample index, epoch); yields (pixels, label), and for a skipped bad image None (training: the
-    batch shrinks) or (placeholder, SKIPPED_LABEL) when a placeholder is given (evaluation: the batch keeps its shape)."""
+    """Indexed by (sample index, epoch); yields (pixels, label, None), and for a bad image skipped with
+    data.skip_bad_images (placeholder, SKIPPED_LABEL, its name): the placeholder keeps the image's place."""
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
-                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor | None = None):
+                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor):
         self.table = table
         self.image_column = image_column
         self.label_column = label_column
@@ -313,7 +319,7 @@ class ImageClassificationDataset(Dataset):
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, key: tuple[int, int]):
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, str | None]:
         index, epoch = key
         row = self.table[int(index)]
         try:
@@ -321,8 +327,8 @@ class ImageClassificationDataset(Dataset):
         except BadImageError:
             if not self.settings.skip_bad_images:
                 raise
-            return None if self.placeholder is None else (self.placeholder, SKIPPED_LABEL)
-        return self.make_pixels(image, int(index), epoch), row[self.label_column]
+            return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], int(index))
+        return self.make_pixels(image, int(index), epoch), row[self.label_column], None
 
 
 class EpochSampler(Sampler):
@@ -351,12 +357,12 @@ class EpochSampler(Sampler):
         return iter([(index, epoch) for index in order])
 
 
-def collate(samples: list) -> dict[str, torch.Tensor]:
-    kept = [s for s in samples if s is not None]
-    pixels = torch.stack([s[0] for s in kept]) if kept else torch.empty(0)
-    labels = torch.tensor([s[1] for s in kept], dtype=torch.long)
-    # `skipped` stays a Python int: Accelerate moves tensors to the device, and reading one back would sync.
-    return {"pixel_values": pixels, "labels": labels, "skipped": len(samples) - len(kept)}
+def collate(samples: list) -> dict:
+    pixels = torch.stack([pixels for pixels, _label, _skipped in samples])
+    labels = torch.tensor([label for _pixels, label, _skipped in samples], dtype=torch.long)
+    # `skipped` (the names of the bad images in the batch) stays on the host: Accelerate moves tensors to the
+    # device, and counting them there would need a sync to read the count back.
+    return {"pixel_values": pixels, "labels": labels, "skipped": [name for *_, name in samples if name is not None]}
 
 
 def cpu_cores() -> int:
@@ -389,6 +395,14 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
         # epoch) than the run it resumes. Augmentation does not use it: see sample_rng.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
+                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
+    """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
+    placeholder = torch.zeros(3, image_size, image_size, dtype=torch.uint8)
+    return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
+                                      placeholder)
 
 
 def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:

@@ -164,7 +164,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     if workers is None:
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
     pin = accelerator.device.type == "cuda"
-    train_set = data.ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, recipe.data, train_pixels)
+    train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
     eval_set = data.eval_dataset(splits, recipe.data, processor, size)
     train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
     train_sampler = train_loader.sampler
@@ -210,16 +210,16 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
 
 
 def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
-    """Mean cross-entropy over the batch's images; 0, with a zero gradient, when all of them were skipped as bad."""
+    """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with a
+    zero gradient, when all were skipped (the forward and backward still run: under DDP every process must join
+    each step's gradient all-reduce)."""
     labels = batch["labels"]
-    if labels.numel() == 0:  # a shape, known on the host: no device sync
-        # The mean over no image is NaN, which would stop the run as non-finite. The forward and backward still
-        # run, on one blank image at weight 0: under DDP every process must join each step's gradient all-reduce.
-        size = recipe.model.image_size
-        blank = torch.zeros(1, 3, size, size, device=labels.device)
-        return parts.model(pixel_values=blank).logits.float().sum() * 0.0
     logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
-    return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=recipe.train.label_smoothing)
+    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none",
+                                                  ignore_index=data.SKIPPED_LABEL,
+                                                  label_smoothing=recipe.train.label_smoothing)
+    real_images = (labels != data.SKIPPED_LABEL).sum()  # stays on the device: no sync
+    return per_image.sum() / real_images.clamp(min=1)
 
 
 def run(recipe: Recipe) -> dict:
@@ -294,6 +294,7 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
     # Skipped images are counted per process and summed over processes only where the count is saved (each
     # checkpoint, the end): reading a count back every step would sync host and device.
     skipped_before, skipped_here = state.skipped_images, 0  # all processes' count at a resume; this process's since
+    skipped_this_epoch: list[str] = []  # this process's, for the console at the epoch's end
     running_loss = torch.zeros((), device=accelerator.device)
     while state.step < parts.total_steps:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
@@ -303,13 +304,15 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
         if state.batches_done:
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
         for batch in loader:
-            skipped_here += batch["skipped"]
+            skipped_here += len(batch["skipped"])
+            skipped_this_epoch += batch["skipped"]
             loss, finite = train_step(accelerator, parts, batch, recipe)
             state.batches_done += 1
-            if batch["labels"].numel():  # a batch of skipped images only has no loss to report
+            real_images = batch["labels"].numel() - len(batch["skipped"])
+            if real_images:  # a batch of skipped images only has no loss to report
                 running_loss += loss
                 loss_count += 1
-            images += batch["labels"].numel() * accelerator.num_processes
+            images += real_images * accelerator.num_processes
             if not accelerator.sync_gradients:
                 continue
             state.step += 1
@@ -342,12 +345,16 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
             if stop:
                 break
         else:  # the epoch ran to its end
+            _report_skipped(accelerator, recipe, state.epoch, skipped_this_epoch)
+            skipped_this_epoch = []
             state.epoch += 1
             state.batches_done = 0
             if not t.eval_every_steps and state.step < parts.total_steps:
                 _evaluate_during_training(accelerator, parts, state)
             continue
         break
+    if state.batches_done:  # the run ended inside an epoch
+        _report_skipped(accelerator, recipe, state.epoch, skipped_this_epoch)
     state.skipped_images = skipped_before + _sum_over_processes(accelerator, skipped_here)
     if pending_finite is not None:
         _stop_if_non_finite(pending_finite & _weights_finite(parts.model), state.step, accelerator)
@@ -363,6 +370,18 @@ def _mean_loss_over_processes(accelerator: Accelerator, loss_total: torch.Tensor
 def _sum_over_processes(accelerator: Accelerator, count: int) -> int:
     """A collective: every process must call it at the same point of the loop."""
     return int(accelerator.reduce(torch.as_tensor(count, device=accelerator.device), reduction="sum").item())
+
+
+def _report_skipped(accelerator: Accelerator, recipe: Recipe, epoch: int, skipped: list[str], shown: int = 5) -> None:
+    """A collective: the epoch's count of bad images skipped by all processes, and the first few, on the console."""
+    if not recipe.data.skip_bad_images:  # nothing can have been skipped; every process knows it, so none gathers
+        return
+    from accelerate.utils import gather_object
+
+    total = _sum_over_processes(accelerator, len(skipped))
+    first = [name for names in gather_object([skipped[:shown]]) for name in names][:shown]
+    if accelerator.is_main_process and total:
+        tqdm.write(f"epoch {epoch}: skipped {total} bad image(s) (data.skip_bad_images=true), e.g. {', '.join(first)}")
 
 
 def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
