@@ -189,6 +189,12 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     return Splits(train, evaluation, image_column, label_column, list(labels))
 
 
+def identity(splits: Splits) -> dict:
+    """What a checkpoint records of the data: the labels, and datasets' fingerprints of the loaded splits (any image
+    added, removed or modified changes them; for an image folder, so does a file's modification time)."""
+    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint}
+
+
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):
     """String (or plain integer) labels become a ClassLabel over the classes seen in train and eval."""
     import datasets

@@ -125,6 +125,9 @@ class TrainSettings(Strict):
     keep_checkpoints: StrictInt = Field(2, gt=0)
     resume: str | None = None  # null | auto | path to a checkpoint folder
     resume_ignore_changes: list[str] = []  # recipe keys allowed to differ from the checkpoint's, e.g. [train.epochs]
+    # Several processes: how long one waits for the others in a collective before the run stops (a frozen or dead
+    # process would otherwise hang the rest forever). Long enough for the slowest step, evaluation or checkpoint.
+    collective_timeout_s: StrictInt = Field(600, gt=0)
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

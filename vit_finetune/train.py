@@ -12,11 +12,12 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
 from . import checkpoint, data, evaluation, export, hub, memory, model as vit
@@ -51,6 +52,7 @@ class Parts:
     normalize: data.PixelNormalizer
     steps_per_epoch: int
     total_steps: int
+    data_identity: dict  # the labels and the splits' fingerprints, recorded in each checkpoint
 
 
 class InterruptFlag:
@@ -98,6 +100,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=t.collective_timeout_s))],
     )
     return accelerator
 
@@ -179,7 +182,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps,
+                 data.identity(splits))
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -238,12 +242,15 @@ def run(recipe: Recipe) -> dict:
         set_seed(recipe.train.seed)
         if accelerator.is_main_process and recipe.overwrite:
             export.clear_previous_run(output_dir)
-        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
+        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
         if resume_from:
             checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
         parts = build_parts(recipe, accelerator)
     prepare(accelerator, parts, recipe)
-    state = checkpoint.load_checkpoint(accelerator, resume_from, recipe) if resume_from else checkpoint.TrainState()
+    state = checkpoint.TrainState()
+    if resume_from:
+        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, recipe, parts.data_identity)
+    state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if resume_from:
         reapply_hyperparameters(parts, recipe)
     if accelerator.is_main_process:
@@ -281,6 +288,10 @@ def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: ch
                     desc="train", dynamic_ncols=True)
     try:
         _optimise(accelerator, parts, recipe, state, interrupt, progress)
+    except RuntimeError as error:
+        if accelerator.num_processes > 1 and "timed out" in str(error).lower():
+            raise RunError(_collective_timeout_message(accelerator, recipe, state)) from None
+        raise
     finally:
         progress.close()  # on an error too: its message must start on a line of its own
         interrupt.restore()
@@ -370,6 +381,17 @@ def _mean_loss_over_processes(accelerator: Accelerator, loss_total: torch.Tensor
 def _sum_over_processes(accelerator: Accelerator, count: int) -> int:
     """A collective: every process must call it at the same point of the loop."""
     return int(accelerator.reduce(torch.as_tensor(count, device=accelerator.device), reduction="sum").item())
+
+
+def _collective_timeout_message(accelerator: Accelerator, recipe: Recipe, state: checkpoint.TrainState) -> str:
+    """Gloo raises on the processes still waiting; the frozen or dead one is among the others."""
+    me = accelerator.process_index
+    others = [rank for rank in range(accelerator.num_processes) if rank != me]
+    who = f"process (rank) {others[0]}" if len(others) == 1 else f"one of the processes (ranks) {others}"
+    return (f"process {me} waited train.collective_timeout_s={recipe.train.collective_timeout_s} s at step "
+            f"{state.step + 1} for {who}, which is stuck (stopped, frozen or swapping) or died; the run stopped. "
+            "Find and end it, then resume with train.resume=auto (if train.checkpoint_every_steps is set); raise "
+            "train.collective_timeout_s if a step, evaluation or checkpoint can legitimately take that long")
 
 
 def _report_skipped(accelerator: Accelerator, recipe: Recipe, epoch: int, skipped: list[str], shown: int = 5) -> None:
