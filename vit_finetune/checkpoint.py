@@ -15,16 +15,16 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 from safetensors import SafetensorError
 
-from .recipe import Recipe, excerpt, flatten
+from .errors import VitFinetuneError
+from .processes import any_process
+from .recipe import RECIPE_FILE, Recipe, excerpt, flatten, write_recipe
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
-RECIPE_FILE = "recipe.yaml"
 PARTIAL_PREFIX = ".partial-"
 DAMAGED_PREFIX = "damaged-"  # a checkpoint that would not load, kept aside for inspection
 # Keys that may differ on resume without changing the computation.
@@ -42,7 +42,7 @@ WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VitFinetuneError):
     """A checkpoint that cannot be written or resumed from."""
 
 
@@ -123,7 +123,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     if accelerator.is_main_process:
         try:
             (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
-            (partial / RECIPE_FILE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            write_recipe(recipe, partial)
             (partial / COMPLETE).write_text("")
             _fsync_tree(partial)
             if final.exists():
@@ -143,7 +143,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
 def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,
                                output_dir: Path) -> None:
     """A collective: if any process failed to write, all of them raise (none trains on alone, none hangs)."""
-    if not _failed_anywhere(accelerator, failure is not None):
+    if not any_process(accelerator, failure is not None):
         return
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
@@ -300,7 +300,7 @@ def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity:
             state = load_checkpoint(accelerator, checkpoint, recipe, data_identity)
         except DamagedCheckpoint as error:
             damage = error
-        if not _failed_anywhere(accelerator, damage is not None):
+        if not any_process(accelerator, damage is not None):
             return checkpoint, state
         if recipe.train.resume != "auto":
             raise damage or DamagedCheckpoint(f"cannot resume from {checkpoint}: another process could not read its part")
@@ -316,10 +316,3 @@ def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity:
             )
         checkpoint = older
 
-
-def _failed_anywhere(accelerator, failed: bool) -> bool:
-    """A collective when there are several processes."""
-    if accelerator.num_processes == 1:
-        return failed
-    flag = torch.tensor(float(failed), device=accelerator.device)
-    return accelerator.reduce(flag, reduction="sum").item() > 0

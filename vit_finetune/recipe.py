@@ -16,7 +16,10 @@ import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
                       model_validator)
 
+from .errors import EXIT_USAGE, VitFinetuneError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
@@ -46,8 +49,10 @@ def _not_a_bool(value: Any) -> Any:
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 
 
-class RecipeError(ValueError):
+class RecipeError(VitFinetuneError):
     """A recipe that cannot run; the message lists every problem found, one per line."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, problems: list[str], source: str = "recipe"):
         self.problems = problems
@@ -342,6 +347,11 @@ def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
 
 def to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def write_recipe(recipe: Recipe, folder: Path) -> None:
+    """The resolved recipe as `recipe.yaml` in an output folder, its staging folder or a checkpoint."""
+    (Path(folder) / RECIPE_FILE).write_text(to_yaml(recipe))
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
