@@ -171,14 +171,17 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     staging.rmdir()
 
 
-def clear_previous_run(output_dir: Path) -> None:
-    """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
+def run_names() -> tuple[str, ...]:
+    """Every name a run writes directly in output_dir (files and folders), claimed in its manifest first."""
     from .checkpoint import CHECKPOINTS
 
-    for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, CONFIG_NAME,
-                 SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, STAGING):
-        path = Path(output_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    return (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, CONFIG_NAME, SAFE_WEIGHTS_NAME,
+            IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, STAGING)
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """overwrite=true: remove what earlier runs of this toolkit wrote (their manifest says what), so their files
+    cannot mix with the new ones; a file or folder the toolkit did not write is never touched."""
+    from .outputs import clear_claimed
+
+    clear_claimed(output_dir, run_names())

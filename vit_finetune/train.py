@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, data, evaluation, export, hub, memory, model as vit
+from . import checkpoint, data, evaluation, export, hub, memory, model as vit, outputs
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import any_process, sum_over_processes
@@ -78,8 +78,12 @@ class InterruptFlag:
 
 
 def check_output_dir(recipe: Recipe) -> None:
-    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite."""
+    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
+    toolkit did not write, or to write into the dataset's folder."""
     output_dir = Path(recipe.output_dir)
+    refused = outputs.refusal(recipe, export.run_names())
+    if refused:
+        raise RunError(refused)
     if recipe.overwrite or recipe.train.resume is not None:
         if recipe.train.resume is not None and export.is_finished(output_dir):
             raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
@@ -232,7 +236,6 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
     after those registered with vit_finetune.callbacks.register (see that module for the events)."""
-    output_dir = Path(recipe.output_dir)
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
@@ -240,9 +243,33 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
-        too_big = memory.why_it_cannot_fit(config, recipe, accelerator.device)
-        if too_big:
-            raise RunError(too_big)
+    too_big = memory.why_it_cannot_fit(config, recipe, accelerator.device)
+    if too_big:
+        raise RunError(too_big)
+    lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
+    try:
+        return _run(recipe, callbacks, accelerator)
+    finally:
+        lock.release()
+
+
+def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock:
+    """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
+    if another run holds the lock, every process stops (a collective)."""
+    lock = outputs.RunLock(Path(recipe.output_dir))
+    refused = lock.acquire() if accelerator.is_main_process else None
+    if any_process(accelerator, refused is not None):
+        raise RunError(refused or "the main process could not lock output_dir")
+    if accelerator.is_main_process:
+        outputs.claim(Path(recipe.output_dir), export.run_names())
+    return lock
+
+
+def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
+    """run() once output_dir is held: data, model, the loop, evaluation, export and push."""
+    output_dir = Path(recipe.output_dir)
+    # As in run(): one process per machine downloads, the others then read its cache.
+    with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         set_seed(recipe.train.seed)
         if accelerator.is_main_process and recipe.overwrite:
             export.clear_previous_run(output_dir)
