@@ -469,17 +469,6 @@ def _collective_timeout_message(accelerator: Accelerator, recipe: Recipe, state:
             "train.collective_timeout_s if a step, evaluation or checkpoint can legitimately take that long")
 
 
-def _collective_timeout_message(accelerator: Accelerator, recipe: Recipe, state: checkpoint.TrainState) -> str:
-    """Gloo raises on the processes still waiting; the frozen or dead one is among the others."""
-    me = accelerator.process_index
-    others = [rank for rank in range(accelerator.num_processes) if rank != me]
-    who = f"process (rank) {others[0]}" if len(others) == 1 else f"one of the processes (ranks) {others}"
-    return (f"process {me} waited train.collective_timeout_s={recipe.train.collective_timeout_s} s at step "
-            f"{state.step + 1} for {who}, which is stuck (stopped, frozen or swapping) or died; the run stopped. "
-            "Find and end it, then resume with train.resume=auto (if train.checkpoint_every_steps is set); raise "
-            "train.collective_timeout_s if a step, evaluation or checkpoint can legitimately take that long")
-
-
 def _report_skipped(accelerator: Accelerator, recipe: Recipe, epoch: int, log: TrainLog, shown: int = 5) -> None:
     """A collective: the epoch's count of bad images skipped by all processes, and the first few, on the console."""
     skipped, log.skipped_this_epoch = log.skipped_this_epoch, []
