@@ -19,6 +19,8 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, 
 from .errors import EXIT_USAGE, VitFinetuneError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
+ASSETS_DIR = PACKAGE_DIR / "assets"
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
@@ -66,39 +68,56 @@ class Strict(BaseModel):
 
 
 class LoraSettings(Strict):
-    r: StrictInt = Field(16, gt=0, description="rank: higher = more capacity, more memory")
-    alpha: Float = Field(16, gt=0, description="scale of the update is alpha / r")
-    dropout: Float = Field(0.1, ge=0, lt=1)
+    r: StrictInt = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
+    alpha: Float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
+    dropout: Float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
-    target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = ["query", "value"]
+    target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = Field(
+        ["query", "value"], description="layers that get LoRA, by role: query, key, value, attention_output, mlp_in, mlp_out")
 
 
 class ModelSettings(Strict):
-    base: str = "google/vit-base-patch16-224"
-    image_size: StrictInt = Field(384, gt=0)
-    lora: LoraSettings | None = None
-    head_init: Literal["zero", "random"] = "zero"  # zero = big_vision's choice: start from uniform predictions
-    pretrained: bool = True  # false = the same architecture from random weights, a baseline to compare against
-    revision: str | None = None
-    trust_remote_code: bool = False  # off unless a recipe turns it on: remote code runs on your machine
-    compile: bool | None = None  # torch.compile; null = on for CUDA, off on CPU
+    base: str = Field("google/vit-base-patch16-224", description=(
+        "the pretrained ViT: a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
+        "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
+    image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
+    lora: LoraSettings | None = Field(None,
+        description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
+    head_init: Literal["zero", "random"] = Field(
+        "zero", description="new classifier head: zero (big_vision's choice: start from uniform predictions) or random")
+    pretrained: bool = Field(
+        True, description="false = the same architecture from random weights, a baseline to compare against")
+    revision: str | None = Field(None, description="Hub branch, tag or commit of model.base; null = main")
+    trust_remote_code: bool = Field(False,
+        description="run the base's own Python code from the Hub; off unless you trust it")
+    compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
 
 
 class DataSettings(Strict):
-    dataset: str = "ethz/food101"
-    train_split: str = "train"
-    eval_split: str | None = "validation"  # null or missing from the dataset: carve one from train
-    eval_fraction: Float = Field(0.1, gt=0, lt=1)
-    image_column: str | None = None  # null = detect
-    label_column: str | None = None  # null = detect
-    max_train_samples: StrictInt | None = Field(None, gt=0)
-    max_eval_samples: StrictInt | None = Field(None, gt=0)
-    crop_scale: tuple[Float, Float] = (0.05, 1.0)  # random-resized-crop area range (original ViT recipe)
-    horizontal_flip: bool = True
-    skip_bad_images: bool = False
-    min_image_side: StrictInt = Field(2, gt=0)  # smaller images are treated as corrupt
-    max_image_pixels: StrictInt = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
-    num_workers: StrictInt | None = Field(None, ge=0)  # null = chosen from the CPU count and the device
+    dataset: str = Field("ethz/food101", description=(
+        "a Hub dataset id, a folder of class sub-folders (optionally under train/ and validation/), a folder "
+        "written by save_to_disk, or builtin:shapes (the demo's generated shapes)"))
+    train_split: str = Field("train", description="split to train on")
+    eval_split: str | None = Field("validation", description=(
+        "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
+        "(a dataset with only train/test uses test)"))
+    eval_fraction: Float = Field(0.1, gt=0, lt=1,
+        description="share of train held out (stratified, seeded) when there is no eval split")
+    image_column: str | None = Field(None, description="column holding the images; null = detect")
+    label_column: str | None = Field(None, description="column holding the labels; null = detect")
+    max_train_samples: StrictInt | None = Field(None, gt=0,
+        description="train on a seeded random subset of this size; null = all")
+    max_eval_samples: StrictInt | None = Field(None, gt=0,
+        description="evaluate on a seeded random subset of this size; null = all")
+    crop_scale: tuple[Float, Float] = Field(
+        (0.05, 1.0), description="random-resized-crop area range [low, high] as shares of the image (original ViT recipe)")
+    horizontal_flip: bool = Field(True, description="flip training crops left-right with probability 0.5")
+    skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
+    min_image_side: StrictInt = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
+    max_image_pixels: StrictInt = Field(89_478_485, gt=0,
+        description="larger images are refused (PIL's decompression-bomb limit)")
+    num_workers: StrictInt | None = Field(None, ge=0,
+        description="DataLoader decode processes; null = chosen from the CPU count and the device")
 
     @field_validator("crop_scale")
     @classmethod
@@ -110,29 +129,44 @@ class DataSettings(Strict):
 
 
 class TrainSettings(Strict):
-    epochs: StrictInt = Field(1, gt=0)
-    max_steps: StrictInt | None = Field(None, gt=0)  # optimiser steps; stops early when set
-    batch_size: StrictInt = Field(32, gt=0)  # per device
-    grad_accum: StrictInt = Field(1, gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: Float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False)  # beyond 1e6 it overflows inside the optimiser
-    momentum: Float = Field(0.9, ge=0, lt=1)  # sgd only
-    weight_decay: Float = Field(0.0, ge=0)
-    warmup_steps: StrictInt = Field(0, ge=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: Float | None = Field(1.0, gt=0)
-    label_smoothing: Float = Field(0.0, ge=0, lt=1)
-    seed: StrictInt = 0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    log_every_steps: StrictInt = Field(10, gt=0)  # the loss is read back from the device only this often
-    eval_every_steps: StrictInt | None = Field(None, gt=0)  # null = evaluate at the end of every epoch
-    checkpoint_every_steps: StrictInt | None = Field(None, gt=0)
-    keep_checkpoints: StrictInt = Field(2, gt=0)
-    resume: str | None = None  # null | auto | path to a checkpoint folder
-    resume_ignore_changes: list[str] = []  # recipe keys allowed to differ from the checkpoint's, e.g. [train.epochs]
-    # Several processes: how long one waits for the others in a collective before the run stops (a frozen or dead
-    # process would otherwise hang the rest forever). Long enough for the slowest step, evaluation or checkpoint.
-    collective_timeout_s: StrictInt = Field(600, gt=0)
+    epochs: StrictInt = Field(1, gt=0, description="passes over the training split")
+    max_steps: StrictInt | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
+    batch_size: StrictInt = Field(32, gt=0, description="images per device per forward pass")
+    grad_accum: StrictInt = Field(1, gt=0,
+        description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
+    # Beyond 1e6 the lr overflows inside the optimiser.
+    lr: Float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
+        description="peak learning rate, reached after the warm-up")
+    momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
+    weight_decay: Float = Field(0.0, ge=0,
+        description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
+    warmup_steps: StrictInt = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
+        description="lr decay after the warm-up: cosine, linear or constant")
+    max_grad_norm: Float | None = Field(1.0, gt=0,
+        description="clip the global gradient norm to this; null = no clipping")
+    label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
+    seed: StrictInt = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
+        description="no, bf16 or fp16 autocast; weights stay float32")
+    log_every_steps: StrictInt = Field(10, gt=0,
+        description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
+    eval_every_steps: StrictInt | None = Field(None, gt=0,
+        description="evaluate every this many steps; null = at the end of every epoch")
+    checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
+        description="save a resumable checkpoint every this many steps; null = none")
+    keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
+    resume: str | None = Field(None,
+        description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
+    resume_ignore_changes: list[str] = Field(
+        [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
+        [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
+                        "(files in output_dir/runs); each needs its package installed")
+    collective_timeout_s: StrictInt = Field(
+        600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
+                               "stops with the stuck rank named (a frozen process would hang the rest forever)")
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -141,9 +175,10 @@ class TrainSettings(Strict):
 
 
 class HubSettings(Strict):
-    push: bool = False
-    repo_id: str | None = None
-    private: bool = False
+    push: bool = Field(False,
+        description="upload the finished output folder to the Hub (needs a token and hub.repo_id)")
+    repo_id: str | None = Field(None, description="namespace/name of the Hub model repo to push to")
+    private: bool = Field(False, description="create the Hub repo as private")
 
     @field_validator("repo_id")
     @classmethod
@@ -161,8 +196,8 @@ class Recipe(Strict):
     data: DataSettings = DataSettings()
     train: TrainSettings = TrainSettings()
     hub: HubSettings = HubSettings()
-    output_dir: str = "outputs/run"
-    overwrite: bool = False  # replace a finished run in output_dir
+    output_dir: str = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
+    overwrite: bool = Field(False, description="replace a finished run (or checkpoints) already in output_dir")
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -280,6 +315,34 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             if isinstance(candidate, type) and issubclass(candidate, BaseModel):
                 keys.extend(_valid_keys(candidate, f"{prefix}{name}."))
     return keys
+
+
+def key_descriptions(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, str]:
+    """Every recipe key (dotted) mapped to its one-line meaning, from the schema's Field descriptions."""
+    described: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        if field.description or not sections:  # a section that may be null (model.lora) is a key itself
+            described[prefix + name] = field.description or ""
+        for section in sections:
+            described.update(key_descriptions(section, f"{prefix}{name}."))
+    return described
+
+
+def format_keys(recipe: Recipe) -> str:
+    """One line per key, `key = value  # meaning`, with the values this recipe resolves to (`-`: its section is null)."""
+    values = flatten(recipe.model_dump(mode="json"))
+
+    def shown_value(key: str) -> str:
+        if key in values:
+            return yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()
+        return "(set, below)" if any(k.startswith(f"{key}.") for k in values) else "-"
+
+    shown = {key: shown_value(key) for key in key_descriptions()}
+    width = max(len(f"{key} = {value}") for key, value in shown.items())
+    return "".join(f"{f'{key} = {value}':<{width}}  # {meaning}\n"
+                   for (key, value), meaning in zip(shown.items(), key_descriptions().values()))
 
 
 def _describe(error: dict[str, Any]) -> str:
