@@ -54,7 +54,7 @@ def test_the_cli_refuses_an_alias_bomb_with_exit_2_and_no_traceback(tmp_path):
     "hub.repo_id=" + "not a repo id " * 500,
     "data.dataset=" + "x" * 100_000,
     "x" * 100_000,  # not even key=value
-])
+], ids=["long-list-for-a-number", "3000-unknown-keys", "long-repo-id", "100k-char-dataset", "100k-char-override"])
 def test_no_message_prints_more_than_an_excerpt_of_a_value(override):
     with pytest.raises(RecipeError) as caught:
         load_recipe(None, [override])

@@ -100,9 +100,11 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_run_leaves_no_s
                                  stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 200
-        while "train:" not in log.read_text() and first.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)  # until the first run trains (it holds the lock from before loading data)
-        assert first.poll() is None, log.read_text()[-2000:]
+        while first.poll() is None and time.monotonic() < deadline:  # until the first run holds the lock
+            if (out / LOCK).is_file() and (out / LOCK).read_text() == str(first.pid):
+                break
+            time.sleep(0.2)
+        assert first.poll() is None and (out / LOCK).read_text() == str(first.pid), log.read_text()[-2000:]
         assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 1
         error = error_line(capsys.readouterr().err)
         assert f"another run (process {first.pid}) is writing into output_dir" in error

@@ -32,7 +32,7 @@ def killed_run(base: Path, tmp_path: Path) -> tuple[list[str], Path]:
     args = [f"model.base={base}", f"data.dataset={images}", *RECIPE, f"output_dir={out}",
             "train.checkpoint_every_steps=1"]
     with pytest.raises(SimulatedKill):
-        train(args, patches=[kill_at(3)])
+        train(args, callbacks=[kill_at(3)])
     assert completed(out, 1).exists() and completed(out, 2).exists()
     return args, out
 
@@ -101,18 +101,20 @@ def rank_pid(rank: int, marker: str) -> int | None:
 
 @pytest.mark.timeout(400)
 def test_a_frozen_process_ends_a_two_process_run_with_a_message_naming_it(base, images, tmp_path):
-    out, err = tmp_path / "out", tmp_path / "stderr.txt"
+    out, err, log = tmp_path / "out", tmp_path / "stderr.txt", tmp_path / "stdout.txt"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
                f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
                "train.batch_size=2", "train.epochs=100", "data.num_workers=0", "train.collective_timeout_s=10"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(err, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO, env=env)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    with open(err, "w") as stderr, open(log, "w") as stdout:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=REPO, env=env)
         frozen = None
         try:
             deadline = time.monotonic() + 200
-            while "train:" not in err.read_text() and time.monotonic() < deadline:  # training has started
+            # Training starts right after the main process says how many processes run it.
+            while "on 2 process(es)" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.2)
+            time.sleep(2)  # into the loop's collectives
             frozen = rank_pid(1, str(out))
             assert frozen is not None
             os.kill(frozen, signal.SIGSTOP)
