@@ -24,6 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 from . import checkpoint, data, evaluation, export, hub, memory, model as vit, outputs, pictures, progress as display, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
+from .families import NO_WEIGHT_DECAY
 from .processes import any_process, sum_over_processes
 from .recipe import Recipe, write_recipe
 
@@ -121,7 +122,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
     parameters = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay on biases, norms, CLS and position embeddings (the usual ViT practice).
+    # No weight decay on biases, norms, tokens and position tables (the usual ViT practice, across the family).
     decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
     no_decay = [p for p in parameters if all(p is not q for q in decay)]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -131,7 +132,8 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
 
 
 def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
-    return any(parameter is p for n, p in model.named_parameters() if n.endswith("position_embeddings"))
+    """A position table or token of any family (families.NO_WEIGHT_DECAY), also under a LoRA wrapper's names."""
+    return any(parameter is p for n, p in model.named_parameters() if NO_WEIGHT_DECAY.search(n))
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
