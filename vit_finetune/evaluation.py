@@ -67,6 +67,13 @@ def confusion_matrix(predictions: np.ndarray, references: np.ndarray, num_classe
     return matrix
 
 
+def per_class_recall(matrix: list[list[int]], labels: list[str]) -> dict[str, float | None]:
+    """Share of each class's images predicted as that class, by label name (None: no image of it was evaluated)."""
+    matrix = np.asarray(matrix)
+    actual = matrix.sum(axis=1)
+    return {label: float(matrix[i, i] / actual[i]) if actual[i] else None for i, label in enumerate(labels)}
+
+
 def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_classes: int) -> dict:
     """All reported metrics from (N, k) ranked predictions and (N,) labels."""
     predictions = top_predictions[:, 0]

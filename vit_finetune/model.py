@@ -29,6 +29,8 @@ ROLE_SUFFIXES = {
     "mlp_out": (r"mlp\.fc2", r"layer\.\d+\.output\.dense"),
 }
 HEAD_NAME = "classifier"
+# Families whose transformers config has a stochastic-depth rate (ViT and DeiT have none).
+DROP_PATH_FAMILIES = ("beit", "data2vec-vision", "dinov2", "swin")
 
 
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
@@ -68,7 +70,21 @@ def load_base_config(settings: ModelSettings) -> ViTConfig:
             "use a ViT checkpoint such as google/vit-base-patch16-224"
         )
     check_image_size(settings.image_size, config.patch_size)
+    set_drop_path_rate(config, settings)
     return config
+
+
+def set_drop_path_rate(config: PretrainedConfig, settings: ModelSettings) -> None:
+    """model.drop_path_rate (stochastic depth) into the config; null keeps the base's own rate."""
+    if settings.drop_path_rate is None:
+        return
+    if not hasattr(config, "drop_path_rate"):
+        raise ModelError(
+            f"model.drop_path_rate={settings.drop_path_rate}: model.base={settings.base!r} is a {config.model_type!r} "
+            f"model, whose config has no drop-path rate (stochastic depth). Families that have one: "
+            f"{', '.join(DROP_PATH_FAMILIES)}. Set model.drop_path_rate=null"
+        )
+    config.drop_path_rate = settings.drop_path_rate
 
 
 def check_image_size(image_size: int, patch_size: int) -> None:

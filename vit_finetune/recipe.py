@@ -19,6 +19,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# The metrics train.keep_best can follow, and whether higher or lower is better.
+KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
 
 
 class RecipeError(ValueError):
@@ -50,6 +52,8 @@ class ModelSettings(Strict):
     revision: str | None = None
     trust_remote_code: bool = False  # off unless a recipe turns it on: remote code runs on your machine
     compile: bool | None = None  # torch.compile; null = on for CUDA, off on CPU
+    # Stochastic depth: null keeps the base config's; only families whose config has drop_path_rate (not ViT)
+    drop_path_rate: float | None = Field(None, ge=0, lt=1)
 
 
 class DataSettings(Strict):
@@ -67,6 +71,8 @@ class DataSettings(Strict):
     min_image_side: int = Field(2, gt=0)  # smaller images are treated as corrupt
     max_image_pixels: int = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
     num_workers: int | None = Field(None, ge=0)  # null = chosen from the CPU count and the device
+    # Skewed label counts: weights = loss weighted by inverse class frequency; sampler = draw classes equally often
+    class_balance: Literal["weights", "sampler"] | None = None
 
     @field_validator("crop_scale")
     @classmethod
@@ -98,6 +104,10 @@ class TrainSettings(Strict):
     keep_checkpoints: int = Field(2, gt=0)
     resume: str | None = None  # null | auto | path to a checkpoint folder
     resume_ignore_changes: list[str] = []  # recipe keys allowed to differ from the checkpoint's, e.g. [train.epochs]
+    ema_decay: float | None = Field(None, gt=0, lt=1)  # EMA of the weights, e.g. 0.999; pick 1/(1-decay) << steps
+    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = None  # save the weights of the best evaluation, e.g. eval_accuracy
+    early_stopping_patience: int | None = Field(None, gt=0)  # stop after this many evaluations without gain
+    layer_decay: float | None = Field(None, gt=0, le=1)  # lr x decay^(layers + 1 - depth), e.g. 0.75; null = off
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -141,6 +151,9 @@ class Recipe(Strict):
             problems.append(f"train.resume_ignore_changes names unknown keys {unknown}; use dotted keys such as train.epochs")
         if self.train.resume is not None and self.overwrite:
             problems.append("train.resume and overwrite=true contradict each other: choose one")
+        if self.train.early_stopping_patience is not None and self.train.keep_best is None:
+            problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
+                            "for), e.g. train.keep_best=eval_accuracy")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"

@@ -19,7 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from . import checkpoint, data, evaluation, export, hub, model as vit
+from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim
 from .recipe import Recipe
 
 EXIT_NON_FINITE = 3
@@ -51,6 +51,7 @@ class Parts:
     normalize: data.PixelNormalizer
     steps_per_epoch: int
     total_steps: int
+    class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
 
 
 class InterruptFlag:
@@ -104,18 +105,12 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay on biases, norms, CLS and position embeddings (the usual ViT practice).
-    decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
-    no_decay = [p for p in parameters if all(p is not q for q in decay)]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay)
+    for group in groups:
+        group["lr"] = t.lr * group["lr_scale"]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
     return torch.optim.AdamW(groups, lr=t.lr, fused=device_type == "cuda")
-
-
-def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
-    return any(parameter is p for n, p in model.named_parameters() if n.endswith("position_embeddings"))
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -140,10 +135,12 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
     and then the recipe's values must apply from the resumed step on, not be silently replaced."""
     t = recipe.train
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
-    scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
-    # Groups as build_optimizer makes them: decayed, then not decayed.
-    for group, decay, factor in zip(parts.optimizer.param_groups, (t.weight_decay, 0.0), scheduler.lr_lambdas):
-        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), weight_decay=decay)
+    groups = parts.optimizer.param_groups
+    # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
+    scheduler.base_lrs = [t.lr * group.get("lr_scale", 1.0) for group in groups]
+    for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
+        group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
+                     weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
         if "momentum" in group:
             group["momentum"] = t.momentum
 
@@ -166,7 +163,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     pin = accelerator.device.type == "cuda"
     train_set = data.ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, recipe.data, train_pixels)
     eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
+    sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
+    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
     train_sampler = train_loader.sampler
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
 
@@ -179,7 +177,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps)
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps,
+                 None if class_weights is None else class_weights.to(accelerator.device))
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -219,7 +218,8 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
         blank = torch.zeros(1, 3, size, size, device=labels.device)
         return parts.model(pixel_values=blank).logits.float().sum() * 0.0
     logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
-    return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=recipe.train.label_smoothing)
+    return torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
+                                             label_smoothing=recipe.train.label_smoothing)
 
 
 def run(recipe: Recipe) -> dict:
