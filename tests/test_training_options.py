@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -152,6 +153,19 @@ def test_class_weights_are_inverse_frequency_normalised_to_mean_one_per_image():
     weights = balance.class_weights(SKEWED, 4)  # class 3 has no training image
     assert weights.tolist() == pytest.approx([100 / (4 * 80), 100 / (4 * 15), 100 / (4 * 5), 0.0])
     assert balance.class_weights(SKEWED, 3)[torch.tensor(SKEWED)].mean().item() == pytest.approx(1.0)
+
+
+def test_class_weights_weight_each_images_loss_by_its_class():
+    model = tiny_vit().eval()
+    weights = balance.class_weights(SKEWED, 3)
+    parts = SimpleNamespace(model=model, normalize=lambda pixels: pixels, class_weights=weights)
+    pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
+    loss = train.batch_loss(parts, {"pixel_values": pixels, "labels": labels}, load_recipe(None))
+    with torch.no_grad():
+        per_image = torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels, reduction="none")
+    expected = (weights[labels] * per_image).sum() / weights[labels].sum()
+    torch.testing.assert_close(loss.detach(), expected)
+    assert not torch.allclose(expected, per_image.mean())  # the weights do change the loss
 
 
 def test_balanced_sampler_draws_each_class_about_equally_often_and_is_fixed_by_seed_and_epoch():

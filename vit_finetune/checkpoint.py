@@ -61,6 +61,11 @@ class TrainState:
     batches_done: int = 0  # batches of the current epoch already consumed
     skipped_images: int = 0
     history: list[dict] = field(default_factory=list)
+    # train.keep_best: the best evaluation so far ({step, value, weights: raw | ema}; its weights are under
+    # output_dir/best and copied into each checkpoint), and the early-stopping count since it
+    best: dict | None = None
+    evaluations_without_gain: int = 0
+    stopped_early: bool = False
 
 
 def checkpoint_name(step: int) -> str:

@@ -103,7 +103,9 @@ classify = pipeline("image-classification", model="{name}")
 classify("photo.jpg")
 ```
 
-## Results ({metrics.get("eval_samples", "?")} eval images, measured at the end of training)
+## Results ({metrics.get("eval_samples", "?")} eval images)
+{weights_text(recipe, metrics)}
+
 | metric | value |
 |---|---|
 {rows}
@@ -119,6 +121,25 @@ classify("photo.jpg")
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def weights_text(recipe: Recipe, metrics: dict) -> str:
+    """Which weights were saved and where their numbers come from: the last step, the best evaluation, an EMA."""
+    t = recipe.train
+    if "best_step" in metrics:
+        text = (f"The saved weights are those of optimiser step {metrics['best_step']} of {metrics['steps']}, the best "
+                f"`{metrics['best_metric']}` ({metrics['best_value']:.4f}) of the evaluations during training "
+                f"(`train.keep_best`); the metrics below were measured with them.")
+        if metrics.get("stopped_early"):
+            text += (f" Training stopped early after {t.early_stopping_patience} evaluations without gain "
+                     "(`train.early_stopping_patience`).")
+    else:
+        text = "Measured at the end of training."
+    if "weights" in metrics:
+        chosen = "the EMA of the weights" if metrics["weights"] == "ema" else "the raw weights"
+        text += (f" With `train.ema_decay={t.ema_decay}`, {chosen} scored better and were saved "
+                 f"(accuracy: EMA {metrics['ema_accuracy']:.4f}, raw {metrics['raw_accuracy']:.4f}).")
+    return text
 
 
 def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: dict, history: list[dict],
