@@ -70,7 +70,7 @@ def load_base_config(settings: ModelSettings) -> ViTConfig:
             "use a ViT checkpoint such as google/vit-base-patch16-224"
         )
     check_image_size(settings.image_size, config.patch_size)
-    set_drop_path_rate(config, settings)
+    set_drop_path_rate(config, settings)  # a family without stochastic depth is refused before any download
     return config
 
 
@@ -148,6 +148,7 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     config.id2label = dict(enumerate(labels))
     config.label2id = {label: index for index, label in enumerate(labels)}
     config.architectures = ["ViTForImageClassification"]
+    set_drop_path_rate(config, settings)
     return config
 
 
