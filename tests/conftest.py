@@ -117,10 +117,9 @@ def hub_repo_id(request) -> str:
 def _fresh_accelerate_state():
     """Accelerate keeps process-wide singletons; in-process CLI runs each start from a clean state."""
     yield
-    from accelerate.state import AcceleratorState, GradientState
+    from vit_finetune.processes import reset_accelerate_state
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 # Module-scoped, so each test module trains on its own copies: a tiny ViT saved like a Hub checkpoint,

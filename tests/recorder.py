@@ -1,16 +1,17 @@
 """Test-only observation of a training run, from outside the package: what each process trained on,
 the weights each process ended with, and every file each process wrote.
 
-The package has no test hooks. `install()` wraps two of its functions in this process (in-process
-runs, undone by pytest's monkeypatch); for a subprocess or an `accelerate launch`, the folder
-`tests/observed_site/` goes on PYTHONPATH and its sitecustomize.py calls `install_in_subprocess()`
-when VIT_FINETUNE_RECORD names a folder, so the command line stays exactly the user's.
+It observes through the package's documented hook (vit_finetune.callbacks), never by patching the
+loop's functions by name: `Recorder` is a Callback, passed to one in-process run, or registered for
+every run of a subprocess or an `accelerate launch`, where the folder `tests/observed_site/` goes on
+PYTHONPATH and its sitecustomize.py calls `install_in_subprocess()` when VIT_FINETUNE_RECORD names a
+folder, so the command line stays exactly the user's.
 
 Written into the record folder, one file set per process id (a SIGKILL loses nothing already written):
 - samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, labels and a fingerprint of
   each sample's pixels (the pixels are a pure function of seed, epoch and sample, so equal
   fingerprints mean the same sample with the same augmentation).
-- weights-<rank>.safetensors: the process's own model state when the training loop returns.
+- weights-<rank>.safetensors: the process's own trained model state (on_train_end: after the final evaluation).
 - writes-<pid>.jsonl (subprocesses only): path and kind of every file or folder written, renamed or
   removed, seen through Python's audit hooks plus the two native writers that bypass them
   (safetensors' serializer and torch.save's zip writer).
@@ -47,32 +48,29 @@ def fingerprint(pixels) -> str:
     return hashlib.sha1(pixels.contiguous().cpu().numpy().tobytes()).hexdigest()[:16]
 
 
-def install(record_dir: Path, patch=setattr) -> None:
-    """Wrap vit_finetune.train's loop and step; `patch` is setattr or pytest's monkeypatch.setattr."""
-    import vit_finetune.train as train
+def recorder(record_dir: Path):
+    """A vit_finetune Callback that writes the record files of this process into `record_dir`."""
     from safetensors.torch import save_file
+
+    from vit_finetune.callbacks import Callback
 
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
-    samples = _Lines(record_dir / f"samples-{os.getpid()}.jsonl")
-    original_loop, original_step = train.train_loop, train.train_step
-    current = {}
 
-    def train_loop(accelerator, parts, recipe, state):
-        current["state"] = state
-        original_loop(accelerator, parts, recipe, state)
-        model = accelerator.unwrap_model(parts.model)
-        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(tensors, str(record_dir / f"weights-{accelerator.process_index}.safetensors"))
+    class Recorder(Callback):
+        def __init__(self):
+            self.samples = _Lines(record_dir / f"samples-{os.getpid()}.jsonl")
 
-    def train_step(accelerator, parts, batch, recipe):
-        state = current["state"]
-        samples.write({"step": state.step + 1, "epoch": state.epoch, "rank": accelerator.process_index,
-                       "labels": batch["labels"].tolist(), "samples": [fingerprint(p) for p in batch["pixel_values"]]})
-        return original_step(accelerator, parts, batch, recipe)
+        def on_batch(self, run, batch):
+            self.samples.write({"step": run.state.step + 1, "epoch": run.state.epoch,
+                                "rank": run.accelerator.process_index, "labels": batch["labels"].tolist(),
+                                "samples": [fingerprint(p) for p in batch["pixel_values"]]})
 
-    patch(train, "train_loop", train_loop)
-    patch(train, "train_step", train_step)
+        def on_train_end(self, run, model):
+            tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+            save_file(tensors, str(record_dir / f"weights-{run.accelerator.process_index}.safetensors"))
+
+    return Recorder()
 
 
 def read_samples(record_dir: Path) -> list[dict]:
@@ -97,7 +95,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
 def install_in_subprocess(record_dir: str) -> None:
-    """Record writes from the interpreter's start; wrap the training loop when vit_finetune.train loads."""
+    """Record writes from the interpreter's start; register the recorder when vit_finetune.callbacks loads."""
     import importlib.abc
     import importlib.util
 
@@ -148,11 +146,12 @@ def install_in_subprocess(record_dir: str) -> None:
         safetensors.torch.serialize_file = recorded_serialize_file
         torch.serialization._open_zipfile_writer = recorded_zip_writer
 
-    class WrapOnImport(importlib.abc.MetaPathFinder):
-        """Lets vit_finetune.train load normally, then wraps it: nothing heavy is imported before the user's code."""
+    class RegisterOnImport(importlib.abc.MetaPathFinder):
+        """Lets vit_finetune.callbacks load normally, then registers the recorder: nothing heavy is imported
+        before the user's code."""
 
         def find_spec(self, name, path, target=None):
-            if name != "vit_finetune.train":
+            if name != "vit_finetune.callbacks":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)
@@ -161,12 +160,12 @@ def install_in_subprocess(record_dir: str) -> None:
             def exec_module(module):
                 load(module)
                 patch_native_writers()
-                install(record_dir)
+                module.register(recorder(record_dir))
 
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, WrapOnImport())
+    sys.meta_path.insert(0, RegisterOnImport())
 
 
 def subprocess_env(record_dir: Path, **extra: str) -> dict:

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import recorder
+from vit_finetune.processes import reset_accelerate_state
 
 # 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images.
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
@@ -22,50 +23,55 @@ RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
 
 
-def reset_accelerate() -> None:
-    """Accelerate keeps process-wide singletons; each in-process run must start from none."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
-def train(args: list[str], record: Path | None = None, patches: list[tuple] = ()) -> int:
+def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:
     """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
 
-    `record` observes it with tests/recorder.py; `patches` are (object, name, value) applied for the run only.
+    `record` observes it with tests/recorder.py; `callbacks` (vit_finetune.callbacks.Callback) observe it
+    through the package's hook; `patches` are (object, name, value) applied for the run only.
     """
+    from vit_finetune.callbacks import REGISTERED, register
     from vit_finetune.cli import main
 
+    observers = [*([recorder.recorder(record)] if record is not None else []), *callbacks]
     with pytest.MonkeyPatch.context() as patch:
-        if record is not None:
-            recorder.install(record, patch.setattr)
         for target, name, value in patches:
             patch.setattr(target, name, value)
+        for observer in observers:
+            register(observer)
         try:
             return main(list(args))
         finally:
-            reset_accelerate()
+            for observer in observers:
+                REGISTERED.remove(observer)
+            reset_accelerate_state()
 
 
 class SimulatedKill(BaseException):
     """Stands for SIGKILL in an in-process run: no handler of the package catches a BaseException."""
 
 
+def before_batch(action: Callable[[int], None]):
+    """A callback that calls `action(n)` before the n-th batch of a run (n from 1) is trained on."""
+    from vit_finetune.callbacks import Callback
+
+    class BeforeBatch(Callback):
+        batches = 0
+
+        def on_batch(self, run, batch):
+            self.batches += 1
+            action(self.batches)
+
+    return BeforeBatch()
+
+
 def kill_at(step: int):
-    """A train_step replacement that 'kills' the run when optimiser step `step` starts."""
-    import vit_finetune.train as train_module
+    """A callback that 'kills' the run as optimiser step `step` starts (one batch per step in these runs)."""
 
-    original = train_module.train_step
-    calls = []
-
-    def train_step(accelerator, parts, batch, recipe):
-        calls.append(1)
-        if len(calls) == step:
+    def kill(batch: int) -> None:
+        if batch == step:
             raise SimulatedKill(f"simulated kill at step {step}")
-        return original(accelerator, parts, batch, recipe)
 
-    return (train_module, "train_step", train_step)
+    return before_batch(kill)
 
 
 def launch_and_kill(args: list[str], record: Path, when: Callable[[str], bool], log: Path,
@@ -101,7 +107,7 @@ def killed_after_a_checkpoint(args: list[str], out: Path) -> Path:
     import pytest
 
     with pytest.raises(SimulatedKill):
-        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], patches=[kill_at(3)])
+        train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2"], callbacks=[kill_at(3)])
     assert completed(out, 2).exists()
     return out
 

@@ -53,7 +53,10 @@ def test_output_folder_holds_everything_and_reloads_at_the_new_size(trained):
         assert (trained / name).is_file(), name
     config = json.loads((trained / "config.json").read_text())
     assert config["image_size"] == 64 and config["id2label"] == {"0": "blue", "1": "green", "2": "red"}
-    assert AutoImageProcessor.from_pretrained(trained).size == {"height": 64, "width": 64}
+    processor = AutoImageProcessor.from_pretrained(trained)
+    assert processor.size == {"height": 64, "width": 64}
+    saved_type = json.loads((trained / "preprocessor_config.json").read_text())["image_processor_type"]
+    assert saved_type == type(processor).__name__ == "ViTImageProcessorPil"  # the class evaluation used
     model, info = ViTForImageClassification.from_pretrained(trained, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     assert model.vit.embeddings.position_embeddings.shape == (1, 1 + 16 * 16, 32)
@@ -207,6 +210,33 @@ def test_corrupt_image_is_named_by_path(capsys, base, tmp_path):
                            "model.image_size=32", "train.epochs=1", "train.batch_size=4"])
     assert "0.png" in error and "data.skip_bad_images=true" in error
     assert not (tmp_path / "o" / "metrics.json").exists()
+
+
+def test_predict_names_missing_image_files(capsys, tmp_path):
+    error = fails(capsys, ["predict", str(tmp_path), str(tmp_path / "nowhere.jpg")])
+    assert "image file(s) not found" in error and "nowhere.jpg" in error
+
+
+def test_push_refuses_an_invalid_repo_id_before_any_upload(capsys, tmp_path):
+    error = fails(capsys, ["push", str(tmp_path), "--repo-id", "has space/x"], code=2)
+    assert "--repo-id" in error and "'has space/x'" in error and "not a valid Hub repo id" in error
+
+
+def test_push_without_a_repo_id_says_how_to_give_one(capsys, tmp_path):
+    error = fails(capsys, ["push", str(tmp_path)])
+    assert "pass --repo-id namespace/name" in error
+
+
+def test_a_plain_library_error_is_a_bug_and_keeps_its_traceback(monkeypatch, base, images, tmp_path):
+    """Only project errors become a one-line message: a ValueError from deep inside is not a user's mistake."""
+    import vit_finetune.train as train_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug deep inside")
+
+    monkeypatch.setattr(train_module, "build_parts", broken)
+    with pytest.raises(ValueError, match="a bug deep inside"):
+        main([f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
 
 
 def test_eval_every_steps_evaluates_on_schedule_and_the_last_step_once(args, tmp_path):

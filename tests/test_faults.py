@@ -21,7 +21,7 @@ import yaml
 from PIL import Image
 
 import recorder
-from runs import RECIPE, killed_after_a_checkpoint, train, weights
+from runs import RECIPE, before_batch, killed_after_a_checkpoint, train, weights
 from tiny import make_tiny_vit, write_colour_folder
 
 pytestmark = pytest.mark.slow
@@ -49,20 +49,17 @@ def all_finite(path: Path) -> bool:
 
 def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(args, tmp_path, capsys, hub, hub_repo_id,
                                                                               monkeypatch):
-    import vit_finetune.train as train_module
-
     from conftest import HUB_TOKEN
 
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
     out = tmp_path / "out"
-    cross_entropy, original_step = torch.nn.functional.cross_entropy, train_module.train_step
+    cross_entropy = torch.nn.functional.cross_entropy
     steps, good = [], {}
 
-    def counting_step(*step_args):
-        steps.append(1)
-        if len(steps) == 5:
+    def count_steps(batch: int) -> None:
+        steps.append(batch)
+        if batch == 5:
             good.update(snapshot(out / "checkpoints" / "step-00000004"))  # as it was before anything went wrong
-        return original_step(*step_args)
 
     def nan_loss_at_step_5(logits, labels, **kwargs):
         loss = cross_entropy(logits, labels, **kwargs)
@@ -70,9 +67,8 @@ def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(ar
 
     code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "hub.push=true",
                   f"hub.repo_id={hub_repo_id}"],
-                 patches=[(train_module, "train_step", counting_step),
-                          (torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
-    assert code == 3  # train.EXIT_NON_FINITE: distinct from a usage error (2) or any other failure (1)
+                 callbacks=[before_batch(count_steps)], patches=[(torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
+    assert code == 3  # train.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
     assert len(steps) == 6  # the NaN of step 5 is read one step late, never later
     assert "NaN/Inf at optimiser step 5" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]

@@ -193,3 +193,34 @@ def test_pretrained_false_gives_the_same_architecture_from_random_weights(tiny_b
     assert scratch.config.to_dict() == pretrained.config.to_dict()
     name = "vit.layers.0.attention.q_proj.weight"
     assert not torch.equal(scratch.state_dict()[name], pretrained.state_dict()[name])
+
+
+def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name(tiny_base, tmp_path):
+    """Without torchvision, transformers 5 falls back to the PIL processors with a warning (once per process, so
+    a fresh interpreter looks); both a base with a preprocessor_config.json and one without get the PIL class."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tiny import REPO
+
+    bare = tmp_path / "bare"  # config and weights only: the family's default processor
+    bare.mkdir()
+    shutil.copy(tiny_base / "config.json", bare / "config.json")
+    load = ("import sys; from vit_finetune.export import save_image_processor; from vit_finetune.model import "
+            "load_image_processor; from vit_finetune.recipe import ModelSettings\n"
+            "for base, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+            "    processor = load_image_processor(ModelSettings(base=base, image_size=48), 48)\n"
+            "    save_image_processor(processor, out); print(type(processor).__name__)")
+    result = subprocess.run([sys.executable, "-c", load, str(tiny_base), str(tmp_path / "a"), str(bare),
+                             str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["ViTImageProcessorPil", "ViTImageProcessorPil"]
+    assert "torchvision" not in result.stderr and "falling back" not in result.stderr
+    for out in ("a", "b"):
+        saved = json.loads((tmp_path / out / "preprocessor_config.json").read_text())
+        assert saved["image_processor_type"] == "ViTImageProcessorPil" and saved["size"] == {"height": 48, "width": 48}
+    assert json.loads((tmp_path / "b" / "preprocessor_config.json").read_text())["image_mean"] == [0.5] * 3

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical, reset_accelerate
+from runs import assert_bit_identical
+from vit_finetune.processes import reset_accelerate_state
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 pytestmark = pytest.mark.slow
@@ -124,7 +125,7 @@ def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(t
     assert metrics["eval_skipped_images"] == BAD_EVAL_IMAGES
 
     # The same weights and eval split, evaluated by one process.
-    reset_accelerate()
+    reset_accelerate_state()
     accelerator = Accelerator(cpu=True)
     settings = DataSettings(dataset=str(two_process_run["images"]), skip_bad_images=True)
     splits = data.load_splits(settings, seed=1)

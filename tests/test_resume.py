@@ -17,7 +17,7 @@ import pytest
 
 import recorder
 from runs import (SimulatedKill, assert_bit_identical, assert_each_sample_once_per_epoch, completed,
-                  exists, history, kill_at, launch_and_kill, losses, train)
+                  before_batch, exists, history, kill_at, launch_and_kill, losses, train)
 
 pytestmark = pytest.mark.slow
 
@@ -146,20 +146,16 @@ def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_the_resume_is_exact(ar
 def test_sigterm_saves_a_checkpoint_at_the_next_step_even_between_scheduled_ones(args, tmp_path, capsys):
     import os
 
-    import vit_finetune.train as train_module
-
     out = tmp_path / "out"
-    original = train_module.train_step
     calls = []
 
-    def terminated_during_step_3(accelerator, parts, batch, recipe):
-        calls.append(1)
-        if len(calls) == 3:
+    def terminated_during_step_3(batch: int) -> None:
+        calls.append(batch)
+        if batch == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # what a scheduler sends before pre-empting the machine
-        return original(accelerator, parts, batch, recipe)
 
     code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=100"],
-                 patches=[(train_module, "train_step", terminated_during_step_3)])
+                 callbacks=[before_batch(terminated_during_step_3)])
     assert code == 130
     assert len(calls) == 3  # stopped at the step the signal arrived in
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
@@ -176,7 +172,7 @@ def test_lora_resume_gives_the_same_adapter_as_an_uninterrupted_lora_run(args, t
     assert train([*lora, f"output_dir={tmp_path / 'whole'}"]) == 0
     run = [*lora, f"output_dir={tmp_path / 'out'}", "train.checkpoint_every_steps=4"]
     with pytest.raises(SimulatedKill):
-        train(run, patches=[kill_at(7)])  # the last checkpoint is step 4, mid-epoch 0; step 6 ended the epoch
+        train(run, callbacks=[kill_at(7)])  # the last checkpoint is step 4, mid-epoch 0; step 6 ended the epoch
     assert train([*run, "train.resume=auto"]) == 0
 
     for name in ("adapter/adapter_model.safetensors", "model.safetensors"):

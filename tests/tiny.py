@@ -19,7 +19,7 @@ def make_tiny_vit(folder: Path, image_size: int = 32, patch_size: int = 4, num_l
                   layers: int = 2, seed: int = 0) -> Path:
     """A randomly initialised ViTForImageClassification saved like a Hub checkpoint (4.x key names on disk)."""
     import torch
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
 
     torch.manual_seed(seed)
     config = ViTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
@@ -33,7 +33,7 @@ def make_tiny_vit(folder: Path, image_size: int = 32, patch_size: int = 4, num_l
         basis = torch.stack([torch.sin((k + 1) * (xs + ys * (k % 3))) for k in range(hidden)], dim=-1)
         model.vit.embeddings.position_embeddings[0, 1:] = 0.1 * basis.reshape(grid * grid, hidden)
     model.save_pretrained(folder)
-    ViTImageProcessor(size={"height": image_size, "width": image_size}).save_pretrained(folder)
+    ViTImageProcessorPil(size={"height": image_size, "width": image_size}).save_pretrained(folder)
     return Path(folder)
 
 

@@ -15,16 +15,16 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 from safetensors import SafetensorError
 
-from .recipe import Recipe, flatten
+from .errors import VitFinetuneError
+from .processes import any_process
+from .recipe import RECIPE_FILE, Recipe, flatten, write_recipe
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
-RECIPE_FILE = "recipe.yaml"
 PARTIAL_PREFIX = ".partial-"
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {
@@ -40,7 +40,7 @@ WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(VitFinetuneError):
     """A checkpoint that cannot be written or resumed from."""
 
 
@@ -121,7 +121,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     if accelerator.is_main_process:
         try:
             (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
-            (partial / RECIPE_FILE).write_text(yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False))
+            write_recipe(recipe, partial)
             (partial / COMPLETE).write_text("")
             _fsync_tree(partial)
             if final.exists():
@@ -141,11 +141,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
 def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,
                                output_dir: Path) -> None:
     """A collective: if any process failed to write, all of them raise (none trains on alone, none hangs)."""
-    failed = failure is not None
-    if accelerator.num_processes > 1:
-        flag = torch.tensor(float(failed), device=accelerator.device)
-        failed = accelerator.reduce(flag, reduction="sum").item() > 0
-    if not failed:
+    if not any_process(accelerator, failure is not None):
         return
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)

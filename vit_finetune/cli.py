@@ -15,8 +15,6 @@ import argparse
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
-
 
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -75,12 +73,13 @@ def train_command(argv: list[str]) -> int:
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
+    from .data import DataError, decode_image
+
     missing = [image for image in args.images if not Path(image).is_file()]
     if missing:
-        raise FileNotFoundError(f"image file(s) not found: {missing}")
+        raise DataError(f"image file(s) not found: {missing}")
     from transformers import pipeline
 
-    from .data import decode_image
     from .recipe import DataSettings
 
     classify = pipeline("image-classification", model=args.model, device=-1)
@@ -94,52 +93,34 @@ def predict_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
-    from .hub import push_folder
-    from .recipe import read_yaml
+    from .hub import PushError, push_folder
+    from .recipe import RECIPE_FILE, read_yaml, validate
 
     output_dir = Path(args.output_dir)
-    saved = read_yaml(output_dir / "recipe.yaml").get("hub", {}) if (output_dir / "recipe.yaml").is_file() else {}
+    saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
     repo_id = args.repo_id or saved.get("repo_id")
     if not repo_id:
-        raise ValueError("no repo id: pass --repo-id namespace/name")
-    from .recipe import HubSettings
-
-    HubSettings(repo_id=repo_id)  # same validation as in recipes
+        raise PushError("no repo id: pass --repo-id namespace/name")
+    validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
     private = args.private if args.private is not None else bool(saved.get("private", False))
     print(f"pushed to {push_folder(output_dir, repo_id, private)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .hub import PushError
-    from .model import ModelError
-    from .recipe import RecipeError
+    """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
+    from .errors import VitFinetuneError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
     try:
-        from pydantic import ValidationError
-
         return command(argv)
-    except (RecipeError, ModelError, DataError, CheckpointError, PushError, FileNotFoundError, ValueError,
-            ValidationError) as error:
+    except VitFinetuneError as error:
         print(f"error: {error}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(error, (RecipeError, ValidationError)) else 1
-    except RuntimeError as error:
-        from .train import Interrupted, NonFiniteLoss, RunError
-
-        if isinstance(error, (NonFiniteLoss, Interrupted)):
-            print(f"error: {error}", file=sys.stderr)
-            return error.exit_code
-        if isinstance(error, RunError):
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        raise
+        return error.exit_code
 
 
 def main_exit() -> None:

@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageFile, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .errors import VitFinetuneError
 from .recipe import DataSettings
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
@@ -27,7 +28,7 @@ IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target")
 
 
-class DataError(ValueError):
+class DataError(VitFinetuneError):
     """A dataset that cannot be used as configured; the message names the value and the fix."""
 
 

@@ -13,7 +13,7 @@ import evaluate
 import numpy as np
 import torch
 
-from .data import SKIPPED_LABEL
+from .data import SKIPPED_LABEL, DataError
 
 TOP_K = 5
 
@@ -110,7 +110,7 @@ def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes:
     references_all = torch.cat(references) if references else torch.empty(0, dtype=torch.long)
     kept = references_all != SKIPPED_LABEL
     if not kept.any():
-        raise ValueError("the eval split is empty (every image was skipped or the split has no rows)")
+        raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
     metrics = compute_metrics(torch.cat(ranked)[kept].numpy(), references_all[kept].numpy(), num_classes)
     metrics["eval_loss"] = float(torch.cat(losses)[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())

@@ -13,13 +13,14 @@ import shutil
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
-from .recipe import REPO_ID_PATTERN, Recipe, to_yaml
+from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
 
 METRICS_FILE = "metrics.json"
-RECIPE_FILE = "recipe.yaml"
 CURVES_FILE = "training_curves.png"
 HISTORY_FILE = "history.json"
+CARD_FILE = "README.md"
 ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
 METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
@@ -142,6 +143,17 @@ def weights_text(recipe: Recipe, metrics: dict) -> str:
     return text
 
 
+def save_image_processor(processor, folder: Path) -> None:
+    """save_pretrained, with preprocessor_config.json naming the class that was used: transformers 5 writes a PIL
+    processor under its family's name (ViTImageProcessorPil as ViTImageProcessor), which a machine with
+    torchvision would load as the torchvision one, not the processor the reported metrics were measured with."""
+    processor.save_pretrained(folder)
+    path = Path(folder) / IMAGE_PROCESSOR_NAME
+    settings = json.loads(path.read_text())
+    settings["image_processor_type"] = type(processor).__name__
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
 def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: dict, history: list[dict],
                   labels: list[str], adapter_model=None) -> None:
     """Stage every final file, then move them into output_dir with metrics.json last."""
@@ -150,16 +162,16 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     model.save_pretrained(staging, safe_serialization=True)
-    processor.save_pretrained(staging)
+    save_image_processor(processor, staging)
     if adapter_model is not None:
         adapter_model.save_pretrained(staging / ADAPTER_DIR, safe_serialization=True)
         # peft writes a stub card whose base_model may be a local path, which the Hub rejects; the root card covers it.
-        (staging / ADAPTER_DIR / "README.md").unlink(missing_ok=True)
-    (staging / RECIPE_FILE).write_text(to_yaml(recipe))
+        (staging / ADAPTER_DIR / CARD_FILE).unlink(missing_ok=True)
+    write_recipe(recipe, staging)
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
     plot_curves(history, staging / CURVES_FILE)
     name = recipe.hub.repo_id or output_dir.name
-    model_card(recipe, metrics, labels, name, adapter_model is not None).save(staging / "README.md")
+    model_card(recipe, metrics, labels, name, adapter_model is not None).save(staging / CARD_FILE)
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
     for entry in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
@@ -174,8 +186,8 @@ def clear_previous_run(output_dir: Path) -> None:
     """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
     from .checkpoint import CHECKPOINTS
 
-    for name in (METRICS_FILE, "README.md", RECIPE_FILE, HISTORY_FILE, CURVES_FILE, "config.json",
-                 "model.safetensors", "preprocessor_config.json", ADAPTER_DIR, CHECKPOINTS, STAGING):
+    for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, CONFIG_NAME,
+                 SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, STAGING):
         path = Path(output_dir) / name
         if path.is_dir():
             shutil.rmtree(path)

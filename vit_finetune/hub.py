@@ -13,13 +13,14 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
+from .errors import VitFinetuneError
 from .checkpoint import CHECKPOINTS
 from .export import METRICS_FILE, STAGING
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
 
-class PushError(RuntimeError):
+class PushError(VitFinetuneError):
     """The Hub refused or failed the push; the local outputs are intact."""
 
 
@@ -59,15 +60,14 @@ def is_retryable(error: Exception) -> bool:
     return status is None or status in (408, 429) or status >= 500
 
 
-def push_folder(output_dir: Path, repo_id: str, private: bool = False, token: str | None = None,
-                delays: tuple[float, ...] | None = None) -> str:
+def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
     """Upload a finished run (checkpoints left out) and return the commit URL."""
     output_dir = Path(output_dir)
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
-    api = HfApi(token=token or require_token())
+    api = HfApi(token=require_token())
     last_error: Exception | None = None
-    for attempt, delay in enumerate((0.0, *(RETRY_DELAYS if delays is None else delays))):
+    for attempt, delay in enumerate((0.0, *RETRY_DELAYS)):  # read at each call: tests shorten it
         time.sleep(delay)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)

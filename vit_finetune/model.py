@@ -15,7 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, ViTConfig, ViTForImageClassification
+from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
+                                                            get_image_processor_class_from_name)
 
+from .errors import VitFinetuneError
 from .recipe import LoraSettings, ModelSettings
 
 # LoRA roles mapped to module-name suffixes under both transformers naming schemes:
@@ -31,13 +34,17 @@ ROLE_SUFFIXES = {
 HEAD_NAME = "classifier"
 # Families whose transformers config has a stochastic-depth rate (ViT and DeiT have none).
 DROP_PATH_FAMILIES = ("beit", "data2vec-vision", "dinov2", "swin")
+# The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
+# pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
+# warning, and a machine with torchvision does not resize slightly differently from the one that measured.
+IMAGE_PROCESSOR_BACKEND = "pil"
 
 
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
-class ModelError(ValueError):
+class ModelError(VitFinetuneError):
     """A base model that this toolkit cannot fine-tune as asked."""
 
 
@@ -55,10 +62,10 @@ def base_location(settings: ModelSettings) -> str:
 
 def load_base_config(settings: ModelSettings) -> ViTConfig:
     """Fetch only config.json and check the base is a ViT the target size suits, before any weights move."""
+    location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
     try:
-        config = AutoConfig.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
     except (OSError, ValueError) as error:
         raise ModelError(
             f"model.base={settings.base!r} could not be loaded: {error}\n"
@@ -203,15 +210,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings):
 
 
 def load_image_processor(settings: ModelSettings, image_size: int):
-    """The base's image processor resized to the target resolution (mean/std kept from the base)."""
+    """The base's image processor, PIL backend, resized to the target resolution (mean/std kept from the base)."""
+    location = base_location(settings)
     try:
-        processor = AutoImageProcessor.from_pretrained(
-            base_location(settings), revision=settings.revision, trust_remote_code=settings.trust_remote_code
-        )
-    except OSError:
-        from transformers import ViTImageProcessor
-
-        processor = ViTImageProcessor()  # the ViT default: mean = std = 0.5
+        processor = AutoImageProcessor.from_pretrained(location, revision=settings.revision,
+                                                       trust_remote_code=settings.trust_remote_code,
+                                                       backend=IMAGE_PROCESSOR_BACKEND)
+    except OSError:  # the base has no preprocessor_config.json: its family's defaults (ViT: mean = std = 0.5)
+        config = AutoConfig.from_pretrained(location, revision=settings.revision,
+                                            trust_remote_code=settings.trust_remote_code)
+        family = IMAGE_PROCESSOR_MAPPING_NAMES[config.model_type]
+        processor = get_image_processor_class_from_name(family[IMAGE_PROCESSOR_BACKEND])()
     processor.size = {"height": image_size, "width": image_size}
     if getattr(processor, "crop_size", None):
         processor.crop_size = {"height": image_size, "width": image_size}
@@ -232,10 +241,6 @@ def merged_copy(model: nn.Module) -> ViTForImageClassification:
     import copy
 
     return copy.deepcopy(model).merge_and_unload()
-
-
-def saved_config_path(folder: Path) -> Path:
-    return Path(folder) / "config.json"
 
 
 def describe(config: PretrainedConfig) -> str:

@@ -14,7 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .errors import EXIT_USAGE, VitFinetuneError
+
 PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
@@ -23,8 +26,10 @@ REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0
 KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
 
 
-class RecipeError(ValueError):
+class RecipeError(VitFinetuneError):
     """A recipe that cannot run; the message lists every problem found, one per line."""
+
+    exit_code = EXIT_USAGE
 
     def __init__(self, problems: list[str], source: str = "recipe"):
         self.problems = problems
@@ -293,6 +298,11 @@ def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
 
 def to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def write_recipe(recipe: Recipe, folder: Path) -> None:
+    """The resolved recipe as `recipe.yaml` in an output folder, its staging folder or a checkpoint."""
+    (Path(folder) / RECIPE_FILE).write_text(to_yaml(recipe))
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:

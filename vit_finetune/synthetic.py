@@ -51,13 +51,6 @@ def _star(points: int, r_out: float, r_in: float) -> Polygon:
     return np.stack([r * np.cos(t), r * np.sin(t)], axis=1)
 
 
-def _heart() -> Polygon:
-    t = np.linspace(0, 2 * np.pi, 48, endpoint=False)
-    x = 16 * np.sin(t) ** 3
-    y = -(13 * np.cos(t) - 5 * np.cos(2 * t) - 2 * np.cos(3 * t) - np.cos(4 * t))
-    return np.stack([x, y + 2.5], axis=1) / 16.0
-
-
 _SHAPES: dict[str, Callable[[], ShapeOps]] = {
     # --- pretraining shapes ---
     "circle": lambda: [(_ngon(40, 0.9), 1)],

@@ -13,6 +13,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
@@ -20,22 +21,26 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim
-from .recipe import Recipe
-
-EXIT_NON_FINITE = 3
-EXIT_INTERRUPTED = 130
-
-
-class RunError(RuntimeError):
-    """A run refused before it started, with the reason and the fix."""
+from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
+from .errors import VitFinetuneError
+from .processes import any_process, sum_over_processes
+from .recipe import Recipe, write_recipe
 
 
-class NonFiniteLoss(RuntimeError):
-    exit_code = EXIT_NON_FINITE
+class RunError(VitFinetuneError):
+    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
 
 
-class Interrupted(RuntimeError):
-    exit_code = EXIT_INTERRUPTED
+class NonFiniteLoss(VitFinetuneError):
+    """The loss, a gradient or the weights became NaN/Inf; nothing from then on was saved."""
+
+    exit_code = 3
+
+
+class Interrupted(VitFinetuneError):
+    """SIGINT/SIGTERM stopped training (after a checkpoint, if checkpoints are on); the shell's code for Ctrl-C."""
+
+    exit_code = 130
 
 
 @dataclass
@@ -44,7 +49,6 @@ class Parts:
     processor: object
     labels: list[str]
     train_loader: torch.utils.data.DataLoader
-    train_sampler: data.EpochSampler  # the loader's own sampler; accelerate shards its batches, not a copy
     eval_loader: torch.utils.data.DataLoader
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -165,7 +169,6 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     eval_set = data.eval_dataset(splits, recipe.data, processor, size)
     sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
     train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
-    train_sampler = train_loader.sampler
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
 
     batches_per_epoch = math.ceil(len(train_set) / (recipe.train.batch_size * accelerator.num_processes))
@@ -176,7 +179,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                        "lower it or train longer")
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
-    return Parts(model, processor, splits.labels, train_loader, train_sampler, eval_loader, optimizer, scheduler,
+    return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps,
                  None if class_weights is None else class_weights.to(accelerator.device))
 
@@ -222,8 +225,9 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
                                              label_smoothing=recipe.train.label_smoothing)
 
 
-def run(recipe: Recipe) -> dict:
-    """Train, evaluate, export and (optionally) push; returns the final metrics."""
+def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
+    """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
+    after those registered with vit_finetune.callbacks.register (see that module for the events)."""
     output_dir = Path(recipe.output_dir)
     check_output_dir(recipe)
     if recipe.hub.push:
@@ -245,18 +249,19 @@ def run(recipe: Recipe) -> dict:
         reapply_hyperparameters(parts, recipe)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / export.RECIPE_FILE).write_text(export.to_yaml(recipe))
+        write_recipe(recipe, output_dir)
         trainable, total = vit.count_parameters(parts.model)
         print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
               f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
               + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
 
-    train_loop(accelerator, parts, recipe, state)
-    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
+    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList([*REGISTERED, *callbacks])
+    train_loop(training, hooks)
+    metrics = evaluate(training, hooks)
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
-    state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
+    hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
         save_final(accelerator, parts, recipe, metrics, state)
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
@@ -272,26 +277,100 @@ def _eval_entry(metrics: dict) -> dict:
     return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
 
 
-def train_loop(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState) -> None:
+class TrainLog:
+    """The loop's counters and its progress bar: loss and images since the last log entry, bad images skipped
+    by this process. `write` turns the counters into one history entry for all processes."""
+
+    def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, total_steps: int):
+        self.accelerator = accelerator
+        self.progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
+                             desc="train", dynamic_ncols=True)
+        # Skipped images are counted per process and summed over processes only where the count is saved (each
+        # checkpoint, the end): reading a count back every step would sync host and device.
+        self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
+        self.loss_total = torch.zeros((), device=accelerator.device)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.loss_total.zero_()
+        self.loss_batches, self.images, self.clock = 0, 0, time.perf_counter()
+
+    def add_batch(self, loss: torch.Tensor, batch: dict) -> None:
+        self.skipped_here += batch["skipped"]
+        images = batch["labels"].numel()
+        if images:  # a batch of skipped images only has no loss to report
+            self.loss_total += loss
+            self.loss_batches += 1
+        self.images += images * self.accelerator.num_processes
+
+    def add_step(self) -> None:
+        self.progress.update(1)
+
+    def write(self, state: checkpoint.TrainState, lr: float) -> dict:
+        """A collective: append the history entry of the steps since the last one (mean loss over processes, lr,
+        images/s), show it on the progress bar and return it."""
+        mean_loss = self._mean_loss_over_processes()
+        rate = self.images / (time.perf_counter() - self.clock)
+        # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
+        trained = {} if mean_loss is None else {"loss": mean_loss}
+        entry = {"step": state.step, "epoch": state.epoch, **trained, "lr": lr, "images_per_s": rate}
+        state.history.append(entry)
+        self.progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
+                                  img_s=f"{rate:.0f}")
+        self._restart()
+        return entry
+
+    def _mean_loss_over_processes(self) -> float | None:
+        """The mean batch loss over all processes; None if no process had a batch with images."""
+        totals = torch.stack([self.loss_total, torch.tensor(float(self.loss_batches), device=self.loss_total.device)])
+        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
+        return loss_sum / count if count else None
+
+    def count_skipped_into(self, state: checkpoint.TrainState) -> None:
+        """A collective: state.skipped_images becomes the count of all processes over the whole run."""
+        state.skipped_images = self.skipped_before + sum_over_processes(self.accelerator, self.skipped_here)
+
+
+def train_loop(run: TrainingRun, callbacks: Callback = Callback()) -> None:
+    """Optimiser steps until the run's last one, or until interrupted; SIGINT/SIGTERM checkpoint first."""
     interrupt = InterruptFlag()
-    progress = tqdm(total=parts.total_steps, initial=state.step, disable=not accelerator.is_main_process,
-                    desc="train", dynamic_ncols=True)
+    log = TrainLog(run.accelerator, run.state, run.parts.total_steps)
+    callbacks.on_train_start(run)
     try:
-        _optimise(accelerator, parts, recipe, state, interrupt, progress)
+        _optimise(run, interrupt, log, callbacks)
     finally:
-        progress.close()  # on an error too: its message must start on a line of its own
+        log.progress.close()  # on an error too: its message must start on a line of its own
         interrupt.restore()
 
 
-def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: checkpoint.TrainState,
-              interrupt: InterruptFlag, progress: tqdm) -> None:
-    t = recipe.train
+def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbacks: Callback) -> None:
+    """After each optimiser step: check, log, evaluate, checkpoint, stop."""
+    state, t, last = run.state, run.recipe.train, run.parts.total_steps
     pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
-    loss_count, images, clock = 0, 0, time.perf_counter()
-    # Skipped images are counted per process and summed over processes only where the count is saved (each
-    # checkpoint, the end): reading a count back every step would sync host and device.
-    skipped_before, skipped_here = state.skipped_images, 0  # all processes' count at a resume; this process's since
-    running_loss = torch.zeros((), device=accelerator.device)
+    for finite in _optimiser_steps(run, log, callbacks):
+        if pending_finite is not None:
+            _stop_if_non_finite(pending_finite, state.step - 1, run.accelerator)
+        pending_finite = finite
+        callbacks.on_step_end(run)
+        if _due(state.step, t.log_every_steps) or state.step == last:
+            callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
+        if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
+            _evaluate_during_training(run, callbacks)
+        stop = state.step >= last or _interrupted(interrupt, run.accelerator)
+        _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
+        if interrupt.raised:
+            raise Interrupted(_interrupt_message(run.recipe, state))
+        if stop:
+            break
+    log.count_skipped_into(state)
+    if pending_finite is not None:
+        _stop_if_non_finite(pending_finite & _weights_finite(run.parts.model), state.step, run.accelerator)
+
+
+def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> Iterator[torch.Tensor]:
+    """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
+    the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
+    accelerator, parts, state = run.accelerator, run.parts, run.state
     while state.step < parts.total_steps:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
         # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
@@ -300,74 +379,42 @@ def _optimise(accelerator: Accelerator, parts: Parts, recipe: Recipe, state: che
         if state.batches_done:
             loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
         for batch in loader:
-            skipped_here += batch["skipped"]
-            loss, finite = train_step(accelerator, parts, batch, recipe)
+            callbacks.on_batch(run, batch)
+            loss, finite = train_step(accelerator, parts, batch, run.recipe)
             state.batches_done += 1
-            if batch["labels"].numel():  # a batch of skipped images only has no loss to report
-                running_loss += loss
-                loss_count += 1
-            images += batch["labels"].numel() * accelerator.num_processes
-            if not accelerator.sync_gradients:
-                continue
-            state.step += 1
-            progress.update(1)
-            if pending_finite is not None:
-                _stop_if_non_finite(pending_finite, state.step - 1, accelerator)
-            pending_finite = finite
-            if state.step % t.log_every_steps == 0 or state.step == parts.total_steps:
-                mean_loss = _mean_loss_over_processes(accelerator, running_loss, loss_count)
-                rate = images / (time.perf_counter() - clock)
-                lr = parts.scheduler.get_last_lr()[0]
-                # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
-                trained = {} if mean_loss is None else {"loss": mean_loss}
-                state.history.append({"step": state.step, "epoch": state.epoch, **trained, "lr": lr,
-                                      "images_per_s": rate})
-                progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
-                                     img_s=f"{rate:.0f}")
-                running_loss.zero_()
-                loss_count, images, clock = 0, 0, time.perf_counter()
-            # Not at the last step: run() evaluates those same weights right after the loop.
-            if t.eval_every_steps and state.step % t.eval_every_steps == 0 and state.step < parts.total_steps:
-                _evaluate_during_training(accelerator, parts, state)
-            stop = state.step >= parts.total_steps or _interrupted(interrupt, accelerator)
-            if t.checkpoint_every_steps and (state.step % t.checkpoint_every_steps == 0 or interrupt.raised):
-                _stop_if_non_finite(finite & _weights_finite(parts.model), state.step, accelerator)
-                state.skipped_images = skipped_before + _sum_over_processes(accelerator, skipped_here)
-                checkpoint.save_checkpoint(accelerator, Path(recipe.output_dir), state, recipe, t.keep_checkpoints)
-            if interrupt.raised:
-                raise Interrupted(_interrupt_message(recipe, state))
-            if stop:
-                break
-        else:  # the epoch ran to its end
-            state.epoch += 1
-            state.batches_done = 0
-            if not t.eval_every_steps and state.step < parts.total_steps:
-                _evaluate_during_training(accelerator, parts, state)
-            continue
-        break
-    state.skipped_images = skipped_before + _sum_over_processes(accelerator, skipped_here)
-    if pending_finite is not None:
-        _stop_if_non_finite(pending_finite & _weights_finite(parts.model), state.step, accelerator)
+            log.add_batch(loss, batch)
+            if accelerator.sync_gradients:
+                state.step += 1
+                log.add_step()
+                yield finite
+        state.epoch += 1
+        state.batches_done = 0
+        if not run.recipe.train.eval_every_steps and state.step < parts.total_steps:
+            _evaluate_during_training(run, callbacks)
 
 
-def _mean_loss_over_processes(accelerator: Accelerator, loss_total: torch.Tensor, batches: int) -> float | None:
-    """The mean batch loss since the last log entry over all processes; None if no process had a batch with images."""
-    totals = torch.stack([loss_total, torch.tensor(float(batches), device=loss_total.device)])
-    loss_sum, count = accelerator.reduce(totals, reduction="sum").tolist()
-    return loss_sum / count if count else None
+def _due(step: int, every: int | None) -> bool:
+    """Whether a `*_every_steps` setting (None or 0: never) falls on this step."""
+    return bool(every) and step % every == 0
 
 
-def _sum_over_processes(accelerator: Accelerator, count: int) -> int:
-    """A collective: every process must call it at the same point of the loop."""
-    return int(accelerator.reduce(torch.as_tensor(count, device=accelerator.device), reduction="sum").item())
+def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, interrupted: bool,
+                       callbacks: Callback) -> None:
+    """Every train.checkpoint_every_steps, and at once when interrupted (if checkpoints are on at all); never
+    from non-finite weights."""
+    every = run.recipe.train.checkpoint_every_steps
+    if not every or (run.state.step % every and not interrupted):
+        return
+    _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
+    log.count_skipped_into(run.state)
+    path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
+                                      run.recipe.train.keep_checkpoints)
+    callbacks.on_checkpoint(run, path)
 
 
 def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
-    if accelerator.num_processes == 1:
-        return flag.raised
     # Every rank must agree to stop at the same step, or the others wait forever in the next collective.
-    raised = torch.tensor(float(flag.raised), device=accelerator.device)
-    flag.raised = bool(accelerator.reduce(raised, reduction="sum").item() > 0)
+    flag.raised = any_process(accelerator, flag.raised)
     return flag.raised
 
 
@@ -385,8 +432,7 @@ def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
 
 
 def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
-    all_finite = accelerator.reduce(finite.float(), reduction="sum").item() == accelerator.num_processes
-    if not all_finite:
+    if any_process(accelerator, ~finite):
         raise NonFiniteLoss(
             f"the loss, a gradient or the weights became NaN/Inf at optimiser step {step}; training stopped, no "
             "checkpoint was written from then on and nothing was saved as the final model. "
@@ -394,11 +440,20 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def _evaluate_during_training(accelerator: Accelerator, parts: Parts, state: checkpoint.TrainState) -> None:
-    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, accelerator, parts.normalize, len(parts.labels))
-    state.history.append({"step": state.step, "epoch": state.epoch, **_eval_entry(metrics)})
-    if accelerator.is_main_process:
-        tqdm.write(f"step {state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+def evaluate(run: TrainingRun, callbacks: Callback) -> dict:
+    """Metrics of the current weights on the eval split, added to the history and passed to the callbacks."""
+    parts = run.parts
+    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
+                                        len(parts.labels))
+    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **_eval_entry(metrics)})
+    callbacks.on_evaluate(run, metrics)
+    return metrics
+
+
+def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
+    metrics = evaluate(run, callbacks)
+    if run.accelerator.is_main_process:
+        tqdm.write(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
 
 
 def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .device import PeakMemory, device_peak, reset_accelerate_state, release_memory
+from ..processes import reset_accelerate_state
+from .device import PeakMemory, device_peak, release_memory
 from .flops import MODELS
 from .ours import run_our_loader, run_ours
 from .peer import run_peer, run_peer_loader

@@ -110,14 +110,6 @@ def device_info(device: torch.device) -> dict[str, Any]:
     return {"type": "cpu", "name": f"CPU ({cores} cores, {torch.get_num_threads()} torch threads)", "cpu_cores": cores}
 
 
-def reset_accelerate_state() -> None:
-    """Accelerate keeps process-wide singletons; each configuration starts from a clean one."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-
-
 def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":

@@ -58,7 +58,7 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
         source = parts.train_loader
     settings = our_settings(accelerator, parts, recipe)
     timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
-    train.train_loop(accelerator, timed, recipe, checkpoint.TrainState())
+    train.train_loop(train.TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()))
     clock.close()
     flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
     return measured(clock, flops, peak, memory, settings)
