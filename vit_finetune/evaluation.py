@@ -67,6 +67,11 @@ def confusion_matrix(predictions: np.ndarray, references: np.ndarray, num_classe
     return matrix
 
 
+def as_eval_entry(metrics: dict) -> dict:
+    """The float metrics named as history.json and train.keep_best name them (accuracy -> eval_accuracy)."""
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
+
+
 def per_class_recall(matrix: list[list[int]], labels: list[str]) -> dict[str, float | None]:
     """Share of each class's images predicted as that class, by label name (None: no image of it was evaluated)."""
     matrix = np.asarray(matrix)

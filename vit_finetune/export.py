@@ -185,9 +185,10 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
 def clear_previous_run(output_dir: Path) -> None:
     """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
     from .checkpoint import CHECKPOINTS
+    from .selection import BEST_DIR
 
     for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, CONFIG_NAME,
-                 SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, STAGING):
+                 SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, STAGING):
         path = Path(output_dir) / name
         if path.is_dir():
             shutil.rmtree(path)

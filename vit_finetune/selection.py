@@ -23,8 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .callbacks import Callback, TrainingRun
+from .checkpoint import WRITE_ERRORS, describe_write_error, replace_atomically
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
+from .evaluation import as_eval_entry
+from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 
 BEST_DIR = "best"
@@ -40,7 +43,7 @@ class SelectionError(VitFinetuneError):
 
 def metric_value(metrics: dict, name: str) -> float:
     """A metric by its recipe name (eval_accuracy) from evaluate_model's keys (accuracy, eval_loss)."""
-    return float(metrics[name] if name in metrics else metrics[name.removeprefix("eval_")])
+    return as_eval_entry(metrics)[name]
 
 
 def is_better(name: str, value: float, than: float) -> bool:
@@ -76,7 +79,7 @@ class WeightSelection(Callback):
         if self.ema is not None:
             with self.ema.applied_to(self.model):
                 candidates["ema"] = self.measure()
-            run.state.history[-1].update({f"ema_{k}": v for k, v in _eval_floats(candidates["ema"]).items()})
+            run.state.history[-1].update({f"ema_{k}": v for k, v in as_eval_entry(candidates["ema"]).items()})
             self.raw_and_ema = {f"{kind}_accuracy": m["accuracy"] for kind, m in candidates.items()}
         rule = self.keep_best or SELECTION_METRIC
         kind = "ema" if "ema" in candidates and is_better(
@@ -99,7 +102,7 @@ class WeightSelection(Callback):
         if run.accelerator.is_main_process:
             self.best_file.parent.mkdir(parents=True, exist_ok=True)
             if run.state.best is not None:
-                _replace_atomically(self.best_file, lambda partial: shutil.copyfile(folder / CHECKPOINT_BEST, partial))
+                replace_atomically(self.best_file, lambda partial: shutil.copyfile(folder / CHECKPOINT_BEST, partial))
             else:  # a best written after this checkpoint belongs to steps that will be trained again
                 self.best_file.unlink(missing_ok=True)
 
@@ -138,34 +141,24 @@ class WeightSelection(Callback):
             return
         weights = self.ema.state_dict() if kind == "ema" else trainable_state(self.model)
         selection = {"metrics": {**metrics, **({"weights": kind, **self.raw_and_ema} if self.ema else {})}}
+        failure = None
         if run.accelerator.is_main_process:
-            self.best_file.parent.mkdir(parents=True, exist_ok=True)
-            _replace_atomically(self.best_file, lambda partial: save_file(
-                _on_cpu(weights), str(partial), metadata={"selection": json.dumps(selection)}))
+            try:
+                self.best_file.parent.mkdir(parents=True, exist_ok=True)
+                replace_atomically(self.best_file, lambda partial: save_file(
+                    _on_cpu(weights), str(partial), metadata={"selection": json.dumps(selection)}))
+            except WRITE_ERRORS as error:
+                failure = error
+        if any_process(run.accelerator, failure is not None):  # no process may train on without its best
+            reason = describe_write_error(failure, self.best_file.parent) if failure else "the main process failed"
+            raise SelectionError(f"could not save the best weights (step {state.step}) to {self.best_file} "
+                                 f"({reason}). Free disk space, then resume with train.resume=auto")
         state.best = {"step": state.step, "value": value, "weights": kind}
         state.evaluations_without_gain = 0
 
 
-def _eval_floats(metrics: dict) -> dict:
-    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
-
-
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
-
-
-def _replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """Write `target` under a temporary name, fsync it, then rename it over the old one: never half a file."""
-    partial = target.with_name(f".partial-{target.name}")
-    write(partial)
-    with open(partial, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(partial, target)
-    descriptor = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def _link_or_copy(source: Path, target: Path) -> None:

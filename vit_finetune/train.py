@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim
+from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim, selection
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import any_process, sum_over_processes
@@ -255,15 +255,21 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
               f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
               + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
 
-    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList([*REGISTERED, *callbacks])
+    training = TrainingRun(recipe, accelerator, parts, state)
+    keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
+                                       parts.labels, measure=lambda: measure(training))
+    hooks = CallbackList([keeper, *REGISTERED, *callbacks])
+    if resume_from:
+        hooks.on_load_checkpoint(training, resume_from)
     train_loop(training, hooks)
-    metrics = evaluate(training, hooks)
+    metrics = keeper.final_metrics(training, evaluate(training, hooks))  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
         save_final(accelerator, parts, recipe, metrics, state)
+        keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
@@ -271,10 +277,6 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
-
-
-def _eval_entry(metrics: dict) -> dict:
-    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
 
 
 class TrainLog:
@@ -356,7 +358,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
             callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
         if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
-        stop = state.step >= last or _interrupted(interrupt, run.accelerator)
+        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
         _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
         if interrupt.raised:
             raise Interrupted(_interrupt_message(run.recipe, state))
@@ -371,7 +373,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
     """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
     the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
-    while state.step < parts.total_steps:
+    while state.step < parts.total_steps and not state.stopped_early:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
         # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
         parts.train_loader.set_epoch(state.epoch)
@@ -408,7 +410,8 @@ def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, in
     _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
     log.count_skipped_into(run.state)
     path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
-                                      run.recipe.train.keep_checkpoints)
+                                      run.recipe.train.keep_checkpoints,
+                                      write_extras=lambda folder: callbacks.on_save_checkpoint(run, folder))
     callbacks.on_checkpoint(run, path)
 
 
@@ -440,12 +443,19 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def evaluate(run: TrainingRun, callbacks: Callback) -> dict:
-    """Metrics of the current weights on the eval split, added to the history and passed to the callbacks."""
+def measure(run: TrainingRun) -> dict:
+    """Metrics of the model's current weights on the eval split, with the recall of each class by label name."""
     parts = run.parts
     metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
                                         len(parts.labels))
-    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **_eval_entry(metrics)})
+    metrics["per_class_recall"] = evaluation.per_class_recall(metrics["confusion_matrix"], parts.labels)
+    return metrics
+
+
+def evaluate(run: TrainingRun, callbacks: Callback) -> dict:
+    """Metrics of the current weights on the eval split, added to the history and passed to the callbacks."""
+    metrics = measure(run)
+    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **evaluation.as_eval_entry(metrics)})
     callbacks.on_evaluate(run, metrics)
     return metrics
 
