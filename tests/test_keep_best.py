@@ -101,11 +101,12 @@ def test_early_stopping_stops_after_n_evaluations_without_gain(args, tmp_path):
     assert max(seen.weights) == stop  # no optimiser step after the stop
 
 
-def test_ema_in_a_run_equals_the_formula_and_the_better_of_raw_and_ema_is_saved(args, tmp_path):
+@pytest.mark.parametrize("keep_best", [None, "eval_accuracy"])
+def test_ema_in_a_run_equals_the_formula_and_the_better_of_raw_and_ema_is_saved(args, tmp_path, keep_best):
     seen = Evaluations()
     out = tmp_path / "out"
-    assert train([*args, "train.ema_decay=0.7", "train.checkpoint_every_steps=5", f"output_dir={out}"],
-                 callbacks=[seen]) == 0
+    recipe = [*args, *UNSTABLE, "train.ema_decay=0.7", "train.checkpoint_every_steps=5", f"output_dir={out}"]
+    assert train([*recipe, *([f"train.keep_best={keep_best}"] if keep_best else [])], callbacks=[seen]) == 0
 
     def formula(step: int) -> dict[str, torch.Tensor]:
         average = {n: w.double() for n, w in seen.weights[0].items()}
@@ -117,24 +118,30 @@ def test_ema_in_a_run_equals_the_formula_and_the_better_of_raw_and_ema_is_saved(
     for name, expected in formula(10).items():
         torch.testing.assert_close(saved[name].double(), expected, rtol=1e-5, atol=1e-6)
 
+    # Each evaluation's raw and EMA accuracy; the EMA is chosen only when strictly better.
+    evaluations = {e["step"]: (e["eval_accuracy"], e["ema_eval_accuracy"]) for e in history(out) if "eval_accuracy" in e}
+    assert sorted(evaluations) == [2, 4, 6, 8, 10, 12]
+    best = {step: max(pair) for step, pair in evaluations.items()}
+    step = min(best, key=lambda s: (-best[s], s)) if keep_best else 12
+    raw, ema = evaluations[step]
     metrics = json.loads((out / "metrics.json").read_text())
-    final = history(out)[-1]
-    assert metrics["raw_accuracy"] == final["eval_accuracy"] and metrics["ema_accuracy"] == final["ema_eval_accuracy"]
-    ema_won = metrics["ema_accuracy"] > metrics["raw_accuracy"]
-    assert metrics["weights"] == ("ema" if ema_won else "raw")
-    assert metrics["accuracy"] == max(metrics["ema_accuracy"], metrics["raw_accuracy"])
-    if ema_won:
+    assert (metrics["raw_accuracy"], metrics["ema_accuracy"], metrics["accuracy"]) == (raw, ema, max(raw, ema))
+    assert metrics["weights"] == ("ema" if ema > raw else "raw")
+    if keep_best:
+        assert metrics["weights"] == "ema", f"the schedule should let the EMA win: {evaluations}"
+        assert metrics["best_step"] == step
+    if metrics["weights"] == "ema":
         output = saved_parameters(out)
-        for name, expected in formula(12).items():
+        for name, expected in formula(step).items():
             torch.testing.assert_close(output[name].double(), expected, rtol=1e-5, atol=1e-6)
     else:
-        assert_output_holds(out, seen.weights[12])
+        assert_output_holds(out, seen.weights[step])
     assert "EMA" in (out / "README.md").read_text()
 
 
-def test_a_killed_run_with_ema_keep_best_and_patience_resumes_to_the_same_end(args, tmp_path):
+def test_a_killed_run_with_every_option_resumes_to_the_same_end(args, tmp_path):
     recipe = [*args, *UNSTABLE, "train.ema_decay=0.5", "train.keep_best=eval_loss", "train.early_stopping_patience=3",
-              "train.checkpoint_every_steps=4"]
+              "train.layer_decay=0.8", "data.class_balance=sampler", "train.checkpoint_every_steps=4"]
     assert train([*recipe, f"output_dir={tmp_path / 'whole'}"]) == 0
     out = tmp_path / "out"
     with pytest.raises(SimulatedKill):  # the last checkpoint is step 4; steps 5-6 (an evaluation) are lost

@@ -64,6 +64,28 @@ def test_layer_decay_gives_each_parameter_base_lr_times_decay_to_its_distance_fr
             {name: 0.1 * 0.5 ** (LAYERS + 1 - expected_depth(name)) * factor for name in lrs}, rel=1e-12)
 
 
+def test_a_resume_that_accepts_a_new_lr_reapplies_it_to_every_depth():
+    model = tiny_vit()
+    before = load_recipe(None, ["train.lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05"])
+    optimizer = train.build_optimizer(model, before, "cpu")
+    scheduler = train.build_scheduler(optimizer, before, total_steps=10)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    # What a resume loads: the checkpoint's optimizer and scheduler states, into fresh ones.
+    after = load_recipe(None, ["train.lr=0.3", "train.layer_decay=0.5", "train.weight_decay=0.01"])
+    resumed = train.build_optimizer(model, after, "cpu")
+    resumed.load_state_dict(optimizer.state_dict())
+    resumed_scheduler = train.build_scheduler(resumed, after, total_steps=10)
+    resumed_scheduler.load_state_dict(scheduler.state_dict())
+    train.reapply_hyperparameters(SimpleNamespace(optimizer=resumed, scheduler=SimpleNamespace(scheduler=resumed_scheduler)),
+                                  after)
+    factor = resumed_scheduler.lr_lambdas[0](3)
+    lrs = lr_of_each_parameter(resumed, model)
+    assert lrs == pytest.approx({n: 0.3 * 0.5 ** (LAYERS + 1 - expected_depth(n)) * factor for n in lrs}, rel=1e-12)
+    assert {g["weight_decay"] for g in resumed.param_groups} == {0.01, 0.0}
+
+
 def test_layer_decay_keeps_the_weight_decay_split():
     model = tiny_vit()
     recipe = load_recipe(None, ["train.layer_decay=0.8", "train.weight_decay=0.05"])
@@ -110,7 +132,7 @@ def test_ema_equals_the_formula_over_recorded_raw_weights_after_k_steps():
         torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels).backward()
         optimizer.step()
         optimizer.zero_grad()
-        average.update(model)
+        average.update()
         recorded.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
 
     assert not any(n.startswith("vit.embeddings.patch_embeddings") for n in average.state_dict())
@@ -129,8 +151,8 @@ def test_ema_applied_for_evaluation_then_the_raw_weights_come_back_bit_for_bit()
         for p in model.parameters():
             p.add_(torch.randn_like(p))
     raw = {n: p.detach().clone() for n, p in model.named_parameters()}
-    average.update(model)
-    with average.applied_to(model):
+    average.update()
+    with average.applied():
         assert torch.equal(model.classifier.weight, average.state_dict()["classifier.weight"])
         assert not torch.equal(model.classifier.weight, raw["classifier.weight"])
     assert all(torch.equal(p, raw[n]) for n, p in model.named_parameters())
@@ -216,3 +238,12 @@ def test_drop_path_rate_makes_training_outputs_stochastic_and_leaves_eval_output
     assert torch.equal(model(pixel_values=pixels).logits, model(pixel_values=pixels).logits)
     vit.set_drop_path_rate(config, ModelSettings(drop_path_rate=None))  # null keeps the config's
     assert config.drop_path_rate == 0.5
+
+
+def test_a_run_asking_stochastic_depth_of_a_vit_is_refused_before_anything_is_written(args, tmp_path, capsys):
+    from runs import train as run_cli_in_process
+
+    out = tmp_path / "out"
+    assert run_cli_in_process([*args, "model.drop_path_rate=0.1", f"output_dir={out}"]) == 1
+    assert "model.drop_path_rate=0.1" in capsys.readouterr().err
+    assert not out.exists()

@@ -33,20 +33,20 @@ def load_trainable_state(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 
 class WeightEMA:
-    """The exponential moving average of a model's trainable parameters (buffers copied)."""
+    """The exponential moving average of one model's trainable parameters (its buffers copied)."""
 
     def __init__(self, model: nn.Module, decay: float):
-        self.decay = decay
+        self.model, self.decay = model, decay
         self.parameters = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         self.buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        self._sources = [p for p in model.parameters() if p.requires_grad]  # in the order of self.parameters
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        """One step of the average, after an optimiser step."""
-        for name, parameter in model.named_parameters():
-            if name in self.parameters:
-                self.parameters[name].mul_(self.decay).add_(parameter.detach(), alpha=1 - self.decay)
-        for name, buffer in model.named_buffers():
+    def update(self) -> None:
+        """One step of the average, after an optimiser step: ema += (1 - decay) * (weights - ema), in one kernel
+        per tensor list rather than one per parameter."""
+        torch._foreach_lerp_(list(self.parameters.values()), [p.detach() for p in self._sources], 1 - self.decay)
+        for name, buffer in self.model.named_buffers():
             self.buffers[name].copy_(buffer)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -62,11 +62,11 @@ class WeightEMA:
                 tensor.copy_(state[name])
 
     @contextmanager
-    def applied_to(self, model: nn.Module) -> Iterator[None]:
+    def applied(self) -> Iterator[None]:
         """Inside: the model holds the averaged weights; afterwards its own weights are back, bit for bit."""
-        raw = {name: t.detach().clone() for name, t in trainable_state(model).items()}
-        load_trainable_state(model, self.state_dict())
+        raw = {name: t.detach().clone() for name, t in trainable_state(self.model).items()}
+        load_trainable_state(self.model, self.state_dict())
         try:
             yield
         finally:
-            load_trainable_state(model, raw)
+            load_trainable_state(self.model, raw)

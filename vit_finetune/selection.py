@@ -72,12 +72,12 @@ class WeightSelection(Callback):
 
     def on_step_end(self, run: TrainingRun) -> None:
         if self.ema is not None:
-            self.ema.update(self.model)
+            self.ema.update()
 
     def on_evaluate(self, run: TrainingRun, metrics: dict) -> None:
         candidates = {"raw": metrics}
         if self.ema is not None:
-            with self.ema.applied_to(self.model):
+            with self.ema.applied():
                 candidates["ema"] = self.measure()
             run.state.history[-1].update({f"ema_{k}": v for k, v in as_eval_entry(candidates["ema"]).items()})
             self.raw_and_ema = {f"{kind}_accuracy": m["accuracy"] for kind, m in candidates.items()}
