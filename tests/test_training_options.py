@@ -105,17 +105,17 @@ def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
 
 
 def test_depth_reads_transformers_4_block_names_too():
-    naming = optim.block_naming("vit")
-    assert optim.layer_depth("vit.encoder.layer.7.attention.attention.query.weight", 12, naming) == 8
-    assert optim.layer_depth("base_model.model.vit.layers.0.mlp.fc1.lora_A.default.weight", 12, naming) == 1
-    assert optim.layer_depth("vit.embeddings.patch_embeddings.projection.weight", 12, naming) == 0
-    assert optim.layer_depth("vit.layernorm.weight", 12, naming) == 13
-    assert optim.layer_depth("base_model.model.classifier.modules_to_save.default.bias", 12, naming) == 13
+    index = optim.block_index_of("vit")
+    assert optim.layer_depth("vit.encoder.layer.7.attention.attention.query.weight", index, 12) == 8
+    assert optim.layer_depth("base_model.model.vit.layers.0.mlp.fc1.lora_A.default.weight", index, 12) == 1
+    assert optim.layer_depth("vit.embeddings.patch_embeddings.projection.weight", index, 12) == 0
+    assert optim.layer_depth("vit.layernorm.weight", index, 12) == 13
+    assert optim.layer_depth("base_model.model.classifier.modules_to_save.default.bias", index, 12) == 13
 
 
 def test_layer_decay_on_an_unknown_family_names_the_known_ones():
     with pytest.raises(optim.LayerDecayError, match=r"'swin'.*\['vit'\].*train.layer_decay=null"):
-        optim.block_naming("swin")
+        optim.block_index_of("swin")
 
 
 # ---------------------------------------------------------------- EMA

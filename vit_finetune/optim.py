@@ -10,7 +10,7 @@ group by the same factor.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 
@@ -21,36 +21,35 @@ class LayerDecayError(VitFinetuneError):
     """train.layer_decay asked for a model whose block naming is not known."""
 
 
-@dataclass(frozen=True)
-class BlockNaming:
-    """How a family names its transformer blocks and its embeddings in parameter names."""
-
-    block: str  # a regex whose first group is the block's index, counting from 0
-    embeddings: str  # a regex matching the parameters that come before the first block
-
-
-# Keyed by config.model_type. The block index sits after `.layers.N.` (transformers 5) or
-# `.encoder.layer.N.` (4.x); the prefix (vit., base_model.model.vit. under peft) does not matter.
-BLOCK_NAMING = {
-    "vit": BlockNaming(block=r"\.(?:layers|encoder\.layer)\.(\d+)\.", embeddings=r"(?:^|\.)embeddings\."),
-}
+BlockIndex = Callable[[str], "int | None"]  # parameter name -> its block's index from 0, None outside the blocks
+# What comes before the first block, in every family: patch and position embeddings, CLIP's pre-norm.
+BEFORE_BLOCKS = re.compile(r"(?:^|\.)(?:embeddings|pre_layrnorm)\.")
+# ViT's blocks: `.layers.N.` (transformers 5) or `.encoder.layer.N.` (4.x), under any prefix (peft adds one).
+VIT_BLOCK = re.compile(r"\.(?:layers|encoder\.layer)\.(\d+)\.")
 
 
-def block_naming(model_type: str) -> BlockNaming:
-    if model_type not in BLOCK_NAMING:
+def vit_block_index(name: str) -> int | None:
+    """The block of a ViT parameter, from its name."""
+    match = VIT_BLOCK.search(name)
+    return int(match.group(1)) if match else None
+
+
+BLOCK_INDEX: dict[str, BlockIndex] = {"vit": vit_block_index}  # by config.model_type
+
+
+def block_index_of(model_type: str) -> BlockIndex:
+    if model_type not in BLOCK_INDEX:
         raise LayerDecayError(f"train.layer_decay is not available for {model_type!r} models; it knows "
-                              f"{sorted(BLOCK_NAMING)}. Set train.layer_decay=null")
-    return BLOCK_NAMING[model_type]
+                              f"{sorted(BLOCK_INDEX)}. Set train.layer_decay=null")
+    return BLOCK_INDEX[model_type]
 
 
-def layer_depth(name: str, num_layers: int, naming: BlockNaming) -> int:
-    """0 for the embeddings, i + 1 for a parameter of block i, num_layers + 1 for everything after the blocks."""
-    block = re.search(naming.block, name)
-    if block:
-        return int(block.group(1)) + 1
-    if re.search(naming.embeddings, name):
-        return 0
-    return num_layers + 1
+def layer_depth(name: str, block_index: BlockIndex, num_blocks: int) -> int:
+    """0 for the embeddings, i + 1 for a parameter of block i, num_blocks + 1 for everything after the blocks."""
+    block = block_index(name)
+    if block is not None:
+        return block + 1
+    return 0 if BEFORE_BLOCKS.search(name) else num_blocks + 1
 
 
 def is_decayed(name: str, parameter: nn.Parameter) -> bool:
@@ -62,16 +61,17 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float |
     """Trainable parameters grouped by (lr scale, weight decay). Without layer decay: the decayed group, then the
     rest (always both, as before). With it: one pair per depth, the head's first, empty groups left out."""
     config = model.config
-    naming = block_naming(config.model_type) if layer_decay is not None else None
+    block_index = block_index_of(config.model_type) if layer_decay is not None else None
+    num_blocks = config.num_hidden_layers
     groups: dict[tuple[int, bool], dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        depth = layer_depth(name, config.num_hidden_layers, naming) if naming else 0
-        scale = layer_decay ** (config.num_hidden_layers + 1 - depth) if naming else 1.0
+        depth = layer_depth(name, block_index, num_blocks) if block_index else 0
+        scale = layer_decay ** (num_blocks + 1 - depth) if block_index else 1.0
         decayed = is_decayed(name, parameter)
         groups.setdefault((depth, decayed), _group(scale, decayed, weight_decay))["params"].append(parameter)
-    if naming is None:
+    if block_index is None:
         for decayed in (True, False):
             groups.setdefault((0, decayed), _group(1.0, decayed, weight_decay))
     # Deepest first, decayed before not: the head's group leads, and the loop logs its lr as the run's lr.

@@ -98,7 +98,7 @@ class WeightSelection(Callback):
 
     def on_load_checkpoint(self, run: TrainingRun, folder: Path) -> None:
         if self.ema is not None and (folder / CHECKPOINT_EMA).is_file():
-            self.ema.load_state_dict(load_file(str(folder / CHECKPOINT_EMA), device=str(run.accelerator.device)))
+            self.ema.load_state_dict(load_file(str(folder / CHECKPOINT_EMA)))
         if run.accelerator.is_main_process:
             self.best_file.parent.mkdir(parents=True, exist_ok=True)
             if run.state.best is not None:
@@ -114,7 +114,7 @@ class WeightSelection(Callback):
             run.accelerator.wait_for_everyone()  # the main process wrote the file
             with safe_open(str(self.best_file), framework="pt") as handle:
                 extra = json.loads(handle.metadata()["selection"])
-            load_trainable_state(self.model, load_file(str(self.best_file), device=str(run.accelerator.device)))
+            load_trainable_state(self.model, load_file(str(self.best_file)))
             chosen = {**extra["metrics"], "best_step": run.state.best["step"], "best_metric": self.keep_best,
                       "best_value": run.state.best["value"]}
             if self.patience:
