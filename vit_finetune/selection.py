@@ -108,8 +108,9 @@ class WeightSelection(Callback):
 
     # ------------------------------------------------------------ the end
 
-    def final_metrics(self, run: TrainingRun, metrics: dict) -> dict:
-        """After the final evaluation: load the chosen weights into the model; their metrics, saying which."""
+    def final_metrics(self, run: TrainingRun, metrics: dict | None) -> dict:
+        """After the final evaluation (None after an early stop, which keep_best implies): load the chosen weights
+        into the model; their metrics, saying which."""
         if self.keep_best:
             run.accelerator.wait_for_everyone()  # the main process wrote the file
             with safe_open(str(self.best_file), framework="pt") as handle:

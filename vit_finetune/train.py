@@ -262,7 +262,9 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     if resume_from:
         hooks.on_load_checkpoint(training, resume_from)
     train_loop(training, hooks)
-    metrics = keeper.final_metrics(training, evaluate(training, hooks))  # the weights it chose are now the model's
+    # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
+    final = None if state.stopped_early else evaluate(training, hooks)
+    metrics = keeper.final_metrics(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
