@@ -57,21 +57,20 @@ def is_decayed(name: str, parameter: nn.Parameter) -> bool:
     return parameter.ndim >= 2 and parameter.shape[:2] != (1, 1) and not name.endswith("position_embeddings")
 
 
-def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float | None) -> list[dict]:
+def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float | None,
+                     block_index: BlockIndex | None = None, num_blocks: int = 0) -> list[dict]:
     """Trainable parameters grouped by (lr scale, weight decay). Without layer decay: the decayed group, then the
-    rest (always both, as before). With it: one pair per depth, the head's first, empty groups left out."""
-    config = model.config
-    block_index = block_index_of(config.model_type) if layer_decay is not None else None
-    num_blocks = config.num_hidden_layers
+    rest (always both, as before). With it (and the model's block_index and num_blocks): one pair per depth, the
+    head's first, empty groups left out."""
     groups: dict[tuple[int, bool], dict] = {}
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
-        depth = layer_depth(name, block_index, num_blocks) if block_index else 0
-        scale = layer_decay ** (num_blocks + 1 - depth) if block_index else 1.0
+        depth = layer_depth(name, block_index, num_blocks) if layer_decay is not None else 0
+        scale = layer_decay ** (num_blocks + 1 - depth) if layer_decay is not None else 1.0
         decayed = is_decayed(name, parameter)
         groups.setdefault((depth, decayed), _group(scale, decayed, weight_decay))["params"].append(parameter)
-    if block_index is None:
+    if layer_decay is None:
         for decayed in (True, False):
             groups.setdefault((0, decayed), _group(1.0, decayed, weight_decay))
     # Deepest first, decayed before not: the head's group leads, and the loop logs its lr as the run's lr.

@@ -109,7 +109,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
-    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay)
+    config = model.config
+    block_index = optim.block_index_of(config.model_type) if t.layer_decay is not None else None
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, config.num_hidden_layers)
     for group in groups:
         group["lr"] = t.lr * group["lr_scale"]
     if t.optimizer == "sgd":
