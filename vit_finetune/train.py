@@ -1,8 +1,8 @@
 """Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
 
 `run()` reads top to bottom: check everything cheap first, then data, model, optimiser, the loop
-(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint), final
-evaluation, export and push.
+(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint / stop), final
+evaluation, the choice of the weights to keep (selection.py: EMA, best evaluation), export and push.
 """
 
 from __future__ import annotations
