@@ -144,6 +144,34 @@ def test_ema_in_a_run_equals_the_formula_and_the_better_of_raw_and_ema_is_saved(
     assert "EMA" in (out / "README.md").read_text()
 
 
+def test_with_lora_the_adapter_and_head_of_the_best_evaluation_are_the_final_weights(args, tmp_path):
+    seen = Evaluations()
+    final = {}
+
+    class FinalWeights(Callback):
+        def on_train_end(self, run, model):
+            final.update({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    out = tmp_path / "out"
+    recipe = [*args, *UNSTABLE, "model.lora={r: 4}", "train.lr=0.05", "train.ema_decay=0.7",
+              "train.keep_best=eval_loss", f"output_dir={out}"]
+    assert train(recipe, callbacks=[seen, FinalWeights()]) == 0
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    step, kind = metrics["best_step"], metrics["weights"]
+    assert step < 12 or kind == "ema", "the final raw weights would pass without any selection"
+    assert any("lora_A" in n for n in final) and any("classifier" in n for n in final)
+    if kind == "raw":
+        expected = {n: seen.weights[step][n].double() for n in final}
+    else:
+        expected = {n: seen.weights[0][n].double() for n in final}
+        for k in range(1, step + 1):
+            expected = {n: 0.7 * expected[n] + 0.3 * seen.weights[k][n].double() for n in expected}
+    for name, tensor in final.items():
+        torch.testing.assert_close(tensor.double(), expected[name], rtol=1e-5, atol=1e-6)
+    assert metrics["eval_loss"] == metrics["best_value"]
+
+
 def test_a_killed_run_with_every_option_resumes_to_the_same_end(args, tmp_path):
     recipe = [*args, *UNSTABLE, "train.ema_decay=0.5", "train.keep_best=eval_loss", "train.early_stopping_patience=3",
               "train.layer_decay=0.8", "data.class_balance=sampler", "train.checkpoint_every_steps=4"]
