@@ -208,13 +208,6 @@ def test_balanced_sampler_draws_each_class_about_equally_often_and_is_fixed_by_s
     assert orders[3] != orders[4]
 
 
-def test_per_class_recall_is_the_diagonal_over_each_row_of_the_confusion_matrix():
-    predictions = np.array([0, 0, 1, 1, 1, 2, 0])
-    references = np.array([0, 1, 1, 1, 2, 2, 0])
-    matrix = evaluation.confusion_matrix(predictions, references, 4).tolist()
-    assert evaluation.per_class_recall(matrix, ["a", "b", "c", "d"]) == {"a": 1.0, "b": 2 / 3, "c": 0.5, "d": None}
-
-
 # ---------------------------------------------------------------- stochastic depth
 
 

@@ -1,17 +1,21 @@
 """Command line: train from a recipe (the default), predict with a trained folder, push a finished run.
 
+    python -m vit_finetune                                   # help and the shipped recipes; nothing runs
     python -m vit_finetune --recipe food101_384 train.epochs=1
     python -m vit_finetune --list-recipes
     python -m vit_finetune --recipe food101_384 --print
+    python -m vit_finetune --recipe food101_384 --keys       # every key, its value and its meaning
     python -m vit_finetune predict outputs/food101_384 img1.jpg img2.png
     python -m vit_finetune push outputs/food101_384 --repo-id you/vit-food101-384
 
-A user's mistake exits non-zero with a one-paragraph message, never a traceback.
+A user's mistake exits non-zero with a one-paragraph message, never a traceback. Nothing heavy (torch,
+transformers, datasets) is imported until a command needs it, so the help and the listings answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,23 +23,67 @@ from pathlib import Path
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
-        description="Fine-tune a Vision Transformer from a recipe. Subcommands: predict, push.",
+        description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
+                    "predict, evaluate, explain, push.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
     parser.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and exit")
     parser.add_argument("--print", action="store_true", help="print the resolved recipe and exit without running")
+    parser.add_argument("--keys", action="store_true",
+                        help="list every recipe key with its resolved value and meaning, and exit")
+    parser.add_argument("--quiet", action="store_true", help="print only the result and errors, no progress")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     return parser
 
 
-def _predict_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m vit_finetune predict",
-                                     description="Top-5 labels and scores for each image.")
+def _model_command_parser(command: str, description: str, batches: bool = True) -> argparse.ArgumentParser:
+    """The parser of a command that uses a trained model: its name, what it does, and the options all share."""
+    parser = argparse.ArgumentParser(prog=f"python -m vit_finetune {command}", description=description)
     parser.add_argument("model", help="a trained output folder or a Hub model id")
-    parser.add_argument("images", nargs="+", help="image files")
+    if batches:
+        parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
+    return parser
+
+
+def _predict_parser() -> argparse.ArgumentParser:
+    parser = _model_command_parser("predict", "Top-k labels and scores for each image; an unreadable image gets "
+                                    "its error in its row and the rest go on.")
+    parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
+    parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
+    parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
+    parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--top-k", type=int, default=5)
     return parser
+
+
+def _evaluate_parser() -> argparse.ArgumentParser:
+    parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
+                                    "the run's own eval split, reproducing its metrics.json.")
+    parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
+    parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
+    parser.add_argument("--output-dir", type=Path,
+                        help="also write metrics.json, confusion_matrix.png and misclassified.png here")
+    return parser
+
+
+def _explain_parser() -> argparse.ArgumentParser:
+    parser = _model_command_parser("explain", "Per image, a PNG with the image, where the model looked (a heat map "
+                                    "over its patch grid) and its top predictions.", batches=False)
+    parser.add_argument("images", nargs="+", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
+    parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
+                        help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
+    parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
+    parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
+    parser.add_argument("--top-k", type=int, default=5)
+    return parser
+
+
+def _device(name: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
 def _push_parser() -> argparse.ArgumentParser:
@@ -55,7 +103,16 @@ def list_recipes() -> int:
     return 0
 
 
+def first_help() -> int:
+    """`python -m vit_finetune` alone: what to type next, not a download of Food-101."""
+    _train_parser().print_help()
+    print("\nshipped recipes (run one with --recipe NAME; make demo runs offline):")
+    return list_recipes()
+
+
 def train_command(argv: list[str]) -> int:
+    if not argv:
+        return first_help()
     args = _train_parser().parse_args(argv)
     if args.list_recipes:
         return list_recipes()
@@ -65,6 +122,14 @@ def train_command(argv: list[str]) -> int:
     if args.print:
         print(to_yaml(recipe), end="")
         return 0
+    if args.keys:
+        from .recipe import format_keys
+
+        print(format_keys(recipe), end="")
+        return 0
+    from . import progress
+
+    progress.configure(quiet=args.quiet)
     from .train import run
 
     run(recipe)
@@ -73,27 +138,61 @@ def train_command(argv: list[str]) -> int:
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    from .data import DataError, decode_image
+    from . import inference
 
-    missing = [image for image in args.images if not Path(image).is_file()]
-    if missing:
-        raise DataError(f"image file(s) not found: {missing}")
-    from transformers import pipeline
+    write = inference.writer_for(args.output)  # a wrong suffix, image or model path fails before anything loads
+    if bool(args.images) == bool(args.dataset):
+        raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
+    sources = None if args.dataset else inference.collect_images(args.images)
+    inference.model_location(args.model)
+    sources = sources or inference.dataset_images(args.dataset, args.split)
+    model, processor = inference.load_classifier(args.model, _device(args.device))
+    unreadable: list[str] = []
 
-    from .recipe import DataSettings
+    def noting_errors(rows):
+        for row in rows:
+            if row["error"]:
+                unreadable.append(row["image"])
+            yield row
 
-    classify = pipeline("image-classification", model=args.model, device=-1)
-    for image_path in args.images:
-        image = decode_image({"path": image_path, "bytes": None}, 0, DataSettings())
-        print(image_path)
-        for guess in classify(image, top_k=args.top_k):
-            print(f"  {guess['score']:.4f}  {guess['label']}")
+    rows = noting_errors(inference.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
+    if write is None:
+        inference.write_text(rows)
+        return 0
+    count = write(rows, Path(args.output), min(args.top_k, model.config.num_labels))
+    print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
+                                                f"{unreadable[:5]}" if unreadable else ""))
+    return 0
+
+
+def evaluate_command(argv: list[str]) -> int:
+    args = _evaluate_parser().parse_args(argv)
+    from . import inference
+
+    metrics = inference.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
+                                       args.batch_size, _device(args.device), args.output_dir)
+    shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
+    print(json.dumps(shown, indent=1))
+    return 0
+
+
+def explain_command(argv: list[str]) -> int:
+    args = _explain_parser().parse_args(argv)
+    from . import inference
+
+    sources = inference.collect_images(args.images)
+    inference.model_location(args.model)
+    from .explain import explain_images
+
+    written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
+                             args.top_k)
+    print(f"{len(written)} picture(s) in {args.output_dir}")
     return 0
 
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
-    from .hub import PushError, push_folder
+    from .hub import PushError, push_folder, require_token
     from .recipe import RECIPE_FILE, read_yaml, validate
 
     output_dir = Path(args.output_dir)
@@ -103,6 +202,11 @@ def push_command(argv: list[str]) -> int:
         raise PushError("no repo id: pass --repo-id namespace/name")
     validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
     private = args.private if args.private is not None else bool(saved.get("private", False))
+    from .export import METRICS_FILE
+
+    if not (output_dir / METRICS_FILE).is_file():
+        raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
+    require_token("push")  # the message speaks of this command, not of hub.push=true
     print(f"pushed to {push_folder(output_dir, repo_id, private)}")
     return 0
 
@@ -112,10 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     from .errors import VitFinetuneError
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"predict": predict_command, "push": push_command}
+    commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
+                "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
+    from . import progress
+
+    progress.configure()  # before the heavy libraries load: their bars follow the terminal / log-file choice
     try:
         return command(argv)
     except VitFinetuneError as error:

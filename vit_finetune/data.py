@@ -50,6 +50,7 @@ class Splits:
     image_column: str
     label_column: str
     labels: list[str]
+    eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
 
 
 # ---------------------------------------------------------------- loading
@@ -145,7 +146,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
-    return Splits(train, evaluation, image_column, label_column, list(labels))
+    return Splits(train, evaluation, image_column, label_column, list(labels), eval_split)
 
 
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):

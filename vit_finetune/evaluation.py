@@ -6,6 +6,7 @@ classes defined here: the same API and result format, and they work offline.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import datasets
@@ -72,13 +73,6 @@ def as_eval_entry(metrics: dict) -> dict:
     return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
 
 
-def per_class_recall(matrix: list[list[int]], labels: list[str]) -> dict[str, float | None]:
-    """Share of each class's images predicted as that class, by label name (None: no image of it was evaluated)."""
-    matrix = np.asarray(matrix)
-    actual = matrix.sum(axis=1)
-    return {label: float(matrix[i, i] / actual[i]) if actual[i] else None for i, label in enumerate(labels)}
-
-
 def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_classes: int) -> dict:
     """All reported metrics from (N, k) ranked predictions and (N,) labels."""
     predictions = top_predictions[:, 0]
@@ -93,10 +87,36 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
     return metrics
 
 
+def eval_split_fields(eval_split: str | None) -> dict:
+    """metrics.json's record of what was evaluated: a named split of the dataset, or a part held out from train."""
+    return {"eval_split": eval_split or "held out from train", "eval_carved_from_train": eval_split is None}
+
+
+def describe_eval_split(eval_split: str | None, size: int, settings) -> str:
+    """The console line saying what the eval accuracy will be measured on."""
+    if eval_split is not None:
+        return f"eval split: {eval_split!r} ({size} images)"
+    why = f"the dataset has no {settings.eval_split!r} split" if settings.eval_split else "data.eval_split is null"
+    return (f"eval split: {settings.eval_fraction:.0%} of {settings.train_split!r} held out for evaluation ({size} images, "
+            f"stratified, seeded by train.seed) because {why}")
+
+
+@dataclass
+class SplitPredictions:
+    """Per-image results over a split, in the split's order; skipped bad images keep their place (SKIPPED_LABEL)."""
+    ranked: torch.Tensor  # (N, k) class ids, best first
+    references: torch.Tensor  # (N,) true class ids
+    losses: torch.Tensor  # (N,) cross-entropy per image
+
+    @property
+    def kept(self) -> torch.Tensor:
+        return self.references != SKIPPED_LABEL
+
+
 @torch.no_grad()
-def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
-    """Metrics over the whole eval split; gather_for_metrics drops the samples padded onto the last batch, and the
-    places of images skipped as bad (label SKIPPED_LABEL) are left out afterwards and counted."""
+def predict_split(model, loader, accelerator, normalize: Callable, num_classes: int) -> SplitPredictions:
+    """Run the model over the whole split on every process; gather_for_metrics drops the samples padded onto the
+    last batch, so each image counts once and the order is the split's."""
     was_training = model.training
     model.eval()
     ranked, references, losses = [], [], []
@@ -112,11 +132,37 @@ def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes:
         references.append(labels.cpu())
         losses.append(sample_losses.cpu())
     model.train(was_training)
-    references_all = torch.cat(references) if references else torch.empty(0, dtype=torch.long)
-    kept = references_all != SKIPPED_LABEL
+    if not references:
+        return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
+    return SplitPredictions(torch.cat(ranked), torch.cat(references), torch.cat(losses))
+
+
+def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
+    """The reported metrics; the places of images skipped as bad are left out and counted."""
+    kept = predictions.kept
     if not kept.any():
         raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
-    metrics = compute_metrics(torch.cat(ranked)[kept].numpy(), references_all[kept].numpy(), num_classes)
-    metrics["eval_loss"] = float(torch.cat(losses)[kept].double().mean())
+    metrics = compute_metrics(predictions.ranked[kept].numpy(), predictions.references[kept].numpy(), num_classes)
+    metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())
     return metrics
+
+
+def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
+    """Metrics over the whole eval split (see predict_split and summarise)."""
+    return summarise(predict_split(model, loader, accelerator, normalize, num_classes), num_classes)
+
+
+def label_report(matrix: list[list[int]], labels: list[str]) -> dict:
+    """metrics.json's labelled view of the confusion matrix and each class's precision, recall and F1."""
+    counts = np.asarray(matrix, dtype=float)
+    hits, predicted, actual = np.diag(counts), counts.sum(axis=0), counts.sum(axis=1)
+    precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
+    recall = np.divide(hits, actual, out=np.zeros_like(hits), where=actual > 0)
+    f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(hits), where=precision + recall > 0)
+    return {
+        "confusion_matrix_labels": list(labels),
+        "confusion_matrix_axes": "rows: true label, columns: predicted label (both in confusion_matrix_labels order)",
+        "per_class": {label: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
+                      for label, p, r, f, n in zip(labels, precision, recall, f1, actual)},
+    }

@@ -10,7 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
+from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
+from typing import Callable
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
@@ -20,6 +24,9 @@ from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
 METRICS_FILE = "metrics.json"
 CURVES_FILE = "training_curves.png"
 HISTORY_FILE = "history.json"
+RUN_INFO_FILE = "run_info.json"
+PICTURE_FILES = ("position_embeddings.png", "confusion_matrix.png", "misclassified.png")  # see pictures.py
+VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 CARD_FILE = "README.md"
 ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
@@ -58,7 +65,36 @@ def plot_curves(history: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool) -> ModelCard:
+def run_info(device: str, processes: int, mixed_precision: str, history: list[dict], training_seconds: float,
+             resumed_from: Path | None = None, metrics: dict | None = None) -> dict:
+    """How the model was made, beside the recipe: run_info.json and the card's Training section."""
+    rates = [entry["images_per_s"] for entry in history if "images_per_s" in entry]
+    return {
+        "weights": saved_weights(metrics or {}),
+        "training_seconds": round(training_seconds, 1),  # this process's loop only: a resumed run counts its part
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "device": device,
+        "processes": processes,
+        "mixed_precision": mixed_precision,
+        "images_per_s": round(statistics.median(rates), 1) if rates else None,  # median over the logged windows
+        "versions": {name: metadata.version(name) for name in VERSIONED_PACKAGES},
+        "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def usage_id(recipe: Recipe, output_dir: Path) -> str:
+    """What `pipeline(model=...)` should load: the Hub repo when the run pushes there, else the folder itself."""
+    return recipe.hub.repo_id if recipe.hub.push and recipe.hub.repo_id else str(output_dir)
+
+
+def per_class_rows(metrics: dict) -> str:
+    """The card's per-class table from metrics.json's per_class entry."""
+    return "\n".join(f"| {label} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']} |"
+                     for label, s in metrics.get("per_class", {}).items())
+
+
+def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool, load_from: str | None = None,
+               info: dict | None = None, pictures: tuple[str, ...] = ()) -> ModelCard:
     dataset = recipe.data.dataset
     eval_results = [
         EvalResult(
@@ -66,7 +102,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
             task_name="Image Classification",
             dataset_type=dataset if is_hub_id(dataset) else "local",
             dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
-            dataset_split=recipe.data.eval_split or "held-out part of train",
+            dataset_split=metrics.get("eval_split", recipe.data.eval_split),
             metric_type=key,
             metric_name=label,
             metric_value=round(float(metrics[key]), 6),
@@ -93,18 +129,18 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
     body = f"""
 # {name}
 
-A ViT fine-tuned with [vit_finetune](https://github.com/) from `{recipe.model.base}` on `{dataset}`
+A ViT fine-tuned with vit_finetune from `{recipe.model.base}` on `{dataset}`
 at **{recipe.model.image_size}×{recipe.model.image_size} px**. The position embeddings were resampled once
 to the new grid, so the model runs at this size with no `interpolate_pos_encoding` flag.
 
 ## Use
 ```python
 from transformers import pipeline
-classify = pipeline("image-classification", model="{name}")
+classify = pipeline("image-classification", model="{load_from or name}")
 classify("photo.jpg")
 ```
 
-## Results ({metrics.get("eval_samples", "?")} eval images)
+## Results ({eval_set_text(metrics, recipe)})
 {weights_text(recipe, metrics)}
 
 | metric | value |
@@ -112,9 +148,14 @@ classify("photo.jpg")
 {rows}
 
 ![training curves]({CURVES_FILE})
+{picture_text(pictures)}
+### Per class
+| class | precision | recall | F1 | eval images |
+|---|---|---|---|---|
+{per_class_rows(metrics)}
 
 ## Training
-- Method: {lora_text}
+{info_text(info)}- Method: {lora_text}
 - Labels: {len(labels)} ({", ".join(labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr}, weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}
@@ -122,6 +163,14 @@ classify("photo.jpg")
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def saved_weights(metrics: dict) -> str:
+    """Which weights were saved, in a few words (train.keep_best and train.ema_decay record themselves in metrics)."""
+    kind = "EMA of the weights" if metrics.get("weights") == "ema" else "raw weights"
+    if "best_step" in metrics:
+        return f"{kind} of step {metrics['best_step']}, the best {metrics['best_metric']} ({metrics['best_value']:.4f})"
+    return f"{kind} of the last step" if "weights" in metrics else "last step"
 
 
 def weights_text(recipe: Recipe, metrics: dict) -> str:
@@ -143,6 +192,46 @@ def weights_text(recipe: Recipe, metrics: dict) -> str:
     return text
 
 
+PICTURE_CAPTIONS = {
+    "confusion_matrix.png": "Confusion matrix, each row (true label) normalised to 1",
+    "misclassified.png": "Eval images the model got wrong, with true and predicted labels",
+    "position_embeddings.png": "Cosine similarity of each patch's position embedding to every other, before and after "
+                               "the resample to the new grid",
+}
+
+
+def picture_text(pictures: tuple[str, ...]) -> str:
+    return "".join(f"\n{PICTURE_CAPTIONS[name]}:\n\n![{PICTURE_CAPTIONS[name]}]({name})\n" for name in pictures)
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def info_text(info: dict | None) -> str:
+    """The card's lines on how the model was made (run_info.json in words)."""
+    if not info:
+        return ""
+    versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
+    rate = f"{info['images_per_s']} images/s (median over logged steps)" if info["images_per_s"] else "images/s not logged"
+    resumed = f"; resumed from {info['resumed_from']}" if info["resumed_from"] else ""
+    return (f"- Saved weights: {info['weights']}\n"
+            f"- Training time: {duration(info['training_seconds'])} on {info['processes']} x {info['device']} "
+            f"(mixed precision: {info['mixed_precision']}), {rate}{resumed}\n"
+            f"- Versions: {versions} (also in [`{RUN_INFO_FILE}`]({RUN_INFO_FILE}))\n")
+
+
+def eval_set_text(metrics: dict, recipe: Recipe) -> str:
+    """What the card's numbers were measured on, in words."""
+    size = metrics.get("eval_samples", "?")
+    if metrics.get("eval_carved_from_train"):
+        why = (f"the dataset has no `{recipe.data.eval_split}` split" if recipe.data.eval_split
+               else "data.eval_split is null")
+        return (f"{size} eval images held out from `{recipe.data.train_split}` ({recipe.data.eval_fraction:.0%}, "
+                f"stratified, seed {recipe.train.seed}) because {why}")
+    return f"{size} eval images, split `{metrics.get('eval_split', recipe.data.eval_split)}`"
+
+
 def save_image_processor(processor, folder: Path) -> None:
     """save_pretrained, with preprocessor_config.json naming the class that was used: transformers 5 writes a PIL
     processor under its family's name (ViTImageProcessorPil as ViTImageProcessor), which a machine with
@@ -155,7 +244,8 @@ def save_image_processor(processor, folder: Path) -> None:
 
 
 def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: dict, history: list[dict],
-                  labels: list[str], adapter_model=None) -> None:
+                  labels: list[str], adapter_model=None, run_info: dict | None = None,
+                  draw_pictures: Callable[[Path], list[str]] | None = None) -> None:
     """Stage every final file, then move them into output_dir with metrics.json last."""
     output_dir = Path(output_dir)
     staging = output_dir / STAGING
@@ -170,8 +260,14 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     write_recipe(recipe, staging)
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
     plot_curves(history, staging / CURVES_FILE)
+    if run_info is not None:
+        (staging / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=1))
+    if draw_pictures is not None:
+        draw_pictures(staging)
+    pictures = tuple(name for name in PICTURE_FILES if (staging / name).is_file() or (output_dir / name).is_file())
     name = recipe.hub.repo_id or output_dir.name
-    model_card(recipe, metrics, labels, name, adapter_model is not None).save(staging / CARD_FILE)
+    model_card(recipe, metrics, labels, name, adapter_model is not None, usage_id(recipe, output_dir), run_info,
+               pictures).save(staging / CARD_FILE)
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
     for entry in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
@@ -186,9 +282,11 @@ def clear_previous_run(output_dir: Path) -> None:
     """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
     from .checkpoint import CHECKPOINTS
     from .selection import BEST_DIR
+    from .tracking import TRACKER_DIR
 
-    for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, CONFIG_NAME,
-                 SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, STAGING):
+    for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
+                 CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR,
+                 STAGING):
         path = Path(output_dir) / name
         if path.is_dir():
             shutil.rmtree(path)

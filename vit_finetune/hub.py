@@ -24,14 +24,20 @@ class PushError(VitFinetuneError):
     """The Hub refused or failed the push; the local outputs are intact."""
 
 
-def require_token() -> str:
-    """Called before any download or training when hub.push=true."""
+# What a missing token means depends on who needed it: a training run asked to push can still be run without
+# the push, the push command cannot.
+MISSING_TOKEN_FIX = {
+    "hub.push=true": "run `hf auth login`, or set HF_TOKEN, or run without hub.push and publish later with "
+                     "`python -m vit_finetune push OUTPUT_DIR`",
+    "push": "run `hf auth login`, or set HF_TOKEN, then run the same push command again",
+}
+
+
+def require_token(asked_by: str = "hub.push=true") -> str:
+    """The saved or HF_TOKEN token; checked before any download or training when hub.push=true."""
     token = get_token()
     if not token:
-        raise PushError(
-            "hub.push=true but no Hugging Face token was found. Fix: run `hf auth login`, or set HF_TOKEN, "
-            "or run without hub.push and publish later with `python -m vit_finetune push OUTPUT_DIR`."
-        )
+        raise PushError(f"{asked_by} needs a token, but no Hugging Face token was found. Fix: {MISSING_TOKEN_FIX[asked_by]}.")
     return token
 
 

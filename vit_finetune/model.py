@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPP
                                                             get_image_processor_class_from_name)
 
 from .errors import VitFinetuneError
-from .recipe import LoraSettings, ModelSettings
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, LoraSettings, ModelSettings
 
 # LoRA roles mapped to module-name suffixes under both transformers naming schemes:
 # 5.x: vit.layers.N.attention.q_proj / mlp.fc1 ; 4.x: vit.encoder.layer.N.attention.attention.query / intermediate.dense
@@ -38,10 +39,6 @@ DROP_PATH_FAMILIES = ("beit", "data2vec-vision", "dinov2", "swin")
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
 # warning, and a machine with torchvision does not resize slightly differently from the one that measured.
 IMAGE_PROCESSOR_BACKEND = "pil"
-
-
-BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
-ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 
 
 class ModelError(VitFinetuneError):
@@ -159,10 +156,18 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     return config
 
 
-def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassification:
-    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied)."""
+def build_model(settings: ModelSettings, labels: list[str],
+                on_resample: Callable[[torch.Tensor | None, torch.Tensor], None] | None = None) -> ViTForImageClassification:
+    """Pretrained ViT at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
+
+    `on_resample(before, after)` receives the position table as loaded and as resampled (before is None for a
+    model from random weights), e.g. to draw them.
+    """
     if not settings.pretrained:
-        return ViTForImageClassification(target_config(load_base_config(settings), settings, labels)).float()
+        model = ViTForImageClassification(target_config(load_base_config(settings), settings, labels)).float()
+        if on_resample is not None:
+            on_resample(None, model.vit.embeddings.position_embeddings.detach().clone())
+        return model
     pretrained = load_pretrained(settings)
     config = target_config(pretrained.config, settings, labels)
     model = ViTForImageClassification(config).float()
@@ -170,7 +175,10 @@ def build_model(settings: ModelSettings, labels: list[str]) -> ViTForImageClassi
     state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(HEAD_NAME)}
     grid_side = settings.image_size // config.patch_size
     key = "vit.embeddings.position_embeddings"
-    state[key] = resample_position_embeddings(state[key], (grid_side, grid_side))
+    before = state[key]
+    state[key] = resample_position_embeddings(before, (grid_side, grid_side))
+    if on_resample is not None:
+        on_resample(before.detach().clone(), state[key].detach().clone())
     state.update(new_head_state(model.classifier, settings.head_init))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model

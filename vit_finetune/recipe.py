@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import EXIT_USAGE, VitFinetuneError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
+ASSETS_DIR = PACKAGE_DIR / "assets"
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
@@ -41,43 +43,62 @@ class Strict(BaseModel):
 
 
 class LoraSettings(Strict):
-    r: int = Field(16, gt=0, description="rank: higher = more capacity, more memory")
-    alpha: float = Field(16, gt=0, description="scale of the update is alpha / r")
-    dropout: float = Field(0.1, ge=0, lt=1)
+    r: int = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
+    alpha: float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
+    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
-    target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = ["query", "value"]
+    target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = Field(
+        ["query", "value"], description="layers that get LoRA, by role: query, key, value, attention_output, mlp_in, mlp_out")
 
 
 class ModelSettings(Strict):
-    base: str = "google/vit-base-patch16-224"
-    image_size: int = Field(384, gt=0)
-    lora: LoraSettings | None = None
-    head_init: Literal["zero", "random"] = "zero"  # zero = big_vision's choice: start from uniform predictions
-    pretrained: bool = True  # false = the same architecture from random weights, a baseline to compare against
-    revision: str | None = None
-    trust_remote_code: bool = False  # off unless a recipe turns it on: remote code runs on your machine
-    compile: bool | None = None  # torch.compile; null = on for CUDA, off on CPU
-    # Stochastic depth: null keeps the base config's; only families whose config has drop_path_rate (not ViT)
-    drop_path_rate: float | None = Field(None, ge=0, lt=1)
+    base: str = Field("google/vit-base-patch16-224", description=(
+        "the pretrained ViT: a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
+        "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
+    image_size: int = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
+    lora: LoraSettings | None = Field(None,
+        description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
+    head_init: Literal["zero", "random"] = Field(
+        "zero", description="new classifier head: zero (big_vision's choice: start from uniform predictions) or random")
+    pretrained: bool = Field(
+        True, description="false = the same architecture from random weights, a baseline to compare against")
+    revision: str | None = Field(None, description="Hub branch, tag or commit of model.base; null = main")
+    trust_remote_code: bool = Field(False,
+        description="run the base's own Python code from the Hub; off unless you trust it")
+    compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
+    drop_path_rate: float | None = Field(None, ge=0, lt=1, description=(
+        "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
+        "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))
 
 
 class DataSettings(Strict):
-    dataset: str = "ethz/food101"
-    train_split: str = "train"
-    eval_split: str | None = "validation"  # null or missing from the dataset: carve one from train
-    eval_fraction: float = Field(0.1, gt=0, lt=1)
-    image_column: str | None = None  # null = detect
-    label_column: str | None = None  # null = detect
-    max_train_samples: int | None = Field(None, gt=0)
-    max_eval_samples: int | None = Field(None, gt=0)
-    crop_scale: tuple[float, float] = (0.05, 1.0)  # random-resized-crop area range (original ViT recipe)
-    horizontal_flip: bool = True
-    skip_bad_images: bool = False
-    min_image_side: int = Field(2, gt=0)  # smaller images are treated as corrupt
-    max_image_pixels: int = Field(89_478_485, gt=0)  # PIL's decompression-bomb limit
-    num_workers: int | None = Field(None, ge=0)  # null = chosen from the CPU count and the device
-    # Skewed label counts: weights = loss weighted by inverse class frequency; sampler = draw classes equally often
-    class_balance: Literal["weights", "sampler"] | None = None
+    dataset: str = Field("ethz/food101", description=(
+        "a Hub dataset id, a folder of class sub-folders (optionally under train/ and validation/), a folder "
+        "written by save_to_disk, or builtin:shapes (the demo's generated shapes)"))
+    train_split: str = Field("train", description="split to train on")
+    eval_split: str | None = Field("validation", description=(
+        "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
+        "(a dataset with only train/test uses test)"))
+    eval_fraction: float = Field(0.1, gt=0, lt=1,
+        description="share of train held out (stratified, seeded) when there is no eval split")
+    image_column: str | None = Field(None, description="column holding the images; null = detect")
+    label_column: str | None = Field(None, description="column holding the labels; null = detect")
+    max_train_samples: int | None = Field(None, gt=0,
+        description="train on a seeded random subset of this size; null = all")
+    max_eval_samples: int | None = Field(None, gt=0,
+        description="evaluate on a seeded random subset of this size; null = all")
+    crop_scale: tuple[float, float] = Field(
+        (0.05, 1.0), description="random-resized-crop area range [low, high] as shares of the image (original ViT recipe)")
+    horizontal_flip: bool = Field(True, description="flip training crops left-right with probability 0.5")
+    skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
+    min_image_side: int = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
+    max_image_pixels: int = Field(89_478_485, gt=0,
+        description="larger images are refused (PIL's decompression-bomb limit)")
+    num_workers: int | None = Field(None, ge=0,
+        description="DataLoader decode processes; null = chosen from the CPU count and the device")
+    class_balance: Literal["weights", "sampler"] | None = Field(None, description=(
+        "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
+        "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
 
     @field_validator("crop_scale")
     @classmethod
@@ -89,30 +110,52 @@ class DataSettings(Strict):
 
 
 class TrainSettings(Strict):
-    epochs: int = Field(1, gt=0)
-    max_steps: int | None = Field(None, gt=0)  # optimiser steps; stops early when set
-    batch_size: int = Field(32, gt=0)  # per device
-    grad_accum: int = Field(1, gt=0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False)  # beyond 1e6 it overflows inside the optimiser
-    momentum: float = Field(0.9, ge=0, lt=1)  # sgd only
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    label_smoothing: float = Field(0.0, ge=0, lt=1)
-    seed: int = 0
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    log_every_steps: int = Field(10, gt=0)  # the loss is read back from the device only this often
-    eval_every_steps: int | None = Field(None, gt=0)  # null = evaluate at the end of every epoch
-    checkpoint_every_steps: int | None = Field(None, gt=0)
-    keep_checkpoints: int = Field(2, gt=0)
-    resume: str | None = None  # null | auto | path to a checkpoint folder
-    resume_ignore_changes: list[str] = []  # recipe keys allowed to differ from the checkpoint's, e.g. [train.epochs]
-    ema_decay: float | None = Field(None, gt=0, lt=1)  # EMA of the weights, e.g. 0.999; pick 1/(1-decay) << steps
-    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = None  # save the weights of the best evaluation, e.g. eval_accuracy
-    early_stopping_patience: int | None = Field(None, gt=0)  # stop after this many evaluations without gain
-    layer_decay: float | None = Field(None, gt=0, le=1)  # lr x decay^(layers + 1 - depth), e.g. 0.75; null = off
+    epochs: int = Field(1, gt=0, description="passes over the training split")
+    max_steps: int | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
+    batch_size: int = Field(32, gt=0, description="images per device per forward pass")
+    grad_accum: int = Field(1, gt=0,
+        description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
+    # Beyond 1e6 the lr overflows inside the optimiser.
+    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
+        description="peak learning rate, reached after the warm-up")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
+    weight_decay: float = Field(0.0, ge=0,
+        description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
+    warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
+        description="lr decay after the warm-up: cosine, linear or constant")
+    max_grad_norm: float | None = Field(1.0, gt=0,
+        description="clip the global gradient norm to this; null = no clipping")
+    label_smoothing: float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
+    seed: int = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
+        description="no, bf16 or fp16 autocast; weights stay float32")
+    log_every_steps: int = Field(10, gt=0,
+        description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
+    eval_every_steps: int | None = Field(None, gt=0,
+        description="evaluate every this many steps; null = at the end of every epoch")
+    checkpoint_every_steps: int | None = Field(None, gt=0,
+        description="save a resumable checkpoint every this many steps; null = none")
+    keep_checkpoints: int = Field(2, gt=0, description="how many of the newest checkpoints to keep")
+    resume: str | None = Field(None,
+        description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
+    resume_ignore_changes: list[str] = Field(
+        [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
+        [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
+                        "(files in output_dir/runs); each needs its package installed")
+    ema_decay: float | None = Field(None, gt=0, lt=1, description=(
+        "keep an EMA of the weights, e.g. 0.999 (it forgets over ~1/(1-decay) steps: keep that well below the run's "
+        "steps); evaluated beside the raw weights, the better is saved; null = off"))
+    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
+        "save the weights of the best evaluation by this metric (eval_accuracy, eval_loss, eval_macro_f1, "
+        "eval_top5_accuracy) instead of the last; null = the last"))
+    early_stopping_patience: int | None = Field(None, gt=0, description=(
+        "stop after this many evaluations without gain in train.keep_best; null = never"))
+    layer_decay: float | None = Field(None, gt=0, le=1, description=(
+        "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
+        "blocks + 1; null = one lr"))
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -121,9 +164,10 @@ class TrainSettings(Strict):
 
 
 class HubSettings(Strict):
-    push: bool = False
-    repo_id: str | None = None
-    private: bool = False
+    push: bool = Field(False,
+        description="upload the finished output folder to the Hub (needs a token and hub.repo_id)")
+    repo_id: str | None = Field(None, description="namespace/name of the Hub model repo to push to")
+    private: bool = Field(False, description="create the Hub repo as private")
 
     @field_validator("repo_id")
     @classmethod
@@ -141,8 +185,8 @@ class Recipe(Strict):
     data: DataSettings = DataSettings()
     train: TrainSettings = TrainSettings()
     hub: HubSettings = HubSettings()
-    output_dir: str = "outputs/run"
-    overwrite: bool = False  # replace a finished run in output_dir
+    output_dir: str = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
+    overwrite: bool = Field(False, description="replace a finished run (or checkpoints) already in output_dir")
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -260,6 +304,34 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
             if isinstance(candidate, type) and issubclass(candidate, BaseModel):
                 keys.extend(_valid_keys(candidate, f"{prefix}{name}."))
     return keys
+
+
+def key_descriptions(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, str]:
+    """Every recipe key (dotted) mapped to its one-line meaning, from the schema's Field descriptions."""
+    described: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        if field.description or not sections:  # a section that may be null (model.lora) is a key itself
+            described[prefix + name] = field.description or ""
+        for section in sections:
+            described.update(key_descriptions(section, f"{prefix}{name}."))
+    return described
+
+
+def format_keys(recipe: Recipe) -> str:
+    """One line per key, `key = value  # meaning`, with the values this recipe resolves to (`-`: its section is null)."""
+    values = flatten(recipe.model_dump(mode="json"))
+
+    def shown_value(key: str) -> str:
+        if key in values:
+            return yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()
+        return "(set, below)" if any(k.startswith(f"{key}.") for k in values) else "-"
+
+    shown = {key: shown_value(key) for key in key_descriptions()}
+    width = max(len(f"{key} = {value}") for key, value in shown.items())
+    return "".join(f"{f'{key} = {value}':<{width}}  # {meaning}\n"
+                   for (key, value), meaning in zip(shown.items(), key_descriptions().values()))
 
 
 def _describe(error: dict[str, Any]) -> str:

@@ -4,22 +4,20 @@ best evaluation (train.keep_best), and when to stop early (train.early_stopping_
 A callback on the training loop's hook. At each evaluation (each epoch, every train.eval_every_steps, and the
 final one) the EMA is evaluated beside the raw weights and the better of the two, by train.keep_best (or
 accuracy), is the candidate. With keep_best, a candidate better than every earlier one is written to
-`output_dir/best/weights.safetensors` (replaced atomically; its metrics ride in the file's metadata), and
+`output_dir/best/weights.safetensors` (replaced atomically; run.state.best records its step and value), and
 each checkpoint holds a copy of it and of the EMA, so a killed run resumed with train.resume=auto knows and
-has its best. At the end the chosen weights go into the model that is saved, and metrics.json says which
-(`weights`, `best_step`, `best_metric`, `best_value`).
+has its best. At the end the chosen weights go into the model that is saved, are measured once more for the
+metrics and pictures, and metrics.json says which they are (`weights`, `best_step`, `best_metric`, `best_value`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .callbacks import Callback, TrainingRun
@@ -55,14 +53,14 @@ class WeightSelection(Callback):
     """EMA, keep-best and early stopping of one run; `final_metrics` puts the chosen weights into the model."""
 
     def __init__(self, recipe: Recipe, model: torch.nn.Module, labels: list[str],
-                 measure: Callable[[], dict]):
+                 measure: Callable[[], tuple[dict, object]]):
         t = recipe.train
         if t.keep_best == "eval_top5_accuracy" and len(labels) < 5:
             raise SelectionError(f"train.keep_best=eval_top5_accuracy needs at least 5 classes; this dataset has "
                                  f"{len(labels)}. Use train.keep_best=eval_accuracy")
         self.keep_best, self.patience = t.keep_best, t.early_stopping_patience
         self.model = model  # unwrapped: the same tensors as the prepared model's
-        self.measure = measure  # metrics of the model's current weights, no history entry, no event
+        self.measure = measure  # (metrics, predictions) of the model's current weights, no history entry, no event
         self.ema = WeightEMA(model, t.ema_decay) if t.ema_decay is not None else None
         self.best_file = Path(recipe.output_dir) / BEST_DIR / BEST_FILE
         self.latest: tuple[str, dict] | None = None  # the last evaluation's candidate: ("raw" | "ema", metrics)
@@ -78,7 +76,7 @@ class WeightSelection(Callback):
         candidates = {"raw": metrics}
         if self.ema is not None:
             with self.ema.applied():
-                candidates["ema"] = self.measure()
+                candidates["ema"] = self.measure()[0]
             run.state.history[-1].update({f"ema_{k}": v for k, v in as_eval_entry(candidates["ema"]).items()})
             self.raw_and_ema = {f"{kind}_accuracy": m["accuracy"] for kind, m in candidates.items()}
         rule = self.keep_best or SELECTION_METRIC
@@ -108,25 +106,25 @@ class WeightSelection(Callback):
 
     # ------------------------------------------------------------ the end
 
-    def final_metrics(self, run: TrainingRun, metrics: dict | None) -> dict:
-        """After the final evaluation (None after an early stop, which keep_best implies): load the chosen weights
-        into the model; their metrics, saying which."""
+    def final_result(self, run: TrainingRun, final: tuple[dict, object] | None) -> tuple[dict, object]:
+        """After the final evaluation (None after an early stop, which keep_best implies): the chosen weights go
+        into the model; (their metrics, saying which weights they are, and their predictions)."""
         if self.keep_best:
+            best = run.state.best
             run.accelerator.wait_for_everyone()  # the main process wrote the file
-            with safe_open(str(self.best_file), framework="pt") as handle:
-                extra = json.loads(handle.metadata()["selection"])
             load_trainable_state(self.model, load_file(str(self.best_file)))
-            chosen = {**extra["metrics"], "best_step": run.state.best["step"], "best_metric": self.keep_best,
-                      "best_value": run.state.best["value"]}
-            if self.patience:
-                chosen["stopped_early"] = run.state.stopped_early
-            return chosen
-        if self.ema is None:
-            return metrics
-        kind, chosen = self.latest
-        if kind == "ema":
+            said = {"best_step": best["step"], "best_metric": self.keep_best, "best_value": best["value"],
+                    **({"stopped_early": run.state.stopped_early} if self.patience else {}),
+                    **({k: best[k] for k in ("weights", "raw_accuracy", "ema_accuracy")} if self.ema else {})}
+        elif self.ema is not None:
+            kind, said = self.latest[0], {"weights": self.latest[0], **self.raw_and_ema}
+            if kind == "raw":
+                return {**final[0], **said}, final[1]
             load_trainable_state(self.model, self.ema.state_dict())
-        return {**chosen, "weights": kind, **self.raw_and_ema}
+        else:
+            return final
+        metrics, predictions = self.measure()  # of exactly the weights that are saved, for the metrics and pictures
+        return {**metrics, **said}, predictions
 
     def remove_best_file(self) -> None:
         """Once the output folder holds the chosen weights, the copy under best/ has done its job."""
@@ -141,20 +139,18 @@ class WeightSelection(Callback):
             state.stopped_early = bool(self.patience) and state.evaluations_without_gain >= self.patience
             return
         weights = self.ema.state_dict() if kind == "ema" else trainable_state(self.model)
-        selection = {"metrics": {**metrics, **({"weights": kind, **self.raw_and_ema} if self.ema else {})}}
         failure = None
         if run.accelerator.is_main_process:
             try:
                 self.best_file.parent.mkdir(parents=True, exist_ok=True)
-                replace_atomically(self.best_file, lambda partial: save_file(
-                    _on_cpu(weights), str(partial), metadata={"selection": json.dumps(selection)}))
+                replace_atomically(self.best_file, lambda partial: save_file(_on_cpu(weights), str(partial)))
             except WRITE_ERRORS as error:
                 failure = error
         if any_process(run.accelerator, failure is not None):  # no process may train on without its best
             reason = describe_write_error(failure, self.best_file.parent) if failure else "the main process failed"
             raise SelectionError(f"could not save the best weights (step {state.step}) to {self.best_file} "
                                  f"({reason}). Free disk space, then resume with train.resume=auto")
-        state.best = {"step": state.step, "value": value, "weights": kind}
+        state.best = {"step": state.step, "value": value, "weights": kind, **self.raw_and_ema}
         state.evaluations_without_gain = 0
 
 

@@ -11,16 +11,17 @@ import math
 import shutil
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
-from tqdm.auto import tqdm
+from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
 
-from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim, selection
+from . import balance, checkpoint, data, evaluation, export, hub, model as vit, optim, pictures, selection
+from . import progress as display, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import any_process, sum_over_processes
@@ -55,6 +56,8 @@ class Parts:
     normalize: data.PixelNormalizer
     steps_per_epoch: int
     total_steps: int
+    eval_split: str | None = None  # None: held out from train (data.eval_fraction)
+    position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
 
 
@@ -103,6 +106,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
+        # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
+        log_with=t.report_to or None,
+        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
     )
     return accelerator
 
@@ -153,7 +159,9 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     splits = data.load_splits(recipe.data, recipe.train.seed)
-    model = vit.build_model(recipe.model, splits.labels)
+    tables: dict = {}
+    model = vit.build_model(recipe.model, splits.labels,
+                            on_resample=lambda before, after: tables.update(before=before, after=after))
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
@@ -182,8 +190,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps,
-                 None if class_weights is None else class_weights.to(accelerator.device))
+                 data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps, splits.eval_split,
+                 tables, None if class_weights is None else class_weights.to(accelerator.device))
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -234,6 +242,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
+    tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
@@ -253,26 +262,35 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_recipe(recipe, output_dir)
         trainable, total = vit.count_parameters(parts.model)
-        print(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
-              f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
-              + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
+                    f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
+                    + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
+        display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
+        if parts.position_tables:
+            pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
+                                              output_dir / pictures.POSITION_FILE)
 
     training = TrainingRun(recipe, accelerator, parts, state)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
                                        parts.labels, measure=lambda: measure(training))
-    hooks = CallbackList([keeper, *REGISTERED, *callbacks])
+    hooks = CallbackList([keeper, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
     if resume_from:
         hooks.on_load_checkpoint(training, resume_from)
+    started = time.perf_counter()
     train_loop(training, hooks)
+    training_seconds = time.perf_counter() - started
     # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
     final = None if state.stopped_early else evaluate(training, hooks)
-    metrics = keeper.final_metrics(training, final)  # the weights it chose are now the model's
+    metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
-        save_final(accelerator, parts, recipe, metrics, state)
+        info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
+                               state.history, training_seconds, resume_from, metrics)
+        draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
+        save_final(accelerator, parts, recipe, metrics, state, info, draw)
         keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
@@ -283,14 +301,21 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     return metrics
 
 
+def device_name(device: torch.device) -> str:
+    """For run_info.json and the card: the accelerator's model name, or the CPU and its usable cores."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
+
+
 class TrainLog:
     """The loop's counters and its progress bar: loss and images since the last log entry, bad images skipped
     by this process. `write` turns the counters into one history entry for all processes."""
 
     def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, total_steps: int):
         self.accelerator = accelerator
-        self.progress = tqdm(total=total_steps, initial=state.step, disable=not accelerator.is_main_process,
-                             desc="train", dynamic_ncols=True)
+        # A redrawn bar on a terminal, one plain line per log entry in a log file or CI, nothing with --quiet.
+        self.progress = display.progress(total_steps, state.step, "train", enabled=accelerator.is_main_process)
         # Skipped images are counted per process and summed over processes only where the count is saved (each
         # checkpoint, the end): reading a count back every step would sync host and device.
         self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
@@ -447,36 +472,40 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def measure(run: TrainingRun) -> dict:
-    """Metrics of the model's current weights on the eval split, with the recall of each class by label name."""
+def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
+    """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
+    per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
-    metrics = evaluation.evaluate_model(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
-                                        len(parts.labels))
-    metrics["per_class_recall"] = evaluation.per_class_recall(metrics["confusion_matrix"], parts.labels)
-    return metrics
+    predictions = evaluation.predict_split(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
+                                           len(parts.labels))
+    metrics = evaluation.summarise(predictions, len(parts.labels))
+    metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
+    metrics.update(evaluation.eval_split_fields(parts.eval_split))
+    return metrics, predictions
 
 
-def evaluate(run: TrainingRun, callbacks: Callback) -> dict:
-    """Metrics of the current weights on the eval split, added to the history and passed to the callbacks."""
-    metrics = measure(run)
+def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
+    """measure(), added to the history and passed to the callbacks."""
+    metrics, predictions = measure(run)
     run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **evaluation.as_eval_entry(metrics)})
     callbacks.on_evaluate(run, metrics)
-    return metrics
+    return metrics, predictions
 
 
 def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
-    metrics = evaluate(run, callbacks)
+    metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
-        tqdm.write(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+        display.say(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
 
 
-def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState) -> None:
+def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState,
+               info: dict | None = None, draw_pictures=None) -> None:
     output_dir = Path(recipe.output_dir)
     trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
-                             adapter_model=adapter)
+                             adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
         shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
         previous = checkpoint.latest_checkpoint(output_dir)

@@ -1,0 +1,179 @@
+"""Where the model looks: attention rollout and its class-specific, gradient-weighted form, drawn over each image.
+
+rollout (Abnar & Zuidema, 2020): average each layer's attention over heads, add the identity for the residual
+path, renormalise the rows, and multiply the layers together; the pooled token's row says how much each patch
+reached the output. gradient (Chefer et al., 2021): each layer's attention weighted by the gradient of one
+class's logit, negatives dropped, accumulated as R += A·R; so the map differs per class.
+
+pytorch-grad-cam needs torchvision (not importable on these CPU machines) and captum has no rollout, so the
+dozen lines are here. Attention weights need eager attention, loaded for explain only, never for training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import VitFinetuneError
+
+METHODS = ("rollout", "gradient")
+# Families whose attention does not span the whole image: a rollout over all patches is not defined there.
+UNSUPPORTED = {
+    "swin": "Swin attends within local windows (shifted between layers), so no token attends to the whole image",
+    "swinv2": "Swin V2 attends within local windows (shifted between layers), so no token attends to the whole image",
+}
+MEAN_POOLED = {"siglip", "siglip_vision_model"}  # besides any config with use_mean_pooling (BEiT, Data2Vec-vision)
+
+
+class ExplainError(VitFinetuneError):
+    """A model or class that explain cannot draw, with the reason."""
+
+
+@dataclass
+class TokenLayout:
+    """Which tokens are patches and which rows pool into the classifier."""
+    prefix: int  # tokens before the patches (CLS, distillation, registers)
+    grid: int  # patches per side
+    mean_pooled: bool  # the head reads the mean of the patch tokens, not the first token
+
+
+def check_supported(config) -> None:
+    """A clear error for the families whose attention a rollout cannot follow."""
+    vision = getattr(config, "vision_config", None) or config
+    for model_type in (config.model_type, vision.model_type):
+        if model_type in UNSUPPORTED:
+            raise ExplainError(f"explain does not support {config.model_type!r} models: {UNSUPPORTED[model_type]}")
+
+
+def token_layout(config, tokens: int) -> TokenLayout:
+    """From the model's config and its sequence length (CLS, distillation or register tokens come first)."""
+    check_supported(config)
+    vision = getattr(config, "vision_config", None) or config
+    grid = vision.image_size // vision.patch_size
+    prefix = tokens - grid * grid
+    if prefix < 0:
+        raise ExplainError(f"{tokens} tokens cannot hold a {grid}x{grid} patch grid; explain cannot map this model")
+    mean_pooled = (bool(getattr(vision, "use_mean_pooling", False)) or config.model_type in MEAN_POOLED
+                   or vision.model_type in MEAN_POOLED or prefix == 0)
+    return TokenLayout(prefix, grid, mean_pooled)
+
+
+def _to_grid(relevance: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+    """The pooled rows' relevance of each patch, as a (grid, grid) map scaled to [0, 1] (all-equal maps: 0.5)."""
+    rows = relevance[layout.prefix:] if layout.mean_pooled else relevance[:1]
+    patches = rows.mean(0)[layout.prefix:].reshape(layout.grid, layout.grid)
+    spread = patches.max() - patches.min()
+    return (patches - patches.min()) / spread if spread > 1e-12 else torch.full_like(patches, 0.5)
+
+
+def rollout(attentions: list[torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+    """attentions: per layer (heads, T, T) of one image -> (grid, grid) map."""
+    tokens = attentions[0].shape[-1]
+    identity = torch.eye(tokens)
+    joint = identity
+    for layer in attentions:
+        mixed = 0.5 * layer.float().mean(0) + 0.5 * identity  # half of each token's output is its residual
+        joint = (mixed / mixed.sum(-1, keepdim=True)) @ joint
+    return _to_grid(joint, layout)
+
+
+def gradient_rollout(attentions: list[torch.Tensor], gradients: list[torch.Tensor], layout: TokenLayout) -> torch.Tensor:
+    """attentions and d(class logit)/d(attention), per layer (heads, T, T) -> (grid, grid) map for that class."""
+    tokens = attentions[0].shape[-1]
+    relevance = torch.eye(tokens)
+    for layer, gradient in zip(attentions, gradients):
+        weighted = (gradient.float() * layer.float()).clamp(min=0).mean(0)
+        relevance = relevance + weighted @ relevance
+    return _to_grid(relevance, layout)
+
+
+@dataclass
+class Explanation:
+    heat_map: torch.Tensor  # (grid, grid) in [0, 1]
+    explained_label: str
+    top: list[tuple[str, float]]  # (label, probability), best first
+
+
+def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: str | None = None,
+                   top_k: int = 5) -> Explanation:
+    """One image's (1, 3, H, W) pixels through an eager-attention classifier -> its map and top predictions."""
+    with torch.set_grad_enabled(method == "gradient"):
+        outputs = model(pixel_values=pixels, output_attentions=True)
+    if not outputs.attentions:
+        raise ExplainError("the model returned no attention weights; load it with attn_implementation='eager'")
+    attentions = outputs.attentions
+    probabilities = outputs.logits[0].detach().float().softmax(-1)
+    values, indices = probabilities.topk(min(top_k, probabilities.numel()))
+    top = [(model.config.id2label[i], v) for v, i in zip(values.tolist(), indices.tolist())]
+    target = indices[0].item() if label is None else model.config.label2id[label]
+    layout = token_layout(model.config, attentions[0].shape[-1])
+    if method == "rollout":
+        heat_map = rollout([a[0].detach() for a in attentions], layout)
+    else:
+        gradients = torch.autograd.grad(outputs.logits[0, target], attentions)
+        heat_map = gradient_rollout([a[0].detach() for a in attentions], [g[0] for g in gradients], layout)
+    return Explanation(heat_map, model.config.id2label[target], top)
+
+
+def draw_explanation(image, explanation: Explanation, size: int, method: str, path: Path) -> None:
+    """The image as the model sees it (its resolution), the same with the heat map per patch, and the top labels."""
+    from .pictures import _pyplot
+
+    plt = _pyplot()
+    shown = image.convert("RGB").resize((size, size))
+    figure, (plain, heat, bars) = plt.subplots(1, 3, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
+    plain.imshow(shown)
+    plain.set_title(f"input at {size}x{size} px")
+    heat.imshow(shown)
+    grid = explanation.heat_map.shape[0]
+    heat.imshow(explanation.heat_map.numpy(), cmap="inferno", alpha=0.6, extent=(0, size, size, 0),
+                interpolation="nearest", vmin=0, vmax=1)
+    what = "attention rollout" if method == "rollout" else f"gradient rollout for '{explanation.explained_label}'"
+    heat.set_title(f"{what}\n({grid}x{grid} patches)", fontsize=10)
+    for axis in (plain, heat):
+        axis.set_axis_off()
+    labels, scores = zip(*reversed(explanation.top))
+    drawn = bars.barh(range(len(labels)), scores, color="tab:blue")
+    bars.bar_label(drawn, fmt="%.2f", padding=3)
+    bars.set_yticks(range(len(labels)), labels)
+    bars.set(xlim=(0, 1), xlabel="probability", title="top predictions")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def output_names(names: list[str], method: str) -> list[str]:
+    """`photo.rollout.png` per image; images of the same file name get their position in front."""
+    stems = [Path(name).stem for name in names]
+    return [f"{stem}.{method}.png" if stems.count(stem) == 1 else f"{index:04d}-{stem}.{method}.png"
+            for index, stem in enumerate(stems)]
+
+
+def explain_images(model_name: str, sources: list, output_dir: Path, method: str = "rollout",
+                   label: str | None = None, device: str = "cpu", top_k: int = 5) -> list[Path]:
+    """One PNG per readable image in output_dir; unreadable ones are reported and skipped. Returns the files."""
+    from .data import BadImageError, decode_image
+    from .inference import load_classifier
+    from .recipe import DataSettings
+
+    model, processor = load_classifier(model_name, device, eager_attention=True)
+    check_supported(model.config)  # before any image is read
+    if label is not None and label not in model.config.label2id:
+        raise ExplainError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
+    vision = getattr(model.config, "vision_config", None) or model.config
+    output_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for source, name in zip(sources, output_names([s.name for s in sources], method)):
+        try:
+            image = decode_image(source.encoded, 0, DataSettings())
+        except BadImageError as error:
+            print(f"skipped: {error}")
+            continue
+        pixels = processor(images=image, return_tensors="pt")["pixel_values"].to(device)
+        explanation = explain_pixels(model, pixels, method, label, top_k)
+        draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
+        written.append(output_dir / name)
+    return written
+

@@ -1,0 +1,290 @@
+"""Using a trained model: find it (folder or Hub id), gather images (files, folders, globs, a dataset split),
+predict in batches, write CSV or JSONL, and evaluate it on any split of any dataset the data module loads.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from .errors import VitFinetuneError
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings
+
+# torch, transformers and datasets are imported where they are used: a wrong model path or output name must
+# fail in a fraction of a second, before seconds of imports.
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm"}
+
+
+class InputError(VitFinetuneError):
+    """A model, image or output that cannot be used as given; the message names it and the fix."""
+
+
+@dataclass
+class ImageSource:
+    """One image to classify: a name for the output row and the encoded cell decode_image reads."""
+    name: str
+    encoded: dict
+
+
+def model_location(name: str) -> str:
+    """A folder that exists, builtin:NAME, or a Hub id that is cached or found on the Hub.
+
+    Anything else fails at once with "folder not found": handed to from_pretrained, a missing `outputs/run` is
+    looked up as a Hub id through a minute of retries and ends in a traceback.
+    """
+    if name.startswith(BUILTIN_PREFIX):
+        return str(ASSETS_DIR / name.removeprefix(BUILTIN_PREFIX))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise InputError(f"{name} is a folder but holds no config.json: not a saved model. "
+                                    "Give a run's output_dir or a Hub model id")
+        return str(path)
+    not_found = f"folder not found: {name}"
+    looks_local = (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1
+                   or path.parent != Path(".") and path.parent.is_dir() or not REPO_ID_PATTERN.match(name))
+    if looks_local:
+        raise InputError(f"{not_found}. Give an existing output folder, or a Hub model id such as "
+                                "google/vit-base-patch16-224")
+    problem = _hub_problem(name)
+    if problem:
+        raise InputError(f"{not_found}, and {problem}. Give an existing output folder or a Hub model id")
+    return name
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """Why `repo_id` cannot be loaded from the Hub, asked once with no retries; None if it can (or is cached)."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return None
+    try:
+        HfApi().model_info(repo_id, timeout=10)
+    except RepositoryNotFoundError:
+        return f"the Hub has no model {repo_id!r} (or it is private: log in with `hf auth login`)"
+    except Exception as error:  # HTTP errors, httpx connection errors, offline mode: all mean "not reachable"
+        return f"the Hub could not be asked for a model {repo_id!r} ({type(error).__name__}: {str(error)[:200]})"
+    return None
+
+
+def load_classifier(name: str, device: str = "cpu", eager_attention: bool = False):
+    """(model in eval mode on `device`, its saved image processor). Eager attention returns attention weights,
+    which explain needs and training never does (it is slower)."""
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    location = model_location(name)
+    extra = {"attn_implementation": "eager"} if eager_attention else {}
+    try:
+        model = AutoModelForImageClassification.from_pretrained(location, **extra)
+        processor = AutoImageProcessor.from_pretrained(location)
+    except (OSError, ValueError) as error:
+        raise InputError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
+    return model.to(device).eval(), processor
+
+
+def collect_images(specs: list[str]) -> list[ImageSource]:
+    """Files, folders (searched recursively for image files) and globs, in the order given, each file once."""
+    found: dict[str, None] = {}
+    unmatched = []
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            matches = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        elif path.is_file():
+            matches = [str(path)]
+        else:
+            matches = sorted(p for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+        if not matches:
+            unmatched.append(spec)
+        found.update(dict.fromkeys(matches))
+    if unmatched:
+        raise InputError(f"image file(s) not found: {unmatched}; give files, folders or globs such as 'photos/*.jpg'")
+    return [ImageSource(path, {"path": path, "bytes": None}) for path in found]
+
+
+def dataset_split(dataset: str, split: str) -> tuple[object, str, str | None]:
+    """(rows with undecoded images, image column, label column or None) of one split of any dataset source."""
+    import datasets
+
+    from .data import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, DataError, detect_column, open_dataset
+
+    loaded = open_dataset(DataSettings(dataset=dataset, train_split=split))
+    if split not in loaded:
+        raise DataError(f"--split {split!r} is not a split of {dataset!r}; its splits are {list(loaded)}")
+    table = loaded[split]
+    image_column = detect_column(table.features, None, "image", IMAGE_COLUMN_NAMES, datasets.Image)
+    try:
+        label_column = detect_column(table.features, None, "label", LABEL_COLUMN_NAMES, datasets.ClassLabel)
+    except DataError:
+        label_column = None
+    return table.cast_column(image_column, datasets.Image(decode=False)), image_column, label_column
+
+
+def dataset_images(dataset: str, split: str) -> list[ImageSource]:
+    table, image_column, _ = dataset_split(dataset, split)
+    return [ImageSource(cell.get("path") or f"{dataset}[{split}]#{index}", cell)
+            for index, cell in enumerate(table[image_column])]
+
+
+def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch_size: int,
+                 show_progress: bool = True) -> Iterator[dict]:
+    """One row per image, in order: its top-k labels and scores, or the reason it could not be read."""
+    import torch
+
+    from .data import BadImageError, decode_image
+    from .progress import progress
+
+    settings = DataSettings()
+    device = next(model.parameters()).device
+    k = min(top_k, model.config.num_labels)
+    bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
+    for start in range(0, len(sources), batch_size):
+        batch = sources[start:start + batch_size]
+        images, errors = [], {}
+        for position, source in enumerate(batch):
+            try:
+                images.append(decode_image(source.encoded, start + position, settings))
+            except BadImageError as error:
+                errors[position] = str(error)
+        scores = iter(())
+        if images:
+            pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
+            with torch.no_grad():
+                probabilities = model(pixel_values=pixels).logits.float().softmax(-1)
+            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)]))
+        for position, source in enumerate(batch):
+            if position in errors:
+                yield {"image": source.name, "error": errors[position], "predictions": []}
+                continue
+            values, indices = next(scores)
+            yield {"image": source.name, "error": None,
+                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)]}
+        bar.update(len(batch))
+        bar.set_postfix(unreadable=len(errors))
+    bar.close()
+
+
+def write_jsonl(rows: Iterator[dict], path: Path, top_k: int) -> int:
+    count = 0
+    with open(path, "w") as out:
+        for row in rows:
+            out.write(json.dumps(row) + "\n")
+            count += 1
+    return count
+
+
+def write_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
+    header = ["image", "error"] + [f"{kind}_{rank}" for rank in range(1, top_k + 1) for kind in ("label", "score")]
+    count = 0
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(header)
+        for row in rows:
+            ranked = [value for guess in row["predictions"] for value in (guess["label"], f"{guess['score']:.6f}")]
+            writer.writerow([row["image"], row["error"] or ""] + ranked + [""] * (len(header) - 2 - len(ranked)))
+            count += 1
+    return count
+
+
+def write_text(rows: Iterator[dict], stream=None) -> int:
+    """No --output: the human-readable listing on stdout."""
+    stream = stream or sys.stdout
+    count = 0
+    for row in rows:
+        print(row["image"], file=stream)
+        if row["error"]:
+            print(f"  error: {row['error']}", file=stream)
+        for guess in row["predictions"]:
+            print(f"  {guess['score']:.4f}  {guess['label']}", file=stream)
+        count += 1
+    return count
+
+
+WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
+
+
+def writer_for(output: str | None):
+    """The writer for --output's suffix, checked before any image is read."""
+    if output is None:
+        return None
+    suffix = Path(output).suffix.lower()
+    if suffix not in WRITERS:
+        raise InputError(f"--output {output!r}: unknown format {suffix or '(no suffix)'!r}; use a name ending in "
+                         f"{' or '.join(WRITERS)}")
+    return WRITERS[suffix]
+
+
+def to_model_labels(table, label_column: str, labels: list[str]):
+    """The split's labels re-numbered by the model's own label order, matched by name."""
+    import datasets
+
+    from .data import DataError
+
+    feature = table.features[label_column]
+    names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+
+    def name_of(value) -> str:
+        return names[value] if names is not None else str(value)
+
+    unknown = sorted({name_of(value) for value in table.unique(label_column)} - set(labels))
+    if unknown:
+        raise DataError(f"labels {unknown[:10]} of the dataset are not labels of the model ({labels[:10]}"
+                        f"{' ...' if len(labels) > 10 else ''}); evaluate on a dataset with the model's classes")
+    index = {label: position for position, label in enumerate(labels)}
+    features = datasets.Features({**table.features, label_column: datasets.ClassLabel(names=labels)})
+    return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
+
+
+def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
+                   device: str = "cpu", output_dir: Path | None = None) -> dict:
+    """Metrics of a saved model on a split; with no dataset, the run's own eval split rebuilt from its recipe.yaml
+    exactly as training built it (same rows, order, batch size and precision), so metrics.json is reproduced."""
+    import torch
+    from accelerate import Accelerator
+
+    from . import data, evaluation, pictures
+    from .recipe import load_recipe
+
+    model_location(name)  # a wrong path fails before the imports below
+    model, processor = load_classifier(name, device)
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    precision = "no"
+    if dataset is None:
+        recipe_file = Path(model_location(name)) / "recipe.yaml"
+        if not recipe_file.is_file():
+            raise InputError(f"{name} holds no recipe.yaml, so its eval split is unknown; "
+                                    "pass --dataset D --split S")
+        recipe = load_recipe(str(recipe_file))
+        splits = data.load_splits(recipe.data, recipe.train.seed)
+        table, image_column, label_column = splits.eval, splits.image_column, splits.label_column
+        settings, batch_size = recipe.data, batch_size or recipe.train.batch_size
+        precision, split_fields = recipe.train.mixed_precision, evaluation.eval_split_fields(splits.eval_split)
+    else:
+        table, image_column, label_column = dataset_split(dataset, split)
+        if label_column is None:
+            raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
+        table = to_model_labels(table, label_column, labels)
+        settings, split_fields = DataSettings(dataset=dataset), {"eval_split": split, "eval_carved_from_train": False}
+    size = model.config.image_size if hasattr(model.config, "image_size") else 224
+    eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
+                                               data.eval_pixels_from_processor(processor),
+                                               torch.zeros(3, size, size))
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
+    loader = accelerator.prepare(data.make_loader(eval_set, batch_size or 32, False, 0, 0, device.startswith("cuda")))
+    predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
+                                           len(labels))
+    metrics = evaluation.summarise(predictions, len(labels))
+    metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
+    metrics.update(split_fields)
+    if output_dir is not None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        pictures.draw_evaluation(predictions, eval_set, labels, output_dir)
+        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    return metrics

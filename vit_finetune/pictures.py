@@ -1,0 +1,152 @@
+"""Pictures a person looks at before the numbers: position-embedding similarity, the confusion matrix, and the
+eval images the model got wrong. Each function computes its array (tested) and draws it (looked at).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+POSITION_FILE = "position_embeddings.png"
+CONFUSION_FILE = "confusion_matrix.png"
+MISCLASSIFIED_FILE = "misclassified.png"
+MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
+MAX_MISCLASSIFIED = 24
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training machines
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def patch_grid(table: torch.Tensor) -> torch.Tensor:
+    """(1, prefix + g*g, D) position table -> (g, g, D), the prefix rows (CLS, distillation) left aside."""
+    rows = table.reshape(-1, table.shape[-1]).float()
+    for prefix in (0, 1, 2):
+        side = math.isqrt(rows.shape[0] - prefix)
+        if side * side == rows.shape[0] - prefix:
+            return rows[prefix:].reshape(side, side, -1)
+    raise ValueError(f"a position table of {rows.shape[0]} rows is not a square grid after 0-2 prefix rows")
+
+
+def similarity_maps(grid: torch.Tensor) -> np.ndarray:
+    """(g, g, D) -> (g, g, g, g): [i, j] is the cosine similarity of patch (i, j)'s embedding to every patch."""
+    side = grid.shape[0]
+    unit = torch.nn.functional.normalize(grid.reshape(side * side, -1), dim=-1)
+    return (unit @ unit.T).reshape(side, side, side, side).numpy()
+
+
+def mosaic(maps: np.ndarray, max_per_side: int = MAX_MAPS_PER_SIDE) -> np.ndarray:
+    """The (g, g, g, g) maps as one image: map (i, j) at row i, column j, a NaN gap (drawn blank) between maps."""
+    side = maps.shape[0]
+    chosen = np.unique(np.linspace(0, side - 1, min(side, max_per_side)).round().astype(int))
+    cell = side + 1
+    image = np.full((len(chosen) * cell, len(chosen) * cell), np.nan)
+    for row, i in enumerate(chosen):
+        for column, j in enumerate(chosen):
+            image[row * cell:row * cell + side, column * cell:column * cell + side] = maps[i, j]
+    return image
+
+
+def draw_position_similarity(before: torch.Tensor | None, after: torch.Tensor, path: Path) -> None:
+    """Base and resampled position embeddings side by side (only the resampled ones for a model from scratch)."""
+    plt = _pyplot()
+    panels = [("base", before), ("resampled", after)] if before is not None else [("position embeddings", after)]
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 5.4), squeeze=False)
+    for axis, (name, table) in zip(axes[0], panels):
+        grid = patch_grid(table)
+        shown = axis.imshow(mosaic(similarity_maps(grid)), cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+        axis.set_title(f"{name}: {grid.shape[0]}x{grid.shape[1]} patch grid")
+        axis.set_axis_off()
+    figure.colorbar(shown, ax=axes[0].tolist(), shrink=0.8, label="cosine similarity")
+    figure.suptitle("Each small map: one patch's position embedding compared with every patch's")
+    figure.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(figure)
+
+
+def normalised_by_true_class(matrix: list[list[int]]) -> np.ndarray:
+    """Each row (a true class) divided by its count: the diagonal is that class's recall."""
+    counts = np.asarray(matrix, dtype=float)
+    totals = counts.sum(axis=1, keepdims=True)
+    return np.divide(counts, totals, out=np.zeros_like(counts), where=totals > 0)
+
+
+def draw_confusion_matrix(matrix: list[list[int]], labels: list[str], path: Path) -> None:
+    plt = _pyplot()
+    shares = normalised_by_true_class(matrix)
+    size = min(18.0, 2.5 + 0.35 * len(labels))
+    figure, axis = plt.subplots(figsize=(size + 1.2, size))
+    shown = axis.imshow(shares, cmap="Blues", vmin=0, vmax=1)
+    ticks = range(len(labels))
+    font = max(4, min(10, 200 // max(1, len(labels))))
+    axis.set_xticks(ticks, labels, rotation=90, fontsize=font)
+    axis.set_yticks(ticks, labels, fontsize=font)
+    axis.set(xlabel="predicted label", ylabel="true label", title="Confusion matrix (each row sums to 1)")
+    if len(labels) <= 20:  # numbers stay legible
+        for (i, j), share in np.ndenumerate(shares):
+            if share > 0:
+                axis.text(j, i, f"{share:.2f}", ha="center", va="center", fontsize=font,
+                          color="white" if share > 0.5 else "black")
+    figure.colorbar(shown, ax=axis, shrink=0.8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+def misclassified_positions(predicted: np.ndarray, references: np.ndarray, limit: int = MAX_MISCLASSIFIED) -> list[int]:
+    """Positions of up to `limit` wrong predictions spread evenly over the split (which is often sorted by class),
+    so the grid shows many classes; skipped images (label -1) are not mistakes."""
+    wrong = np.flatnonzero((predicted != references) & (references >= 0))
+    if len(wrong) <= limit:
+        return wrong.tolist()
+    return wrong[np.linspace(0, len(wrong) - 1, limit).round().astype(int)].tolist()
+
+
+def draw_misclassified(images: list, truths: list[str], guesses: list[str], path: Path) -> None:
+    """A grid of eval images, each titled with its true and predicted label."""
+    plt = _pyplot()
+    columns = min(6, max(1, len(images)))
+    rows = max(1, math.ceil(len(images) / columns))
+    figure, axes = plt.subplots(rows, columns, figsize=(2.1 * columns, 2.4 * rows), squeeze=False)
+    for axis in axes.flat:
+        axis.set_axis_off()
+    for axis, image, truth, guess in zip(axes.flat, images, truths, guesses):
+        axis.imshow(image)
+        axis.set_title(f"true: {truth}\npredicted: {guess}", fontsize=8, color="darkred")
+    if not images:
+        axes[0][0].text(0.5, 0.5, "no misclassified eval image", ha="center", va="center")
+    figure.suptitle("Misclassified eval images")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+
+
+def draw_evaluation(predictions, dataset, labels: list[str], folder: Path) -> list[str]:
+    """confusion_matrix.png and misclassified.png for one split's predictions (evaluation.SplitPredictions) over
+    `dataset` (a data.ImageClassificationDataset, in the same order); returns the file names written."""
+    from .data import BadImageError, decode_image
+    from .evaluation import confusion_matrix
+
+    kept = predictions.kept.numpy()
+    predicted, references = predictions.ranked[:, 0].numpy(), predictions.references.numpy()
+    draw_confusion_matrix(confusion_matrix(predicted[kept], references[kept], len(labels)).tolist(), labels,
+                          Path(folder) / CONFUSION_FILE)
+    images, truths, guesses = [], [], []
+    for position in misclassified_positions(predicted, references):
+        try:
+            image = decode_image(dataset.table[position][dataset.image_column], position, dataset.settings)
+        except BadImageError:
+            continue
+        image.thumbnail((160, 160))
+        images.append(image)
+        truths.append(labels[references[position]])
+        guesses.append(labels[predicted[position]])
+    draw_misclassified(images, truths, guesses, Path(folder) / MISCLASSIFIED_FILE)
+    return [CONFUSION_FILE, MISCLASSIFIED_FILE]

@@ -1,0 +1,79 @@
+"""What a run shows while it works: a redrawn bar on a terminal, plain periodic lines in a log file or CI, and
+only the result with --quiet.
+
+A redrawn tqdm bar written to a file is one endless line of carriage returns; a log reader wants one line per
+logged step instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+_quiet = False
+
+
+def configure(quiet: bool = False) -> None:
+    """Called once by the CLI before the heavy libraries load: their own bars follow the same choice."""
+    global _quiet
+    _quiet = quiet
+    if quiet or not interactive():
+        # Read by datasets and huggingface_hub when they are imported.
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def is_quiet() -> bool:
+    return _quiet
+
+
+def interactive() -> bool:
+    """A terminal that can redraw a bar (not a pipe, a log file or CI)."""
+    return sys.stderr.isatty()
+
+
+def say(text: str) -> None:
+    """A status line on stdout (the bar and its log lines go to stderr); nothing with --quiet."""
+    if _quiet:
+        return
+    if interactive():
+        from tqdm.auto import tqdm
+
+        tqdm.write(text)  # above the bar, which is redrawn below it
+    else:
+        print(text, flush=True)
+
+
+class LogLines:
+    """The tqdm methods the training loop uses, printing one plain line per set_postfix (each logged step)."""
+
+    def __init__(self, total: int, initial: int = 0, desc: str = "train", disable: bool = False, unit: str = "step"):
+        self.total, self.count, self.desc, self.disable, self.unit = total, initial, desc, disable, unit
+        self.start = time.perf_counter()
+
+    def update(self, steps: int = 1) -> None:
+        self.count += steps
+
+    def set_postfix(self, **values) -> None:
+        if self.disable:
+            return
+        elapsed = time.perf_counter() - self.start
+        fields = " ".join(f"{key} {value}" for key, value in values.items())
+        print(f"{self.desc} {self.unit} {self.count}/{self.total} ({100 * self.count / max(1, self.total):.0f}%) {fields} "
+              f"[{elapsed:.0f}s]", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, initial: int = 0, desc: str = "train", enabled: bool = True, unit: str = "step"):
+    """A tqdm bar on a terminal, LogLines elsewhere; silent when disabled or quiet."""
+    disable = not enabled or _quiet
+    if interactive():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True, unit=unit)
+    return LogLines(total, initial, desc, disable, unit)

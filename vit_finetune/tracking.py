@@ -1,0 +1,107 @@
+"""Follow a run live: train.report_to hands the loop's events to Accelerate's experiment trackers.
+
+    python -m vit_finetune --recipe demo "train.report_to=[tensorboard]"
+    tensorboard --logdir outputs/demo/runs
+
+The recipe goes in as hyper-parameters; each log entry as train/loss, train/lr, train/images_per_s at its
+step; each evaluation as eval/accuracy, eval/loss, ... at the step it measured; the pictures as images.
+Only the main process talks to the trackers (Accelerate's `log` already does nothing elsewhere).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from .callbacks import Callback
+from .errors import VitFinetuneError
+
+TRACKER_DIR = "runs"  # under output_dir: where file-based trackers (tensorboard) write
+# Each tracker: the package it needs (checked before the run starts) and how it takes a picture, if it can.
+TRACKERS = {
+    "tensorboard": {"package": "tensorboard", "image": lambda tracker, name, pixels, step: tracker.writer.add_image(
+        name, pixels, global_step=step, dataformats="HWC")},
+    "wandb": {"package": "wandb", "image": lambda tracker, name, pixels, step: tracker.log_images(
+        {name: [pixels]}, step=step)},
+    "mlflow": {"package": "mlflow", "image": lambda tracker, name, pixels, step: __import__("mlflow").log_image(
+        pixels, key=name, step=step)},
+    "trackio": {"package": "trackio", "image": None},  # Accelerate's trackio tracker logs scalars only
+}
+
+
+class TrackerMissing(VitFinetuneError):
+    """train.report_to names a tracker whose package is not installed."""
+
+
+def check_trackers(names: list[str]) -> None:
+    """Before anything loads: every tracker named in train.report_to has its package installed."""
+    missing = [name for name in names if importlib.util.find_spec(TRACKERS[name]["package"]) is None]
+    if missing:
+        packages = " ".join(TRACKERS[name]["package"] for name in missing)
+        raise TrackerMissing(f"train.report_to={names} needs {packages!r}, which is not installed. "
+                             f"Fix: pip install {packages}, or leave {missing} out of train.report_to")
+
+
+def callbacks_for(names: list[str]) -> list[Callback]:
+    """The callback that feeds the trackers, when train.report_to names any."""
+    return [TrackingCallback(names)] if names else []
+
+
+def flat_hyperparameters(recipe) -> dict:
+    """The resolved recipe as flat key/value pairs a tracker accepts (lists and None as text)."""
+    from .recipe import flatten
+
+    return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
+            for key, value in flatten(recipe.model_dump(mode="json")).items()}
+
+
+def png_pixels(path: Path) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+class TrackingCallback(Callback):
+    """Sends the loop's events to the trackers Accelerate was created with (log_with=train.report_to)."""
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)
+        self.last_metrics: dict = {}  # the final evaluation is the last one before on_train_end
+
+    def on_train_start(self, run) -> None:
+        recipe, accelerator = run.recipe, run.accelerator
+        accelerator.init_trackers(Path(recipe.output_dir).name, config=flat_hyperparameters(recipe))
+        position = Path(recipe.output_dir) / "position_embeddings.png"
+        if position.is_file():
+            self.log_picture(run, "pictures/position_embeddings", png_pixels(position))
+
+    def on_log(self, run, entry: dict) -> None:
+        values = {f"train/{key}": value for key, value in entry.items() if key in ("loss", "lr", "images_per_s")}
+        run.accelerator.log(values, step=entry["step"])
+
+    def on_evaluate(self, run, metrics: dict) -> None:
+        values = {f"eval/{key.removeprefix('eval_')}": value for key, value in metrics.items()
+                  if isinstance(value, float)}
+        run.accelerator.log(values, step=run.state.step)
+        self.last_metrics = metrics
+
+    def on_train_end(self, run, model) -> None:
+        matrix, labels = self.last_metrics.get("confusion_matrix"), run.parts.labels
+        if matrix is None or not run.accelerator.is_main_process:
+            return
+        from .pictures import draw_confusion_matrix
+
+        with tempfile.TemporaryDirectory() as folder:
+            draw_confusion_matrix(matrix, labels, Path(folder) / "confusion.png")
+            self.log_picture(run, "pictures/confusion_matrix", png_pixels(Path(folder) / "confusion.png"))
+
+    def log_picture(self, run, name: str, pixels: np.ndarray) -> None:
+        if not run.accelerator.is_main_process:
+            return
+        for tracker_name in self.names:
+            log_image = TRACKERS[tracker_name]["image"]
+            if log_image is not None:
+                log_image(run.accelerator.get_tracker(tracker_name, unwrap=False), name, pixels, run.state.step)
