@@ -181,12 +181,12 @@ def test_a_dataset_with_one_class(capsys, base, tmp_path):
     assert "single class" in error and "at least two" in error
 
 
-def test_a_base_model_that_is_not_a_vit(capsys, images, tmp_path):
+def test_a_base_model_outside_the_vit_family(capsys, images, tmp_path):
     from transformers import ResNetConfig
 
     ResNetConfig().save_pretrained(tmp_path / "resnet")
     error = fails(capsys, [f"model.base={tmp_path / 'resnet'}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
-    assert "'resnet' model, not a ViT" in error
+    assert "'resnet' model, which this toolkit cannot fine-tune; supported families" in error and "DINOv2" in error
     assert not (tmp_path / "o").exists()
 
 

@@ -1,4 +1,4 @@
-"""Position-embedding resampling, the new head, save/reload, label maps and LoRA targets and merging."""
+"""Position-embedding resampling, the new head, save/reload, label maps and LoRA targets (merging: test_families)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 from tiny import make_tiny_vit
 from vit_finetune import model as vit
-from vit_finetune.recipe import LoraSettings, ModelSettings
+from vit_finetune.families import FAMILIES
+from vit_finetune.recipe import ModelSettings
 
 LABELS = ["cat", "dog", "fox", "owl", "yak", "emu"]
+VIT = FAMILIES["vit"]
 
 
 @pytest.fixture(scope="module")
@@ -115,21 +117,13 @@ def test_image_size_must_be_a_multiple_of_the_patch_size(tiny_base):
         vit.load_base_config(ModelSettings(base=str(tiny_base), image_size=30))
 
 
-def test_a_base_that_is_not_a_vit_is_refused_from_its_config(tmp_path):
-    from transformers import ResNetConfig
-
-    ResNetConfig().save_pretrained(tmp_path)
-    with pytest.raises(vit.ModelError, match="'resnet' model, not a ViT"):
-        vit.load_base_config(ModelSettings(base=str(tmp_path)))
-
-
 def test_lora_targets_by_role_on_transformers_5_names(tiny_base):
     built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=32), LABELS)
-    assert vit.lora_target_modules(built, ["query", "value"]) == [
+    assert vit.lora_target_modules(built, ["query", "value"], VIT) == [
         "vit.layers.0.attention.q_proj", "vit.layers.0.attention.v_proj",
         "vit.layers.1.attention.q_proj", "vit.layers.1.attention.v_proj",
     ]
-    assert vit.lora_target_modules(built, ["mlp_out"]) == ["vit.layers.0.mlp.fc2", "vit.layers.1.mlp.fc2"]
+    assert vit.lora_target_modules(built, ["mlp_out"], VIT) == ["vit.layers.0.mlp.fc2", "vit.layers.1.mlp.fc2"]
 
 
 class _Old4xLayer(nn.Module):
@@ -155,36 +149,15 @@ def test_lora_targets_by_role_on_transformers_4_names():
     old.vit.encoder = nn.Module()
     old.vit.encoder.layer = nn.ModuleList([_Old4xLayer(), _Old4xLayer()])
     old.classifier = nn.Linear(4, 3)
-    assert vit.lora_target_modules(old, ["query", "value"]) == [
+    assert vit.lora_target_modules(old, ["query", "value"], VIT) == [
         "vit.encoder.layer.0.attention.attention.query", "vit.encoder.layer.0.attention.attention.value",
         "vit.encoder.layer.1.attention.attention.query", "vit.encoder.layer.1.attention.attention.value",
     ]
     # mlp_out must not catch the attention output projection, which also ends in output.dense
-    assert vit.lora_target_modules(old, ["mlp_out"]) == ["vit.encoder.layer.0.output.dense",
+    assert vit.lora_target_modules(old, ["mlp_out"], VIT) == ["vit.encoder.layer.0.output.dense",
                                                         "vit.encoder.layer.1.output.dense"]
-    assert vit.lora_target_modules(old, ["attention_output"]) == [
+    assert vit.lora_target_modules(old, ["attention_output"], VIT) == [
         "vit.encoder.layer.0.attention.output.dense", "vit.encoder.layer.1.attention.output.dense"]
-
-
-def test_lora_trains_the_head_and_merged_logits_equal_adapter_logits(tiny_base):
-    built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=32, head_init="random"), LABELS)
-    adapted = vit.apply_lora(built, LoraSettings(r=4, alpha=8, dropout=0.0))
-    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
-    assert any("lora_A" in n for n in trainable) and any("classifier" in n for n in trainable)
-    assert not any("q_proj.base_layer" in n or "fc1" in n for n in trainable)
-    torch.manual_seed(1)
-    with torch.no_grad():  # as if trained: non-zero B matrices and a changed head
-        for name, parameter in adapted.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                parameter.normal_(std=0.5)
-    adapted.eval()
-    merged = vit.merged_copy(adapted).eval()
-    assert not vit.is_lora(merged)
-    pixels = torch.randn(4, 3, 32, 32)
-    with torch.no_grad():
-        difference = (merged(pixels).logits - adapted(pixel_values=pixels).logits).abs().max().item()
-    assert difference <= 1e-5
-    assert vit.is_lora(adapted)  # merging a copy leaves the adapter model usable
 
 
 def test_pretrained_false_gives_the_same_architecture_from_random_weights(tiny_base):

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import balance, ema, evaluation, model as vit, optim, train
+from vit_finetune import balance, ema, model as vit, optim, train
+from vit_finetune.families import FAMILIES
 from vit_finetune.recipe import LoraSettings, ModelSettings, load_recipe
 
 LAYERS = 3
@@ -105,17 +106,16 @@ def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
 
 
 def test_depth_reads_transformers_4_block_names_too():
-    index = optim.block_index_of("vit")
-    assert optim.layer_depth("vit.encoder.layer.7.attention.attention.query.weight", index, 12) == 8
-    assert optim.layer_depth("base_model.model.vit.layers.0.mlp.fc1.lora_A.default.weight", index, 12) == 1
-    assert optim.layer_depth("vit.embeddings.patch_embeddings.projection.weight", index, 12) == 0
-    assert optim.layer_depth("vit.layernorm.weight", index, 12) == 13
-    assert optim.layer_depth("base_model.model.classifier.modules_to_save.default.bias", index, 12) == 13
+    family, config = FAMILIES["vit"], ViTConfig(num_hidden_layers=12)
 
+    def depth(name: str) -> int:
+        return optim.layer_depth(name, lambda n: family.block_index(n, config), 12)
 
-def test_layer_decay_on_an_unknown_family_names_the_known_ones():
-    with pytest.raises(optim.LayerDecayError, match=r"'swin'.*\['vit'\].*train.layer_decay=null"):
-        optim.block_index_of("swin")
+    assert depth("vit.encoder.layer.7.attention.attention.query.weight") == 8
+    assert depth("base_model.model.vit.layers.0.mlp.fc1.lora_A.default.weight") == 1
+    assert depth("vit.embeddings.patch_embeddings.projection.weight") == 0
+    assert depth("vit.layernorm.weight") == 13
+    assert depth("base_model.model.classifier.modules_to_save.default.bias") == 13
 
 
 # ---------------------------------------------------------------- EMA

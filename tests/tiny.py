@@ -62,3 +62,95 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: Path |
     full_env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "vit_finetune", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or REPO)
+
+
+# Tiny random configurations of every supported family, saved the way their Hub checkpoints are: the class the
+# checkpoint ships as (a bare backbone for DINOv2/ViT-MSN/Data2Vec, a distilled DeiT with its teacher head, a full
+# CLIP/SigLIP model with a text tower) and the family's own image processor with its own size convention.
+def _vit_like(config_class: str, **extra):
+    def config(image_size: int, num_labels: int):
+        return _config(config_class, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                       image_size=image_size, patch_size=4, num_labels=num_labels, **extra)
+    return config
+
+
+def _swin(config_class: str):
+    def config(image_size: int, num_labels: int):
+        return _config(config_class, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4, image_size=image_size,
+                       patch_size=2, num_labels=num_labels)
+    return config
+
+
+def _two_towers(config_class: str):
+    def config(image_size: int, num_labels: int):
+        vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                      image_size=image_size, patch_size=4)
+        text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=64,
+                    max_position_embeddings=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        return _config(config_class, vision_config=vision, text_config=text, num_labels=num_labels)
+    return config
+
+
+def _config(class_name: str, num_labels: int, **kwargs):
+    import transformers
+
+    labels = {i: f"imagenet_{i}" for i in range(num_labels)}
+    return getattr(transformers, class_name)(id2label=labels, label2id={v: k for k, v in labels.items()}, **kwargs)
+
+
+def _processor(class_name: str, size: dict, crop: dict | None = None):
+    def processor(image_size: int):
+        import transformers
+
+        side = {k: (image_size * 9 // 8 if k == "shortest_edge" or crop else image_size) for k in size}
+        crop_size = {"height": image_size, "width": image_size} if crop is not None else None
+        extra = {"crop_size": crop_size, "do_center_crop": True} if crop_size else {}
+        return getattr(transformers, class_name)(size=side, **extra)
+    return processor
+
+
+HW, SHORT = {"height": 0, "width": 0}, {"shortest_edge": 0}
+# model_type -> (config builder, class saved as the "Hub" checkpoint, image processor builder)
+TINY_FAMILIES = {
+    "vit": (_vit_like("ViTConfig"), "ViTForImageClassification", _processor("ViTImageProcessorPil", HW)),
+    "vit_msn": (_vit_like("ViTMSNConfig"), "ViTMSNModel", _processor("ViTImageProcessorPil", HW)),
+    "deit": (_vit_like("DeiTConfig"), "DeiTForImageClassificationWithTeacher",
+             _processor("DeiTImageProcessorPil", HW, crop=HW)),
+    "beit": (_vit_like("BeitConfig", use_relative_position_bias=True), "BeitForImageClassification",
+             _processor("BeitImageProcessorPil", HW)),
+    # Data2Vec covers the other BEiT layout: one shared bias table and an absolute table.
+    "data2vec-vision": (_vit_like("Data2VecVisionConfig", use_shared_relative_position_bias=True,
+                                  use_absolute_position_embeddings=True), "Data2VecVisionModel",
+                        _processor("BeitImageProcessorPil", HW)),
+    "dinov2": (_vit_like("Dinov2Config"), "Dinov2Model", _processor("BitImageProcessorPil", SHORT, crop=HW)),
+    "dinov2_with_registers": (_vit_like("Dinov2WithRegistersConfig", num_register_tokens=2),
+                              "Dinov2WithRegistersModel", _processor("BitImageProcessorPil", SHORT, crop=HW)),
+    "swin": (_swin("SwinConfig"), "SwinForImageClassification", _processor("ViTImageProcessorPil", HW)),
+    "swinv2": (_swin("Swinv2Config"), "Swinv2ForImageClassification", _processor("ViTImageProcessorPil", HW)),
+    "clip": (_two_towers("CLIPConfig"), "CLIPModel", _processor("CLIPImageProcessorPil", SHORT, crop=HW)),
+    "siglip": (_two_towers("SiglipConfig"), "SiglipModel", _processor("SiglipImageProcessorPil", HW)),
+}
+POSITION_TENSORS = ("position_embeddings", "position_embedding.weight", "relative_position_bias_table")
+
+
+def tiny_family_config(model_type: str, image_size: int = 32, num_labels: int = 10):
+    return TINY_FAMILIES[model_type][0](image_size, num_labels)
+
+
+def make_tiny_family(model_type: str, folder: Path, image_size: int = 32, seed: int = 0, model=None) -> Path:
+    """A tiny random checkpoint of `model_type` saved like its Hub checkpoints; position tensors made non-trivial
+    (several families initialise them to zeros, which would make any resize look exact). `model`: save this one."""
+    import torch
+    import transformers
+
+    config_builder, saved_class, processor_builder = TINY_FAMILIES[model_type]
+    torch.manual_seed(seed)
+    if model is None:
+        model = getattr(transformers, saved_class)(config_builder(image_size, 10))
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith(POSITION_TENSORS):
+                    parameter.normal_(std=0.5)
+    model.save_pretrained(folder)
+    processor_builder(image_size).save_pretrained(folder)
+    return Path(folder)

@@ -19,6 +19,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
+from .families import FAMILIES
 from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
 
 METRICS_FILE = "metrics.json"
@@ -94,7 +95,8 @@ def per_class_rows(metrics: dict) -> str:
 
 
 def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool, load_from: str | None = None,
-               info: dict | None = None, pictures: tuple[str, ...] = ()) -> ModelCard:
+               info: dict | None = None, pictures: tuple[str, ...] = (), model_type: str = "vit") -> ModelCard:
+    family = FAMILIES[model_type]
     dataset = recipe.data.dataset
     eval_results = [
         EvalResult(
@@ -114,7 +116,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
         model_name=name,
         library_name="transformers",
         pipeline_tag="image-classification",
-        tags=["vision", "image-classification", "vit", "vit_finetune"] + (["lora", "peft"] if lora else []),
+        tags=["vision", "image-classification", model_type, "vit_finetune"] + (["lora", "peft"] if lora else []),
         base_model=recipe.model.base if is_hub_id(recipe.model.base) else None,
         datasets=[dataset] if is_hub_id(dataset) else None,
         eval_results=eval_results,
@@ -129,9 +131,9 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
     body = f"""
 # {name}
 
-A ViT fine-tuned with vit_finetune from `{recipe.model.base}` on `{dataset}`
-at **{recipe.model.image_size}×{recipe.model.image_size} px**. The position embeddings were resampled once
-to the new grid, so the model runs at this size with no `interpolate_pos_encoding` flag.
+A {family.name} fine-tuned with vit_finetune from `{recipe.model.base}` on `{dataset}`
+at **{recipe.model.image_size}×{recipe.model.image_size} px**. Its position information was moved once to the new
+size ({family.resized}), so the model runs at this size with no `interpolate_pos_encoding` flag.
 
 ## Use
 ```python
@@ -267,7 +269,7 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     pictures = tuple(name for name in PICTURE_FILES if (staging / name).is_file() or (output_dir / name).is_file())
     name = recipe.hub.repo_id or output_dir.name
     model_card(recipe, metrics, labels, name, adapter_model is not None, usage_id(recipe, output_dir), run_info,
-               pictures).save(staging / CARD_FILE)
+               pictures, model.config.model_type).save(staging / CARD_FILE)
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
     for entry in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):

@@ -3,7 +3,7 @@
 Layer-wise lr decay (BEiT, MAE) trains the blocks near the input less than those near the head:
 a parameter at depth d gets lr × decay^(L + 1 − d), where the embeddings have depth 0, block i (from 0)
 depth i + 1, and the final norm and the head depth L + 1 (so they train at the full lr). A LoRA adapter
-takes the depth of the block it sits in. Each group carries its `lr_scale`; the scheduler scales every
+takes the depth of the block it sits in. Each family says which block a parameter is in (families.py). Each group carries its `lr_scale`; the scheduler scales every
 group by the same factor.
 """
 
@@ -14,34 +14,12 @@ from typing import Callable
 
 from torch import nn
 
-from .errors import VitFinetuneError
-
-
-class LayerDecayError(VitFinetuneError):
-    """train.layer_decay asked for a model whose block naming is not known."""
+from .families import NO_WEIGHT_DECAY
 
 
 BlockIndex = Callable[[str], "int | None"]  # parameter name -> its block's index from 0, None outside the blocks
 # What comes before the first block, in every family: patch and position embeddings, CLIP's pre-norm.
 BEFORE_BLOCKS = re.compile(r"(?:^|\.)(?:embeddings|pre_layrnorm)\.")
-# ViT's blocks: `.layers.N.` (transformers 5) or `.encoder.layer.N.` (4.x), under any prefix (peft adds one).
-VIT_BLOCK = re.compile(r"\.(?:layers|encoder\.layer)\.(\d+)\.")
-
-
-def vit_block_index(name: str) -> int | None:
-    """The block of a ViT parameter, from its name."""
-    match = VIT_BLOCK.search(name)
-    return int(match.group(1)) if match else None
-
-
-BLOCK_INDEX: dict[str, BlockIndex] = {"vit": vit_block_index}  # by config.model_type
-
-
-def block_index_of(model_type: str) -> BlockIndex:
-    if model_type not in BLOCK_INDEX:
-        raise LayerDecayError(f"train.layer_decay is not available for {model_type!r} models; it knows "
-                              f"{sorted(BLOCK_INDEX)}. Set train.layer_decay=null")
-    return BLOCK_INDEX[model_type]
 
 
 def layer_depth(name: str, block_index: BlockIndex, num_blocks: int) -> int:
@@ -53,8 +31,8 @@ def layer_depth(name: str, block_index: BlockIndex, num_blocks: int) -> int:
 
 
 def is_decayed(name: str, parameter: nn.Parameter) -> bool:
-    """Weight decay on matrices only: not on biases, norms, the CLS token or the position embeddings."""
-    return parameter.ndim >= 2 and parameter.shape[:2] != (1, 1) and not name.endswith("position_embeddings")
+    """Weight decay on matrices only: not on biases, norms, tokens or position tables (families.NO_WEIGHT_DECAY)."""
+    return parameter.ndim >= 2 and parameter.shape[:2] != (1, 1) and not NO_WEIGHT_DECAY.search(name)
 
 
 def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float | None,

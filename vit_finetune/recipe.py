@@ -53,7 +53,7 @@ class LoraSettings(Strict):
 
 class ModelSettings(Strict):
     base: str = Field("google/vit-base-patch16-224", description=(
-        "the pretrained ViT: a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
+        "the pretrained ViT-family model (see the README's family table): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: int = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
     lora: LoraSettings | None = Field(None,
@@ -66,6 +66,8 @@ class ModelSettings(Strict):
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
     compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
+    window_size: int | None = Field(None, gt=0, description=(
+        "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
     drop_path_rate: float | None = Field(None, ge=0, lt=1, description=(
         "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
         "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))

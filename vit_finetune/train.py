@@ -115,9 +115,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
-    config = model.config
-    block_index = optim.block_index_of(config.model_type) if t.layer_decay is not None else None
-    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, config.num_hidden_layers)
+    config, family = model.config, vit.family_of(model.config)
+    block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config))
     for group in groups:
         group["lr"] = t.lr * group["lr_scale"]
     if t.optimizer == "sgd":
