@@ -261,3 +261,12 @@ def test_layer_decay_gives_every_depth_its_lr_from_the_embeddings_to_the_head(mo
     embedding_lrs = [lrs[n] for n in lrs if ".embeddings." in n]
     assert embedding_lrs and embedding_lrs == pytest.approx([0.1 * 0.5 ** (blocks + 1)] * len(embedding_lrs))
     assert len({round(lr, 15) for lr in lrs.values()}) == blocks + 2  # embeddings, each block, what follows them
+
+
+def test_drop_path_rate_reaches_the_built_model_of_a_family_that_has_one(bases):
+    settings = ModelSettings(base=str(bases["dinov2"]), image_size=64, drop_path_rate=0.5, head_init="random")
+    built = vit.build_model(settings, LABELS)
+    assert built.config.drop_path_rate == 0.5
+    pixels = torch.randn(2, 3, 64, 64)
+    assert not torch.equal(built.train()(pixel_values=pixels).logits, built(pixel_values=pixels).logits)
+    assert torch.equal(built.eval()(pixel_values=pixels).logits, built(pixel_values=pixels).logits)
