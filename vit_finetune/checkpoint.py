@@ -14,6 +14,7 @@ import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from safetensors import SafetensorError
@@ -68,6 +69,11 @@ class TrainState:
     skipped_images: int = 0
     history: list[dict] = field(default_factory=list)
     data: dict = field(default_factory=dict)  # the data trained on: labels and the splits' fingerprints
+    # train.keep_best: the best evaluation so far ({step, value, weights: raw | ema}; its weights are under
+    # output_dir/best and copied into each checkpoint), and the early-stopping count since it
+    best: dict | None = None
+    evaluations_without_gain: int = 0
+    stopped_early: bool = False
 
 
 def checkpoint_name(step: int) -> str:
@@ -103,8 +109,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int) -> Path:
-    """Every process writes its part into `.partial-step-N`; the main process marks it and renames it."""
+def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int,
+                    write_extras: Callable[[Path], None] = lambda folder: None) -> Path:
+    """Every process writes its part into `.partial-step-N` (Accelerate's state, then `write_extras(folder)`);
+    the main process marks it and renames it."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(state.step)
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
@@ -117,6 +125,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     failure = None
     try:
         accelerator.save_state(str(partial), safe_serialization=True)
+        write_extras(partial)
     except WRITE_ERRORS as error:
         failure = error
     _stop_everywhere_if_failed(accelerator, failure, partial, final, output_dir)
@@ -138,6 +147,16 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
+
+
+def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file."""
+    partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
+    write(partial)
+    with open(partial, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(partial, target)
+    _fsync_dir(target.parent)
 
 
 def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,

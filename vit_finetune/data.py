@@ -387,11 +387,12 @@ def default_num_workers(device_type: str, processes: int) -> int:
 
 
 def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: bool, seed: int,
-                num_workers: int, pin_memory: bool) -> DataLoader:
+                num_workers: int, pin_memory: bool, sampler: EpochSampler | None = None) -> DataLoader:
+    """Batches of (index, epoch) keys from `sampler`, by default EpochSampler's (shuffled or in order)."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochSampler(len(dataset), seed, shuffle),
+        sampler=sampler or EpochSampler(len(dataset), seed, shuffle),
         collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,

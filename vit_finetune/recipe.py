@@ -49,6 +49,8 @@ def _not_a_bool(value: Any) -> Any:
 
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
+# The metrics train.keep_best can follow, and whether higher or lower is better.
+KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
 
 
 class RecipeError(VitFinetuneError):
@@ -91,8 +93,11 @@ class ModelSettings(Strict):
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
     compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
-    window_size: int | None = Field(None, gt=0, description=(
+    window_size: StrictInt | None = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
+    drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
+        "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
+        "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))
 
 
 class DataSettings(Strict):
@@ -120,6 +125,9 @@ class DataSettings(Strict):
         description="larger images are refused (PIL's decompression-bomb limit)")
     num_workers: StrictInt | None = Field(None, ge=0,
         description="DataLoader decode processes; null = chosen from the CPU count and the device")
+    class_balance: Literal["weights", "sampler"] | None = Field(None, description=(
+        "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
+        "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
 
     @field_validator("crop_scale")
     @classmethod
@@ -169,6 +177,17 @@ class TrainSettings(Strict):
     collective_timeout_s: StrictInt = Field(
         600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
                                "stops with the stuck rank named (a frozen process would hang the rest forever)")
+    ema_decay: Float | None = Field(None, gt=0, lt=1, description=(
+        "keep an EMA of the weights, e.g. 0.999 (it forgets over ~1/(1-decay) steps: keep that well below the run's "
+        "steps); evaluated beside the raw weights, the better is saved; null = off"))
+    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
+        "save the weights of the best evaluation by this metric (eval_accuracy, eval_loss, eval_macro_f1, "
+        "eval_top5_accuracy) instead of the last; null = the last"))
+    early_stopping_patience: StrictInt | None = Field(None, gt=0, description=(
+        "stop after this many evaluations without gain in train.keep_best; null = never"))
+    layer_decay: Float | None = Field(None, gt=0, le=1, description=(
+        "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
+        "blocks + 1; null = one lr"))
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -213,6 +232,9 @@ class Recipe(Strict):
             problems.append(f"train.resume_ignore_changes names unknown keys {excerpt(unknown)}; use dotted keys such as train.epochs")
         if self.train.resume is not None and self.overwrite:
             problems.append("train.resume and overwrite=true contradict each other: choose one")
+        if self.train.early_stopping_patience is not None and self.train.keep_best is None:
+            problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
+                            "for), e.g. train.keep_best=eval_accuracy")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"

@@ -1,8 +1,8 @@
 """Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
 
 `run()` reads top to bottom: check everything cheap first, then data, model, optimiser, the loop
-(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint), final
-evaluation, export and push.
+(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint / stop), final
+evaluation, the choice of the weights to keep (selection.py: EMA, best evaluation), export and push.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import checkpoint, data, evaluation, export, hub, memory, model as vit, outputs, pictures, progress as display, tracking
+from . import balance, checkpoint, data, evaluation, export, hub, memory, model as vit, optim, outputs, pictures
+from . import progress as display, selection, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .families import NO_WEIGHT_DECAY
 from .processes import any_process, sum_over_processes
 from .recipe import Recipe, write_recipe
 
@@ -60,6 +60,7 @@ class Parts:
     eval_split: str | None = None  # None: held out from train (data.eval_fraction)
     position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
     data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
+    class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
 
 
 class InterruptFlag:
@@ -121,19 +122,14 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay on biases, norms, tokens and position tables (the usual ViT practice, across the family).
-    decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
-    no_decay = [p for p in parameters if all(p is not q for q in decay)]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    config, family = model.config, vit.family_of(model.config)
+    block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config))
+    for group in groups:
+        group["lr"] = t.lr * group["lr_scale"]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
     return torch.optim.AdamW(groups, lr=t.lr, fused=device_type == "cuda")
-
-
-def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
-    """A position table or token of any family (families.NO_WEIGHT_DECAY), also under a LoRA wrapper's names."""
-    return any(parameter is p for n, p in model.named_parameters() if NO_WEIGHT_DECAY.search(n))
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -158,10 +154,12 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
     and then the recipe's values must apply from the resumed step on, not be silently replaced."""
     t = recipe.train
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
-    scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
-    # Groups as build_optimizer makes them: decayed, then not decayed.
-    for group, decay, factor in zip(parts.optimizer.param_groups, (t.weight_decay, 0.0), scheduler.lr_lambdas):
-        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), weight_decay=decay)
+    groups = parts.optimizer.param_groups
+    # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
+    scheduler.base_lrs = [t.lr * group.get("lr_scale", 1.0) for group in groups]
+    for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
+        group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
+                     weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
         if "momentum" in group:
             group["momentum"] = t.momentum
 
@@ -186,7 +184,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     pin = accelerator.device.type == "cuda"
     train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
     eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
+    sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
+    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
 
     batches_per_epoch = math.ceil(len(train_set) / (recipe.train.batch_size * accelerator.num_processes))
@@ -199,7 +198,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), steps_per_epoch, total_steps, splits.eval_split,
-                 tables, data.identity(splits))
+                 tables, data.identity(splits),
+                 None if class_weights is None else class_weights.to(accelerator.device))
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -235,11 +235,15 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
     each step's gradient all-reduce)."""
     labels = batch["labels"]
     logits = parts.model(pixel_values=parts.normalize(batch["pixel_values"])).logits
-    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none",
-                                                  ignore_index=data.SKIPPED_LABEL,
+    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
+                                                  reduction="none", ignore_index=data.SKIPPED_LABEL,
                                                   label_smoothing=recipe.train.label_smoothing)
-    real_images = (labels != data.SKIPPED_LABEL).sum()  # stays on the device: no sync
-    return per_image.sum() / real_images.clamp(min=1)
+    # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean is;
+    # computed on the device, no sync. With no real image the sum is 0 and so is the loss, with a zero gradient.
+    real = (labels != data.SKIPPED_LABEL).float()
+    image_weights = real if parts.class_weights is None else parts.class_weights[labels.clamp(min=0)] * real
+    total = image_weights.sum()
+    return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
@@ -306,21 +310,28 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
                                               output_dir / pictures.POSITION_FILE)
 
-    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList(
-        [*REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    training = TrainingRun(recipe, accelerator, parts, state)
+    keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
+                                       parts.labels, measure=lambda: measure(training))
+    hooks = CallbackList([keeper, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    if resume_from:
+        hooks.on_load_checkpoint(training, resume_from)
     started = time.perf_counter()
     train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
-    metrics, predictions = evaluate(training, hooks)
+    # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
+    final = None if state.stopped_early else evaluate(training, hooks)
+    metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
-                               state.history, training_seconds, resume_from)
+                               state.history, training_seconds, resume_from, metrics)
         draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
         save_final(accelerator, parts, recipe, metrics, state, info, draw)
+        keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
@@ -335,10 +346,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
-
-
-def _eval_entry(metrics: dict) -> dict:
-    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
 
 
 class TrainLog:
@@ -426,7 +433,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
             callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
         if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
-        stop = state.step >= last or _interrupted(interrupt, run.accelerator)
+        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
         _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
         if interrupt.raised:
             raise Interrupted(_interrupt_message(run.recipe, state))
@@ -443,7 +450,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
     """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
     the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
-    while state.step < parts.total_steps:
+    while state.step < parts.total_steps and not state.stopped_early:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
         # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
         parts.train_loader.set_epoch(state.epoch)
@@ -481,7 +488,8 @@ def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, in
     _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
     log.count_skipped_into(run.state)
     path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
-                                      run.recipe.train.keep_checkpoints)
+                                      run.recipe.train.keep_checkpoints,
+                                      write_extras=lambda folder: callbacks.on_save_checkpoint(run, folder))
     callbacks.on_checkpoint(run, path)
 
 
@@ -537,16 +545,22 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
-    """Metrics of the current weights on the eval split (labelled, with what the split was), added to the history
-    and passed to the callbacks; and the per-image predictions behind them, for the pictures."""
+def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
+    """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
+    per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
     predictions = evaluation.predict_split(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
                                            len(parts.labels))
     metrics = evaluation.summarise(predictions, len(parts.labels))
     metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
-    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **_eval_entry(metrics)})
+    return metrics, predictions
+
+
+def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
+    """measure(), added to the history and passed to the callbacks."""
+    metrics, predictions = measure(run)
+    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **evaluation.as_eval_entry(metrics)})
     callbacks.on_evaluate(run, metrics)
     return metrics, predictions
 
