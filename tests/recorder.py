@@ -8,9 +8,9 @@ PYTHONPATH and its sitecustomize.py calls `install_in_subprocess()` when VIT_FIN
 folder, so the command line stays exactly the user's.
 
 Written into the record folder, one file set per process id (a SIGKILL loses nothing already written):
-- samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, labels and a fingerprint of
-  each sample's pixels (the pixels are a pure function of seed, epoch and sample, so equal
-  fingerprints mean the same sample with the same augmentation).
+- samples-<pid>.jsonl: one line per optimiser step: step, epoch, rank, the batch's places, and the labels
+  and a fingerprint of the pixels of each sample that is not a bad image's blank place (the pixels are a pure
+  function of seed, epoch and sample, so equal fingerprints mean the same sample with the same augmentation).
 - weights-<rank>.safetensors: the process's own trained model state (on_train_end: after the final evaluation).
 - writes-<pid>.jsonl (subprocesses only): path and kind of every file or folder written, renamed or
   removed, seen through Python's audit hooks plus the two native writers that bypass them
@@ -53,6 +53,7 @@ def recorder(record_dir: Path):
     from safetensors.torch import save_file
 
     from vit_finetune.callbacks import Callback
+    from vit_finetune.data import SKIPPED_LABEL
 
     record_dir = Path(record_dir)
     record_dir.mkdir(parents=True, exist_ok=True)
@@ -62,9 +63,12 @@ def recorder(record_dir: Path):
             self.samples = _Lines(record_dir / f"samples-{os.getpid()}.jsonl")
 
         def on_batch(self, run, batch):
+            labels = batch["labels"].tolist()
+            real = [(label, pixels) for label, pixels in zip(labels, batch["pixel_values"]) if label != SKIPPED_LABEL]
+            # "places": the batch's size, skipped bad images' blank places included; the rest: real images only.
             self.samples.write({"step": run.state.step + 1, "epoch": run.state.epoch,
-                                "rank": run.accelerator.process_index, "labels": batch["labels"].tolist(),
-                                "samples": [fingerprint(p) for p in batch["pixel_values"]]})
+                                "rank": run.accelerator.process_index, "places": len(labels),
+                                "labels": [label for label, _ in real], "samples": [fingerprint(p) for _, p in real]})
 
         def on_train_end(self, run, model):
             tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}

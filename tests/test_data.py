@@ -90,10 +90,10 @@ def test_every_colour_mode_decodes_to_rgb(mode):
     assert image.mode == "RGB" and image.size == (9, 7)
 
 
-def test_transparent_pixels_become_white():
+def test_transparent_pixels_keep_their_colour_as_pipeline_reads_them():
     rgba = Image.new("RGBA", (4, 4), (255, 0, 0, 0))
     image = data.decode_image({"bytes": png_bytes(rgba), "path": None}, 0, DataSettings())
-    assert image.getpixel((0, 0)) == (255, 255, 255)
+    assert image.getpixel((0, 0)) == (255, 0, 0)  # alpha dropped, as transformers' load_image drops it
 
 
 def bad_samples(tmp_path: Path) -> dict[str, dict]:
@@ -125,17 +125,41 @@ def test_a_bad_image_without_a_path_is_named_by_index():
         data.decode_image({"bytes": b"junk", "path": None}, 42, DataSettings())
 
 
-def test_skip_bad_images_drops_and_counts_them():
-    cells = [{"bytes": png_bytes(Image.new("RGB", (20, 20))), "path": None}, {"bytes": b"", "path": None}]
+def test_skip_bad_images_keeps_each_bad_image_place_blank_and_names_it():
+    cells = [{"bytes": png_bytes(Image.new("RGB", (20, 20))), "path": None}, {"bytes": b"", "path": "empty.png"}]
     table = datasets.Dataset.from_dict({"image": cells, "label": [0, 1]}).cast_column("image", datasets.Image(decode=False))
     settings = DataSettings(skip_bad_images=True)
-    dataset = data.ImageClassificationDataset(table, "image", "label", settings,
-                                              lambda image, index, epoch: torch.zeros(3, 4, 4, dtype=torch.uint8))
+    make_pixels = lambda image, index, epoch: torch.full((3, 4, 4), 7, dtype=torch.uint8)  # noqa: E731
+    splits = data.Splits(table, table, "image", "label", ["a", "b"])
+    dataset = data.train_dataset(splits, settings, 4, make_pixels)
     batch = data.collate([dataset[(0, 0)], dataset[(1, 0)]])
-    assert batch["labels"].tolist() == [0] and int(batch["skipped"]) == 1
-    strict = data.ImageClassificationDataset(table, "image", "label", DataSettings(), dataset.make_pixels)
+    assert batch["labels"].tolist() == [0, data.SKIPPED_LABEL] and batch["skipped"] == ["empty.png"]
+    assert batch["pixel_values"].shape == (2, 3, 4, 4) and batch["pixel_values"].dtype == torch.uint8
+    assert int(batch["pixel_values"][1].sum()) == 0  # blank
+    strict = data.train_dataset(splits, DataSettings(), 4, make_pixels)
     with pytest.raises(data.BadImageError):
         strict[(1, 0)]
+
+
+def test_the_training_loss_averages_over_real_images_only_and_is_zero_without_one():
+    from types import SimpleNamespace
+
+    from vit_finetune import train
+    from vit_finetune.recipe import Recipe
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    parts = SimpleNamespace(model=lambda pixel_values: SimpleNamespace(logits=model(pixel_values.float())),
+                            normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
+                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=None)
+    pixels, labels = torch.randn(4, 3, 2, 2), torch.tensor([0, data.SKIPPED_LABEL, 2, data.SKIPPED_LABEL])
+    loss = train.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, Recipe())
+    real = torch.nn.functional.cross_entropy(model(pixels[[0, 2]]), labels[[0, 2]])
+    assert torch.allclose(loss, real)
+    none = train.batch_loss(parts, {"pixel_values": pixels, "labels": torch.full((4,), data.SKIPPED_LABEL),
+                                   "position": (0, 0)}, Recipe())
+    none.backward()
+    assert none.item() == 0 and all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
 
 
 def test_train_transform_is_deterministic_per_seed_epoch_and_index():

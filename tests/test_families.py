@@ -247,3 +247,26 @@ def test_report_measured_differences():
     for model_type, difference in MEASURED.items():
         print(f"invariant max abs diff {model_type}: {difference:.3g}")
     assert all(d <= 1e-5 for d in MEASURED.values())
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_layer_decay_gives_every_depth_its_lr_from_the_embeddings_to_the_head(model_type, bases):
+    family = FAMILIES[model_type]
+    built = vit.build_model(ModelSettings(base=str(bases[model_type]), image_size=64), LABELS)
+    blocks = family.num_blocks(built.config)
+    optimizer = build_optimizer(built, Recipe(train={"lr": 0.1, "layer_decay": 0.5}), "cpu")
+    lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
+    lrs = {name: lr_of[id(p)] for name, p in built.named_parameters()}
+    assert {lrs[n] for n in lrs if n.startswith(f"{family.head}.")} == {0.1}  # the head trains at the full lr
+    embedding_lrs = [lrs[n] for n in lrs if ".embeddings." in n]
+    assert embedding_lrs and embedding_lrs == pytest.approx([0.1 * 0.5 ** (blocks + 1)] * len(embedding_lrs))
+    assert len({round(lr, 15) for lr in lrs.values()}) == blocks + 2  # embeddings, each block, what follows them
+
+
+def test_drop_path_rate_reaches_the_built_model_of_a_family_that_has_one(bases):
+    settings = ModelSettings(base=str(bases["dinov2"]), image_size=64, drop_path_rate=0.5, head_init="random")
+    built = vit.build_model(settings, LABELS)
+    assert built.config.drop_path_rate == 0.5
+    pixels = torch.randn(2, 3, 64, 64)
+    assert not torch.equal(built.train()(pixel_values=pixels).logits, built(pixel_values=pixels).logits)
+    assert torch.equal(built.eval()(pixel_values=pixels).logits, built(pixel_values=pixels).logits)

@@ -255,7 +255,7 @@ def test_skip_bad_images_completes_and_counts_each_skipped_image(base, dirty_ima
 
 
 @pytest.mark.timeout(180)
-def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(base, tmp_path):
+def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(base, tmp_path, capsys):
     # 2 good and 4 bad training images in batches of 2: 3 batches an epoch, and the 2 good images can fill at most
     # 2 of them, so whatever order the seeded sampler picks, every epoch has a batch of bad images only.
     images = write_colour_folder(tmp_path / "images", classes=2, train=3, validation=3)
@@ -266,8 +266,10 @@ def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(bas
     code = train([f"model.base={base}", f"data.dataset={images}", *RECIPE, "train.batch_size=2",
                   "data.skip_bad_images=true", f"output_dir={out}"], record=record)
     assert code == 0  # not 3: the mean loss over no image (NaN) must not trip the non-finite guard
-    empty_steps = {entry["step"] for entry in recorder.read_samples(record) if not entry["samples"]}
+    steps = recorder.read_samples(record)
+    empty_steps = {entry["step"] for entry in steps if not entry["samples"]}
     assert len(empty_steps) >= 2  # at least one per epoch: the case under test did happen
+    assert {entry["places"] for entry in steps} == {2}  # every bad image keeps its place: batch shapes never change
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["skipped_images"] == 4 * 2 and metrics["steps"] == 6  # 4 bad files, met once in each of 2 epochs
     history = json.loads((out / "history.json").read_text())
@@ -275,6 +277,10 @@ def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(bas
     # train.log_every_steps=1: a step that trained on no image logs no loss; every other step does.
     assert {entry["step"] for entry in history if "lr" in entry and "loss" not in entry} == empty_steps
     assert all_finite(out / "model.safetensors")
+    console = capsys.readouterr().out
+    for epoch in (0, 1):  # the count and the first files, at the end of each epoch
+        line = next(line for line in console.splitlines() if line.startswith(f"epoch {epoch}: skipped "))
+        assert line.startswith(f"epoch {epoch}: skipped 4 bad image(s)") and line.count(".png") == 4, line
 
 
 def test_a_key_newer_than_the_checkpoint_counts_as_unchanged_while_it_keeps_its_default(unfinished, tmp_path):

@@ -7,6 +7,8 @@ command line unchanged): each rank dumps its own final weights and logs every fi
 The run trains with data.skip_bad_images=true on a folder where rank 0's first batch holds only bad files:
 the skip count must be summed over the ranks, and a rank with nothing to train on must still take the step.
 One validation image is bad too: the ranks' eval batches must still gather, and the metrics leave it out.
+It keeps an EMA of the weights and the best evaluation's weights (train.ema_decay, train.keep_best): the ranks
+must agree on them too, and only the main process writes them.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def two_process_run(tmp_path_factory) -> dict:
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
          f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
          f"train.batch_size={BATCH}", f"train.epochs={EPOCHS}", "train.lr=0.005", f"train.seed={SEED}",
-         "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3"],
+         "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3",
+         "train.ema_decay=0.5", "train.keep_best=eval_loss"],
         capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"out": out, "record": record, "images": images, "stdout": result.stdout}
@@ -99,6 +102,7 @@ def test_skipped_images_are_counted_over_all_ranks_and_a_rank_with_only_bad_imag
     steps = recorder.read_samples(record)
     first = {entry["rank"]: entry for entry in steps if entry["step"] == 1}
     assert first[0]["samples"] == [] and len(first[1]["samples"]) == BATCH  # the case under test did happen
+    assert {entry["places"] for entry in steps} == {BATCH}  # the bad images kept their places in the batch
     # Every bad file is met once per epoch, on one rank or the other; the count is the run's total over ranks.
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["skipped_images"] == BAD_IMAGES * EPOCHS and metrics["steps"] == 6
@@ -106,8 +110,13 @@ def test_skipped_images_are_counted_over_all_ranks_and_a_rank_with_only_bad_imag
     saved = {step: json.loads((out / "checkpoints" / f"step-{step:08d}" / "trainer_state.json").read_text())
              for step in (3, 6)}
     assert saved[3]["skipped_images"] == BAD_IMAGES and saved[6]["skipped_images"] == BAD_IMAGES * EPOCHS
+    assert metrics["best_step"] in (3, 6) and metrics["weights"] in ("raw", "ema")  # kept, and said which
     history = json.loads((out / "history.json").read_text())
     assert all(math.isfinite(value) for entry in history for key, value in entry.items() if "loss" in key)
+    # The console says so at the end of each epoch, counted over both ranks, naming the files.
+    for epoch in range(EPOCHS):
+        line = next(line for line in two_process_run["stdout"].splitlines() if line.startswith(f"epoch {epoch}: skip"))
+        assert line.startswith(f"epoch {epoch}: skipped {BAD_IMAGES} bad image(s)") and str(two_process_run["images"]) in line
 
 
 @pytest.mark.timeout(400)

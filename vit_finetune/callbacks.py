@@ -62,6 +62,13 @@ class Callback:
         """After each evaluation, during training and the final one: accuracy, eval_loss, macro_f1, eval_samples,
         confusion_matrix, ... of the current weights."""
 
+    def on_save_checkpoint(self, run: TrainingRun, folder: Path) -> None:
+        """While a checkpoint is written, before it is marked complete: add your own files to `folder` (each
+        process is called; write from one, e.g. run.accelerator.is_main_process). A write error fails the save."""
+
+    def on_load_checkpoint(self, run: TrainingRun, folder: Path) -> None:
+        """On a resume, after the checkpoint `folder` was loaded into the model, optimizer and run.state."""
+
     def on_checkpoint(self, run: TrainingRun, path: Path) -> None:
         """After a checkpoint folder was published (complete) at run.state.step."""
 
@@ -94,6 +101,12 @@ class CallbackList(Callback):
 
     def on_evaluate(self, run, metrics):
         self._each("on_evaluate", run, metrics)
+
+    def on_save_checkpoint(self, run, folder):
+        self._each("on_save_checkpoint", run, folder)
+
+    def on_load_checkpoint(self, run, folder):
+        self._each("on_load_checkpoint", run, folder)
 
     def on_checkpoint(self, run, path):
         self._each("on_checkpoint", run, path)

@@ -14,22 +14,25 @@ import pickle
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from safetensors import SafetensorError
 
 from .errors import VitFinetuneError
 from .processes import any_process
-from .recipe import RECIPE_FILE, Recipe, flatten, write_recipe
+from .recipe import RECIPE_FILE, Recipe, excerpt, flatten, write_recipe
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
 PARTIAL_PREFIX = ".partial-"
+DAMAGED_PREFIX = "damaged-"  # a checkpoint that would not load, kept aside for inspection
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {
     "train.resume", "train.resume_ignore_changes", "train.checkpoint_every_steps", "train.keep_checkpoints",
     "train.log_every_steps", "data.num_workers", "overwrite", "output_dir", "hub.push", "hub.repo_id", "hub.private",
+    "train.collective_timeout_s",
 }
 
 
@@ -42,6 +45,10 @@ READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.Unp
 
 class CheckpointError(VitFinetuneError):
     """A checkpoint that cannot be written or resumed from."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint whose files cannot be read back (not one that is intact but does not fit this run)."""
 
 
 def describe_write_error(error: Exception, folder: Path) -> str:
@@ -61,6 +68,12 @@ class TrainState:
     batches_done: int = 0  # batches of the current epoch already consumed
     skipped_images: int = 0
     history: list[dict] = field(default_factory=list)
+    data: dict = field(default_factory=dict)  # the data trained on: labels and the splits' fingerprints
+    # train.keep_best: the best evaluation so far ({step, value, weights: raw | ema}; its weights are under
+    # output_dir/best and copied into each checkpoint), and the early-stopping count since it
+    best: dict | None = None
+    evaluations_without_gain: int = 0
+    stopped_early: bool = False
 
 
 def checkpoint_name(step: int) -> str:
@@ -96,8 +109,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(descriptor)
 
 
-def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int) -> Path:
-    """Every process writes its part into `.partial-step-N`; the main process marks it and renames it."""
+def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int,
+                    write_extras: Callable[[Path], None] = lambda folder: None) -> Path:
+    """Every process writes its part into `.partial-step-N` (Accelerate's state, then `write_extras(folder)`);
+    the main process marks it and renames it."""
     root = Path(output_dir) / CHECKPOINTS
     final = root / checkpoint_name(state.step)
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
@@ -110,6 +125,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     failure = None
     try:
         accelerator.save_state(str(partial), safe_serialization=True)
+        write_extras(partial)
     except WRITE_ERRORS as error:
         failure = error
     _stop_everywhere_if_failed(accelerator, failure, partial, final, output_dir)
@@ -133,6 +149,16 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     return final
 
 
+def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file."""
+    partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
+    write(partial)
+    with open(partial, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(partial, target)
+    _fsync_dir(target.parent)
+
+
 def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,
                                output_dir: Path) -> None:
     """A collective: if any process failed to write, all of them raise (none trains on alone, none hangs)."""
@@ -149,30 +175,66 @@ def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: 
     )
 
 
-def resolve_resume(resume: str | None, output_dir: Path) -> Path | None:
-    """null -> None; auto -> latest complete checkpoint (or None); a path -> that checkpoint, if complete."""
+def resolve_resume(resume: str | None, output_dir: Path, is_main_process: bool = True) -> Path | None:
+    """null -> None; auto -> the latest complete checkpoint whose saved recipe and state read back (or None; a
+    damaged newer one is moved aside); a path -> that checkpoint, if complete."""
     if resume is None:
         return None
     if resume == "auto":
-        return latest_checkpoint(output_dir)
+        for candidate in reversed(complete_checkpoints(output_dir)):
+            try:
+                read_saved_state(candidate)
+                return candidate
+            except DamagedCheckpoint as error:
+                set_aside(candidate, error, is_main_process)
+        return None
     path = Path(resume)
     if not (path / COMPLETE).is_file():
         raise CheckpointError(
-            f"train.resume={resume!r} is not a complete checkpoint (no {COMPLETE} marker); "
+            f"train.resume={excerpt(resume)} is not a complete checkpoint (no {COMPLETE} marker); "
             f"use train.resume=auto to pick the latest complete one in {output_dir}/{CHECKPOINTS}"
         )
     return path
 
 
+def set_aside(checkpoint: Path, error: Exception, is_main_process: bool) -> None:
+    """Move a damaged checkpoint to checkpoints/damaged-step-N (never loaded again, never deleted) and say so."""
+    if not is_main_process:  # the main process moves it; the others reach the same verdict from the same files
+        return
+    target = checkpoint.with_name(DAMAGED_PREFIX + checkpoint.name)
+    for attempt in range(1, 1000):
+        if not target.exists():
+            break
+        target = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}-{attempt}")
+    os.rename(checkpoint, target)
+    print(f"checkpoint {checkpoint} is damaged ({error}); moved to {target} for inspection. "
+          "Looking for an older complete checkpoint", flush=True)
+
+
+def read_saved_state(checkpoint: Path) -> tuple[dict, dict]:
+    """The checkpoint's recipe and trainer state as mappings, or DamagedCheckpoint saying which file is bad."""
+    found = []
+    for name, parse in ((RECIPE_FILE, yaml.safe_load), (STATE_FILE, json.loads)):
+        try:
+            value = parse((checkpoint / name).read_text())
+        except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else type(error).__name__
+            raise DamagedCheckpoint(f"its {name} cannot be read: {reason}") from None
+        if not isinstance(value, dict):
+            raise DamagedCheckpoint(f"its {name} holds no mapping")
+        found.append(value)
+    return found[0], found[1]
+
+
 def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
-    saved = flatten(yaml.safe_load((checkpoint / RECIPE_FILE).read_text()))
+    saved = flatten(read_saved_state(checkpoint)[0])
     current = flatten(recipe.model_dump(mode="json"))
     # A key the checkpoint's version did not have yet ran with what is now its default.
     defaults = flatten(Recipe().model_dump(mode="json"))
     allowed = NEUTRAL_KEYS | set(recipe.train.resume_ignore_changes)
     return sorted(
-        f"{key}: {saved.get(key, defaults.get(key))!r} -> {current.get(key)!r}"
+        f"{key}: {excerpt(saved.get(key, defaults.get(key)))} -> {excerpt(current.get(key))}"
         for key in set(saved) | set(current)
         if key not in allowed and saved.get(key, defaults.get(key)) != current.get(key)
     )
@@ -180,7 +242,12 @@ def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
 
 def refuse_changed_recipe(checkpoint: Path, recipe: Recipe) -> None:
     """Cheap, so run() calls it before loading any data or weights."""
-    changes = changed_keys(checkpoint, recipe)
+    try:
+        changes = changed_keys(checkpoint, recipe)
+    except DamagedCheckpoint as error:
+        raise DamagedCheckpoint(f"cannot resume from {checkpoint}: {error}. Resume from an earlier checkpoint with "
+                                "train.resume=auto or train.resume=<its folder>, or start again with overwrite=true"
+                                ) from None
     if changes:
         keys = [c.split(":")[0] for c in changes]
         raise CheckpointError(
@@ -190,11 +257,37 @@ def refuse_changed_recipe(checkpoint: Path, recipe: Recipe) -> None:
         )
 
 
-def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState:
+def refuse_changed_data(checkpoint: Path, data_identity: dict) -> None:
+    """The labels and the splits' contents must be those the checkpoint trained on (checked before any weight loads)."""
+    saved = read_saved_state(checkpoint)[1].get("data") or {}
+    if not saved:  # written before checkpoints recorded their data
+        return
+    old, new = saved.get("labels", []), data_identity["labels"]
+    if old != new:
+        added, removed = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+        change = "; ".join(part for part in (f"added {excerpt(added)}" if added else "",
+                                             f"removed {excerpt(removed)}" if removed else "") if part) or "reordered"
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: the dataset's labels changed since it was written ({change}); the "
+            "checkpoint's classifier has one output per old label. Restore the class folders as they were, or train "
+            "again with overwrite=true (or another output_dir)"
+        )
+    changed = [split for split in ("train", "eval") if saved.get(split) != data_identity[split]]
+    if changed:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: the data of the {' and '.join(changed)} split(s) changed since it was "
+            "written (images added, removed or modified: the datasets fingerprint differs). Resuming would re-draw "
+            "the eval split and the sample order, so images trained on could land in evaluation. Restore the data "
+            "as it was, or train again with overwrite=true (or another output_dir)"
+        )
+
+
+def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> TrainState:
     """Model from safetensors; optimizer, scheduler and RNG through torch.load(weights_only=True)."""
     from accelerate.utils import load
 
     refuse_changed_recipe(checkpoint, recipe)
+    refuse_changed_data(checkpoint, data_identity)
     writers = len(list(checkpoint.glob("random_states_*.pkl")))
     if writers and writers != accelerator.num_processes:
         raise CheckpointError(
@@ -207,10 +300,38 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe) -> TrainState
         # differ from the original; reading it here first turns that into an error.
         load(checkpoint / f"random_states_{accelerator.process_index}.pkl")
         accelerator.load_state(str(checkpoint))
-        return TrainState(**json.loads((checkpoint / STATE_FILE).read_text()))
+        return TrainState(**read_saved_state(checkpoint)[1])
     except READ_ERRORS as error:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"cannot resume from {checkpoint}: it is damaged or was not written by vit_finetune "
             f"({type(error).__name__}: {str(error)[:300]}). Resume from an earlier checkpoint with "
             f"train.resume=<its folder>, or start again with overwrite=true"
         ) from None
+
+
+def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> tuple[Path, TrainState]:
+    """Load `checkpoint`; with train.resume=auto, a damaged one is moved aside and the next older one loaded.
+
+    Every process must agree: one that cannot read its part makes all of them move on (or stop) together."""
+    while True:
+        damage = None
+        try:
+            state = load_checkpoint(accelerator, checkpoint, recipe, data_identity)
+        except DamagedCheckpoint as error:
+            damage = error
+        if not any_process(accelerator, damage is not None):
+            return checkpoint, state
+        if recipe.train.resume != "auto":
+            raise damage or DamagedCheckpoint(f"cannot resume from {checkpoint}: another process could not read its part")
+        accelerator.wait_for_everyone()  # every process is done with its files before the folder moves
+        set_aside(checkpoint, damage or "another process could not read its part", accelerator.is_main_process)
+        accelerator.wait_for_everyone()
+        older = resolve_resume("auto", checkpoint.parent.parent, accelerator.is_main_process)
+        if older is None:
+            raise CheckpointError(
+                f"{damage or 'a checkpoint could not be read by another process'}. No older checkpoint in "
+                f"{checkpoint.parent} loads; the damaged ones were moved aside ({DAMAGED_PREFIX}*). Run the same "
+                "command again to start from the beginning"
+            )
+        checkpoint = older
+

@@ -11,6 +11,7 @@ import io
 import math
 import os
 import random
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from .errors import VitFinetuneError
-from .recipe import DataSettings
+from .recipe import DataSettings, excerpt
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
@@ -74,6 +75,7 @@ def open_dataset(settings: DataSettings):
         if source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
         elif source.is_dir():
+            check_image_folder_layout(source, settings.dataset)
             loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
         elif source.exists() or settings.dataset.startswith((".", "/", "~")):
             raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
@@ -89,6 +91,46 @@ def open_dataset(settings: DataSettings):
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({settings.train_split: loaded})
     return loaded
+
+
+def names_a_split(folder_name: str) -> bool:
+    """Whether datasets' imagefolder reads a top-level folder of this name as a split (train, test, val, ...)."""
+    from datasets.data_files import SPLIT_KEYWORDS
+
+    first_word = re.split(r"[-._ ]", folder_name)[0]
+    return any(first_word == word for words in SPLIT_KEYWORDS.values() for word in words)
+
+
+def check_image_folder_layout(root: Path, name: str) -> None:
+    """Refuse, saying what is wrong, the class-folder layouts that imagefolder would misread without a word."""
+    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
+
+    if any(root.rglob("metadata.*")):  # labels may then come from the metadata file, at any depth
+        return
+    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
+    splits = [f for f in folders if names_a_split(f)]
+    classes = [f for f in folders if not names_a_split(f)]
+    if splits and classes:
+        raise DataError(
+            f"data.dataset={excerpt(name)}: the folder holds class folders {excerpt(classes)} beside {splits}, which "
+            f"datasets reads as a split, not a class. Fix: rename the class folder {splits[0]!r} (e.g. "
+            f"'{splits[0]}_class'), or put all classes under train/ (and validation/ or test/)"
+        )
+    extensions = set(ImageFolder.EXTENSIONS)
+    for split_root in [root / f for f in splits] or [root]:
+        examples: dict[int, Path] = {}  # images' depth below the split -> one of them
+        for path in split_root.rglob("*"):
+            relative = path.relative_to(split_root)
+            if path.suffix.lower() in extensions and not any(part.startswith((".", "__")) for part in relative.parts):
+                examples.setdefault(len(relative.parts), relative)
+        if len(examples) > 1:
+            found = ", ".join(f"'{example.as_posix()}'" for _, example in sorted(examples.items()))
+            raise DataError(
+                f"data.dataset={excerpt(name)}: images sit at different depths below {str(split_root)!r} (e.g. {found}); "
+                "each image's label is the folder that holds it only when all images are one folder deep, so "
+                "datasets would drop the labels. Fix: one folder per class holding its images directly, "
+                "e.g. red/1.png, green/2.png (move nested folders up, or make each its own class folder)"
+            )
 
 
 def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[str, ...], feature_type: type) -> str:
@@ -150,6 +192,12 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split)
 
 
+def identity(splits: Splits) -> dict:
+    """What a checkpoint records of the data: the labels, and datasets' fingerprints of the loaded splits (any image
+    added, removed or modified changes them; for an image folder, so does a file's modification time)."""
+    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint}
+
+
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):
     """String (or plain integer) labels become a ClassLabel over the classes seen in train and eval."""
     import datasets
@@ -175,7 +223,7 @@ def subsample(dataset, limit: int | None, seed: int):
 
 def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Image:
     """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample."""
-    where = encoded.get("path") or f"sample #{index}"
+    where = sample_name(encoded, index)
     try:
         raw = encoded.get("bytes")
         source = io.BytesIO(raw) if raw is not None else encoded.get("path")
@@ -200,17 +248,19 @@ def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Ima
         ) from None
 
 
+# 16-bit greyscale modes: convert("RGB") clips them at 255 (an almost white image); they are scaled instead.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Grey, palette, CMYK and alpha images as RGB; transparency is composited on white, as browsers show it."""
-    if image.mode == "RGB":
-        return image
-    if image.mode == "P" and "transparency" in image.info:
-        image = image.convert("RGBA")
-    if image.mode in ("RGBA", "LA", "PA"):
-        background = Image.new("RGB", image.size, (255, 255, 255))
-        background.paste(image.convert("RGBA"), mask=image.convert("RGBA").getchannel("A"))
-        return background
-    return image.convert("RGB")
+    """RGB pixels as `pipeline()` reads a file (transformers' load_image): EXIF orientation applied, then
+    convert("RGB"), which drops alpha and maps grey, palette and CMYK. One exception: 16-bit grey is scaled to
+    8 bits (load_image clips it); `predict` decodes with this function, so its pixels match evaluation."""
+    ImageOps.exif_transpose(image, in_place=True)
+    if image.mode in SIXTEEN_BIT_MODES:
+        sixteen = np.asarray(image, dtype=np.uint16)
+        image = Image.fromarray(np.round(sixteen / 257.0).astype(np.uint8))  # mode L
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
@@ -268,18 +318,24 @@ def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
     return random.Random(f"{seed}-{epoch}-{index}")
 
 
-# The label of an eval image skipped as bad. Evaluation keeps such an image's place (blank pixels) so that every
-# process's batch keeps its shape: gather_for_metrics needs equal shapes, and it drops the padding Accelerate adds
-# to the last batch by counting positions. The metrics leave these places out.
+# The label of an image skipped as bad. Training and evaluation keep such an image's place (blank pixels, this
+# label) so that batch shapes never change: every process's eval batch keeps its shape (gather_for_metrics needs
+# equal shapes, and drops the padding Accelerate adds to the last batch by counting positions), and a training
+# batch is never smaller (no recompile under torch.compile). The loss and the metrics leave these places out.
 SKIPPED_LABEL = -1
 
 
+def sample_name(encoded: dict, index: int) -> str:
+    """How messages name a sample: its file, or its index when it came as bytes."""
+    return encoded.get("path") or f"sample #{index}"
+
+
 class ImageClassificationDataset(Dataset):
-    """Indexed by (sample index, epoch); yields (pixels, label), and for a skipped bad image None (training: the
-    batch shrinks) or (placeholder, SKIPPED_LABEL) when a placeholder is given (evaluation: the batch keeps its shape)."""
+    """Indexed by (sample index, epoch); yields (pixels, label, None), and for a bad image skipped with
+    data.skip_bad_images (placeholder, SKIPPED_LABEL, its name): the placeholder keeps the image's place."""
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
-                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor | None = None):
+                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor):
         self.table = table
         self.image_column = image_column
         self.label_column = label_column
@@ -290,7 +346,7 @@ class ImageClassificationDataset(Dataset):
     def __len__(self) -> int:
         return len(self.table)
 
-    def __getitem__(self, key: tuple[int, int]):
+    def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, str | None]:
         index, epoch = key
         row = self.table[int(index)]
         try:
@@ -298,8 +354,8 @@ class ImageClassificationDataset(Dataset):
         except BadImageError:
             if not self.settings.skip_bad_images:
                 raise
-            return None if self.placeholder is None else (self.placeholder, SKIPPED_LABEL)
-        return self.make_pixels(image, int(index), epoch), row[self.label_column]
+            return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], int(index))
+        return self.make_pixels(image, int(index), epoch), row[self.label_column], None
 
 
 class EpochSampler(Sampler):
@@ -328,12 +384,12 @@ class EpochSampler(Sampler):
         return iter([(index, epoch) for index in order])
 
 
-def collate(samples: list) -> dict[str, torch.Tensor]:
-    kept = [s for s in samples if s is not None]
-    pixels = torch.stack([s[0] for s in kept]) if kept else torch.empty(0)
-    labels = torch.tensor([s[1] for s in kept], dtype=torch.long)
-    # `skipped` stays a Python int: Accelerate moves tensors to the device, and reading one back would sync.
-    return {"pixel_values": pixels, "labels": labels, "skipped": len(samples) - len(kept)}
+def collate(samples: list) -> dict:
+    pixels = torch.stack([pixels for pixels, _label, _skipped in samples])
+    labels = torch.tensor([label for _pixels, label, _skipped in samples], dtype=torch.long)
+    # `skipped` (the names of the bad images in the batch) stays on the host: Accelerate moves tensors to the
+    # device, and counting them there would need a sync to read the count back.
+    return {"pixel_values": pixels, "labels": labels, "skipped": [name for *_, name in samples if name is not None]}
 
 
 def cpu_cores() -> int:
@@ -350,11 +406,12 @@ def default_num_workers(device_type: str, processes: int) -> int:
 
 
 def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: bool, seed: int,
-                num_workers: int, pin_memory: bool) -> DataLoader:
+                num_workers: int, pin_memory: bool, sampler: EpochSampler | None = None) -> DataLoader:
+    """Batches of (index, epoch) keys from `sampler`, by default EpochSampler's (shuffled or in order)."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=EpochSampler(len(dataset), seed, shuffle),
+        sampler=sampler or EpochSampler(len(dataset), seed, shuffle),
         collate_fn=collate,
         num_workers=num_workers,
         pin_memory=pin_memory,
@@ -366,6 +423,14 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
         # epoch) than the run it resumes. Augmentation does not use it: see sample_rng.
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
+                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
+    """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
+    placeholder = torch.zeros(3, image_size, image_size, dtype=torch.uint8)
+    return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
+                                      placeholder)
 
 
 def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:

@@ -68,6 +68,11 @@ def confusion_matrix(predictions: np.ndarray, references: np.ndarray, num_classe
     return matrix
 
 
+def as_eval_entry(metrics: dict) -> dict:
+    """The float metrics named as history.json and train.keep_best name them (accuracy -> eval_accuracy)."""
+    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
+
+
 def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_classes: int) -> dict:
     """All reported metrics from (N, k) ranked predictions and (N,) labels."""
     predictions = top_predictions[:, 0]

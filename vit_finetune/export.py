@@ -7,8 +7,10 @@ folder that looks finished.
 
 from __future__ import annotations
 
+import html
 import json
 import os
+import re
 import shutil
 import statistics
 from datetime import datetime, timezone
@@ -31,6 +33,8 @@ VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 CARD_FILE = "README.md"
 ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
+# Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
+MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
 METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
 
 
@@ -67,12 +71,11 @@ def plot_curves(history: list[dict], path: Path) -> None:
 
 
 def run_info(device: str, processes: int, mixed_precision: str, history: list[dict], training_seconds: float,
-             resumed_from: Path | None = None) -> dict:
+             resumed_from: Path | None = None, metrics: dict | None = None) -> dict:
     """How the model was made, beside the recipe: run_info.json and the card's Training section."""
     rates = [entry["images_per_s"] for entry in history if "images_per_s" in entry]
     return {
-        # Another option (keep the best eval's weights) will record itself here; today the last step is saved.
-        "weights": "last step",
+        "weights": saved_weights(metrics or {}),
         "training_seconds": round(training_seconds, 1),  # this process's loop only: a resumed run counts its part
         "resumed_from": str(resumed_from) if resumed_from else None,
         "device": device,
@@ -91,8 +94,15 @@ def usage_id(recipe: Recipe, output_dir: Path) -> str:
 
 def per_class_rows(metrics: dict) -> str:
     """The card's per-class table from metrics.json's per_class entry."""
-    return "\n".join(f"| {label} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | {s['support']} |"
+    return "\n".join(f"| {markdown_text(label)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
+                     f"{s['support']} |"
                      for label, s in metrics.get("per_class", {}).items())
+
+
+def markdown_text(value: str) -> str:
+    """A label as inert Markdown text on one line: HTML and Markdown's marks escaped, line breaks made spaces."""
+    one_line = " ".join(str(value).split())
+    return MARKDOWN_MARKS.sub(r"\\\g<0>", html.escape(one_line, quote=False))
 
 
 def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool, load_from: str | None = None,
@@ -143,7 +153,9 @@ classify = pipeline("image-classification", model="{load_from or name}")
 classify("photo.jpg")
 ```
 
-## Results ({eval_set_text(metrics, recipe)}, measured at the end of training)
+## Results ({eval_set_text(metrics, recipe)})
+{weights_text(recipe, metrics)}
+
 | metric | value |
 |---|---|
 {rows}
@@ -157,13 +169,40 @@ classify("photo.jpg")
 
 ## Training
 {info_text(info)}- Method: {lora_text}
-- Labels: {len(labels)} ({", ".join(labels[:10])}{", ..." if len(labels) > 10 else ""})
+- Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr}, weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}
 - Precision: {t.mixed_precision}; gradient clipping: {t.max_grad_norm}; seed {t.seed}
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def saved_weights(metrics: dict) -> str:
+    """Which weights were saved, in a few words (train.keep_best and train.ema_decay record themselves in metrics)."""
+    kind = "EMA of the weights" if metrics.get("weights") == "ema" else "raw weights"
+    if "best_step" in metrics:
+        return f"{kind} of step {metrics['best_step']}, the best {metrics['best_metric']} ({metrics['best_value']:.4f})"
+    return f"{kind} of the last step" if "weights" in metrics else "last step"
+
+
+def weights_text(recipe: Recipe, metrics: dict) -> str:
+    """Which weights were saved and where their numbers come from: the last step, the best evaluation, an EMA."""
+    t = recipe.train
+    if "best_step" in metrics:
+        text = (f"The saved weights are those of optimiser step {metrics['best_step']} of {metrics['steps']}, the best "
+                f"`{metrics['best_metric']}` ({metrics['best_value']:.4f}) of the evaluations during training "
+                f"(`train.keep_best`); the metrics below were measured with them.")
+        if metrics.get("stopped_early"):
+            text += (f" Training stopped early after {t.early_stopping_patience} evaluations without gain "
+                     "(`train.early_stopping_patience`).")
+    else:
+        text = "Measured at the end of training."
+    if "weights" in metrics:
+        chosen = "the EMA of the weights" if metrics["weights"] == "ema" else "the raw weights"
+        text += (f" With `train.ema_decay={t.ema_decay}`, {chosen} scored better and were saved "
+                 f"(accuracy: EMA {metrics['ema_accuracy']:.4f}, raw {metrics['raw_accuracy']:.4f}).")
+    return text
 
 
 PICTURE_CAPTIONS = {
@@ -252,16 +291,20 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     staging.rmdir()
 
 
-def clear_previous_run(output_dir: Path) -> None:
-    """overwrite=true: remove what an earlier run left, so its files cannot mix with the new ones."""
+def run_names() -> tuple[str, ...]:
+    """Every name a run writes directly in output_dir (files and folders), claimed in its manifest first."""
     from .checkpoint import CHECKPOINTS
+    from .selection import BEST_DIR
     from .tracking import TRACKER_DIR
 
-    for name in (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
-                 CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, TRACKER_DIR,
-                 STAGING):
-        path = Path(output_dir) / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
+    return (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
+            CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR,
+            STAGING)
+
+
+def clear_previous_run(output_dir: Path) -> None:
+    """overwrite=true: remove what earlier runs of this toolkit wrote (their manifest says what), so their files
+    cannot mix with the new ones; a file or folder the toolkit did not write is never touched."""
+    from .outputs import clear_claimed
+
+    clear_claimed(output_dir, run_names())

@@ -75,7 +75,22 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
             f"model.window_size={settings.window_size} applies to Swin and Swinv2 only; {family.name} has no "
             "attention window: remove the key or set it to null"
         )
+    set_drop_path_rate(config, settings)  # a family without stochastic depth is refused before any download
     return config
+
+
+def set_drop_path_rate(config: PretrainedConfig, settings: ModelSettings) -> None:
+    """model.drop_path_rate (stochastic depth) into the config; null keeps the base's own rate."""
+    if settings.drop_path_rate is None:
+        return
+    if not hasattr(config, "drop_path_rate"):
+        having = sorted(t for t in FAMILIES if hasattr(AutoConfig.for_model(t), "drop_path_rate"))
+        raise ModelError(
+            f"model.drop_path_rate={settings.drop_path_rate}: model.base={settings.base!r} is a {config.model_type!r} "
+            f"model, whose config has no drop-path rate (stochastic depth). Families that have one: "
+            f"{', '.join(having)}. Set model.drop_path_rate=null"
+        )
+    config.drop_path_rate = settings.drop_path_rate
 
 
 def check_image_size(image_size: int, patch_size: int) -> None:
@@ -124,6 +139,7 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     config.id2label = dict(enumerate(labels))
     config.label2id = {label: index for index, label in enumerate(labels)}
     config.architectures = [family.classification_class]
+    set_drop_path_rate(config, settings)
     return config
 
 

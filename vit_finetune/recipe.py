@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
 
@@ -24,6 +26,31 @@ RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and i
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+# A recipe has ~60 keys. A YAML alias bomb ("billion laughs") loads in milliseconds as shared references, then
+# expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.
+MAX_RECIPE_VALUES = 10_000
+MAX_RECIPE_BYTES = 1_000_000
+EXCERPT = reprlib.Repr()
+EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
+EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
+
+
+def excerpt(value: Any) -> str:
+    """A short repr for messages: never the whole of a huge or deeply nested value (reprlib stops early)."""
+    return EXCERPT.repr(value)
+
+
+def _not_a_bool(value: Any) -> Any:
+    # YAML reads `true` as a bool, and pydantic's lax mode would take it as 1 for a number.
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a number; give a number")
+    return value
+
+
+# Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
+Float = Annotated[float, BeforeValidator(_not_a_bool)]
+# The metrics train.keep_best can follow, and whether higher or lower is better.
+KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
 
 
 class RecipeError(VitFinetuneError):
@@ -33,17 +60,19 @@ class RecipeError(VitFinetuneError):
 
     def __init__(self, problems: list[str], source: str = "recipe"):
         self.problems = problems
+        source = source if len(source) <= 300 else excerpt(source)
         super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No path, id or name is longer than PATH_MAX: a longer string is a mistake, and would flood every message.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, str_max_length=4096)
 
 
 class LoraSettings(Strict):
-    r: int = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
-    alpha: float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
-    dropout: float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
+    r: StrictInt = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
+    alpha: Float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
+    dropout: Float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
     target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = Field(
         ["query", "value"], description="layers that get LoRA, by role: query, key, value, attention_output, mlp_in, mlp_out")
@@ -53,7 +82,7 @@ class ModelSettings(Strict):
     base: str = Field("google/vit-base-patch16-224", description=(
         "the pretrained ViT-family model (see the README's family table): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
-    image_size: int = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
+    image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
     lora: LoraSettings | None = Field(None,
         description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
     head_init: Literal["zero", "random"] = Field(
@@ -64,8 +93,11 @@ class ModelSettings(Strict):
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
     compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
-    window_size: int | None = Field(None, gt=0, description=(
+    window_size: StrictInt | None = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
+    drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
+        "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
+        "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))
 
 
 class DataSettings(Strict):
@@ -76,15 +108,15 @@ class DataSettings(Strict):
     eval_split: str | None = Field("validation", description=(
         "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
         "(a dataset with only train/test uses test)"))
-    eval_fraction: float = Field(0.1, gt=0, lt=1,
+    eval_fraction: Float = Field(0.1, gt=0, lt=1,
         description="share of train held out (stratified, seeded) when there is no eval split")
     image_column: str | None = Field(None, description="column holding the images; null = detect")
     label_column: str | None = Field(None, description="column holding the labels; null = detect")
-    max_train_samples: int | None = Field(None, gt=0,
+    max_train_samples: StrictInt | None = Field(None, gt=0,
         description="train on a seeded random subset of this size; null = all")
-    max_eval_samples: int | None = Field(None, gt=0,
+    max_eval_samples: StrictInt | None = Field(None, gt=0,
         description="evaluate on a seeded random subset of this size; null = all")
-    crop_scale: tuple[float, float] | Literal["auto"] = Field("auto", description=(
+    crop_scale: tuple[Float, Float] | Literal["auto"] = Field("auto", description=(
         "random-resized-crop area range [low, high] as shares of the image ([0.05, 1.0]: the original ViT recipe); "
         "auto: from the training images the run will see (data.auto_crop_scale), printed at the start and saved "
         "resolved in the output's recipe.yaml"))
@@ -92,11 +124,14 @@ class DataSettings(Strict):
         "flip training crops left-right with probability 0.5; on for photos, off by default: wrong for digits, "
         "text and anything a mirror changes"))
     skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
-    min_image_side: int = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
-    max_image_pixels: int = Field(89_478_485, gt=0,
+    min_image_side: StrictInt = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
+    max_image_pixels: StrictInt = Field(89_478_485, gt=0,
         description="larger images are refused (PIL's decompression-bomb limit)")
-    num_workers: int | None = Field(None, ge=0,
+    num_workers: StrictInt | None = Field(None, ge=0,
         description="DataLoader decode processes; null = chosen from the CPU count and the device")
+    class_balance: Literal["weights", "sampler"] | None = Field(None, description=(
+        "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
+        "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
 
     @field_validator("crop_scale")
     @classmethod
@@ -113,45 +148,45 @@ class AugmentSettings(Strict):
     """DeiT's batch augmentations, run on the device on whole batches (vit_finetune.augment); all off by default."""
 
     policy: Literal["none", "randaugment", "trivialaugment"] = Field("none", description="kornia's automatic augmentation policies")
-    randaugment_ops: int = Field(2, gt=0, description="RandAugment: operations per image")
-    randaugment_magnitude: int = Field(9, ge=0, le=30, description="RandAugment: strength of every operation, 0-30")
-    erasing_prob: float = Field(0.0, ge=0, le=1, description="random erasing: chance per image that a rectangle is blanked")
+    randaugment_ops: StrictInt = Field(2, gt=0, description="RandAugment: operations per image")
+    randaugment_magnitude: StrictInt = Field(9, ge=0, le=30, description="RandAugment: strength of every operation, 0-30")
+    erasing_prob: Float = Field(0.0, ge=0, le=1, description="random erasing: chance per image that a rectangle is blanked")
     mixup: bool = Field(False, description="blend pairs of images and their labels (soft-target loss)")
     cutmix: bool = Field(False, description="paste a box of another image; its label weighs the pasted area")
-    mix_prob: float = Field(1.0, ge=0, le=1, description="chance that a batch is mixed at all, with mixup or cutmix on")
-    mix_switch_prob: float = Field(0.5, ge=0, le=1, description="both on: chance that a mixed batch uses CutMix, not Mixup")
-    mix_off_epochs: int = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
+    mix_prob: Float = Field(1.0, ge=0, le=1, description="chance that a batch is mixed at all, with mixup or cutmix on")
+    mix_switch_prob: Float = Field(0.5, ge=0, le=1, description="both on: chance that a mixed batch uses CutMix, not Mixup")
+    mix_off_epochs: StrictInt = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
 
 
 class TrainSettings(Strict):
-    epochs: int = Field(1, gt=0, description="passes over the training split")
-    max_steps: int | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
-    batch_size: int = Field(32, gt=0, description="images per device per forward pass")
-    grad_accum: int = Field(1, gt=0,
+    epochs: StrictInt = Field(1, gt=0, description="passes over the training split")
+    max_steps: StrictInt | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
+    batch_size: StrictInt = Field(32, gt=0, description="images per device per forward pass")
+    grad_accum: StrictInt = Field(1, gt=0,
         description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
     # Beyond 1e6 the lr overflows inside the optimiser.
-    lr: float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
+    lr: Float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
         description="peak learning rate, reached after the warm-up")
-    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
-    weight_decay: float = Field(0.0, ge=0,
+    momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
+    weight_decay: Float = Field(0.0, ge=0,
         description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
-    warmup_steps: int = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
+    warmup_steps: StrictInt = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
         description="lr decay after the warm-up: cosine, linear or constant")
-    max_grad_norm: float | None = Field(1.0, gt=0,
+    max_grad_norm: Float | None = Field(1.0, gt=0,
         description="clip the global gradient norm to this; null = no clipping")
-    label_smoothing: float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
-    seed: int = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
+    label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
+    seed: StrictInt = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
         description="no, bf16 or fp16 autocast; weights stay float32")
-    log_every_steps: int = Field(10, gt=0,
+    log_every_steps: StrictInt = Field(10, gt=0,
         description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
-    eval_every_steps: int | None = Field(None, gt=0,
+    eval_every_steps: StrictInt | None = Field(None, gt=0,
         description="evaluate every this many steps; null = at the end of every epoch")
-    checkpoint_every_steps: int | None = Field(None, gt=0,
+    checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
         description="save a resumable checkpoint every this many steps; null = none")
-    keep_checkpoints: int = Field(2, gt=0, description="how many of the newest checkpoints to keep")
+    keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
     resume: str | None = Field(None,
         description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
@@ -159,6 +194,20 @@ class TrainSettings(Strict):
     report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
         [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
                         "(files in output_dir/runs); each needs its package installed")
+    collective_timeout_s: StrictInt = Field(
+        600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
+                               "stops with the stuck rank named (a frozen process would hang the rest forever)")
+    ema_decay: Float | None = Field(None, gt=0, lt=1, description=(
+        "keep an EMA of the weights, e.g. 0.999 (it forgets over ~1/(1-decay) steps: keep that well below the run's "
+        "steps); evaluated beside the raw weights, the better is saved; null = off"))
+    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
+        "save the weights of the best evaluation by this metric (eval_accuracy, eval_loss, eval_macro_f1, "
+        "eval_top5_accuracy) instead of the last; null = the last"))
+    early_stopping_patience: StrictInt | None = Field(None, gt=0, description=(
+        "stop after this many evaluations without gain in train.keep_best; null = never"))
+    layer_decay: Float | None = Field(None, gt=0, le=1, description=(
+        "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
+        "blocks + 1; null = one lr"))
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -177,7 +226,7 @@ class HubSettings(Strict):
     def _repo_id_is_valid(cls, value: str | None) -> str | None:
         if value is not None and not REPO_ID_PATTERN.match(value):
             raise ValueError(
-                f"{value!r} is not a valid Hub repo id; use 'name' or 'namespace/name' "
+                f"{excerpt(value)} is not a valid Hub repo id; use 'name' or 'namespace/name' "
                 "(letters, digits, '-', '_', '.', no spaces)"
             )
         return value
@@ -201,9 +250,12 @@ class Recipe(Strict):
             problems.append(f"train.resume={self.train.resume!r} is neither null, auto nor an existing checkpoint folder")
         unknown = sorted(set(self.train.resume_ignore_changes) - set(flatten(self.model_dump(mode="json"))))
         if unknown:
-            problems.append(f"train.resume_ignore_changes names unknown keys {unknown}; use dotted keys such as train.epochs")
+            problems.append(f"train.resume_ignore_changes names unknown keys {excerpt(unknown)}; use dotted keys such as train.epochs")
         if self.train.resume is not None and self.overwrite:
             problems.append("train.resume and overwrite=true contradict each other: choose one")
+        if self.train.early_stopping_patience is not None and self.train.keep_best is None:
+            problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
+                            "for), e.g. train.keep_best=eval_accuracy")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"
@@ -258,6 +310,9 @@ def find_recipe(name_or_path: str) -> Path:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError([f"{path} is {path.stat().st_size:,} bytes; a recipe is a few KB (limit "
+                               f"{MAX_RECIPE_BYTES:,}). Is it the right file?"], str(path))
         data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
@@ -280,7 +335,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = override.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            problems.append(f"override {override!r} must look like section.key=value, e.g. train.lr=0.01")
+            problems.append(f"override {excerpt(override)} must look like section.key=value, e.g. train.lr=0.01")
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
@@ -347,11 +402,40 @@ def _describe(error: dict[str, Any]) -> str:
     message = error["msg"].removeprefix("Value error, ")
     if location == "":
         return message
-    return f"{location}={value!r}: {message}"
+    return f"{location}={excerpt(value)}: {message}"
+
+
+def count_values(data: Any, limit: int = MAX_RECIPE_VALUES) -> int:
+    """Values in `data` with YAML aliases expanded, counted without expanding them (each shared node's count is
+    remembered); anything over `limit`, or a node that contains itself, counts as limit + 1."""
+    counts: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def count(node: Any) -> int:
+        if not isinstance(node, (dict, list)):
+            return 1
+        key = id(node)
+        if key in open_nodes:  # `a: &a [*a]` is a list that holds itself: infinitely large once expanded
+            return limit + 1
+        if key not in counts:
+            open_nodes.add(key)
+            children = node.values() if isinstance(node, dict) else node
+            counts[key] = min(limit + 1, 1 + sum(count(child) for child in children))
+            open_nodes.discard(key)
+        return counts[key]
+
+    try:
+        return count(data)
+    except RecursionError:  # nested deeper than Python's stack: no recipe is
+        return limit + 1
 
 
 def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     """Type and check a recipe mapping; raise RecipeError listing every problem."""
+    if count_values(data) > MAX_RECIPE_VALUES:
+        raise RecipeError([f"the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases repeated "
+                           "inside each other, or a value that contains itself); a recipe has about 60. Write the "
+                           "values out instead of nesting aliases"], source)
     try:
         return Recipe.model_validate(data)
     except ValidationError as error:

@@ -1,8 +1,8 @@
 """Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
 
 `run()` reads top to bottom: check everything cheap first, then data, model, optimiser, the loop
-(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint), final
-evaluation, export and push.
+(each optimiser step: forward, backward, clip, step, then log / evaluate / checkpoint / stop), final
+evaluation, the choice of the weights to keep (selection.py: EMA, best evaluation), export and push.
 """
 
 from __future__ import annotations
@@ -12,18 +12,19 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, ProjectConfiguration, set_seed
+from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, checkpoint, data, evaluation, export, hub, model as vit, pictures, progress as display, tracking
+from . import augment, balance, checkpoint, data, evaluation, export, hub, memory, model as vit, optim, outputs
+from . import pictures, progress as display, selection, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .families import NO_WEIGHT_DECAY
 from .processes import any_process, sum_over_processes
 from .recipe import Recipe, write_recipe
 
@@ -60,6 +61,8 @@ class Parts:
     recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
     eval_split: str | None = None  # None: held out from train (data.eval_fraction)
     position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
+    data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
+    class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
 
 
 class InterruptFlag:
@@ -81,8 +84,12 @@ class InterruptFlag:
 
 
 def check_output_dir(recipe: Recipe) -> None:
-    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite."""
+    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
+    toolkit did not write, or to write into the dataset's folder."""
     output_dir = Path(recipe.output_dir)
+    refused = outputs.refusal(recipe, export.run_names())
+    if refused:
+        raise RunError(refused)
     if recipe.overwrite or recipe.train.resume is not None:
         if recipe.train.resume is not None and export.is_finished(output_dir):
             raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
@@ -107,6 +114,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
         step_scheduler_with_optimizer=False,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=t.collective_timeout_s))],
         # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
         log_with=t.report_to or None,
         project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
@@ -116,19 +124,14 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    # No weight decay on biases, norms, tokens and position tables (the usual ViT practice, across the family).
-    decay = [p for p in parameters if p.ndim >= 2 and p.shape[:2] != (1, 1) and not _is_position(p, model)]
-    no_decay = [p for p in parameters if all(p is not q for q in decay)]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    config, family = model.config, vit.family_of(model.config)
+    block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config))
+    for group in groups:
+        group["lr"] = t.lr * group["lr_scale"]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
     return torch.optim.AdamW(groups, lr=t.lr, fused=device_type == "cuda")
-
-
-def _is_position(parameter: torch.Tensor, model: torch.nn.Module) -> bool:
-    """A position table or token of any family (families.NO_WEIGHT_DECAY), also under a LoRA wrapper's names."""
-    return any(parameter is p for n, p in model.named_parameters() if NO_WEIGHT_DECAY.search(n))
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -153,10 +156,12 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
     and then the recipe's values must apply from the resumed step on, not be silently replaced."""
     t = recipe.train
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
-    scheduler.base_lrs = [t.lr] * len(scheduler.base_lrs)
-    # Groups as build_optimizer makes them: decayed, then not decayed.
-    for group, decay, factor in zip(parts.optimizer.param_groups, (t.weight_decay, 0.0), scheduler.lr_lambdas):
-        group.update(initial_lr=t.lr, lr=t.lr * factor(scheduler.last_epoch), weight_decay=decay)
+    groups = parts.optimizer.param_groups
+    # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
+    scheduler.base_lrs = [t.lr * group.get("lr_scale", 1.0) for group in groups]
+    for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
+        group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
+                     weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
         if "momentum" in group:
             group["momentum"] = t.momentum
 
@@ -187,9 +192,10 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     if workers is None:
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
     pin = accelerator.device.type == "cuda"
-    train_set = data.ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, recipe.data, train_pixels)
+    train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
     eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin)
+    sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
+    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
     eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
@@ -198,7 +204,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                                              accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps,
-                 as_run, splits.eval_split, tables)
+                 as_run, splits.eval_split, tables, data.identity(splits),
+                 None if class_weights is None else class_weights.to(accelerator.device))
 
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
@@ -239,25 +246,28 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
 
 
 def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
-    """Mean cross-entropy over the batch's images; 0, with a zero gradient, when all of them were skipped as bad."""
+    """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with a
+    zero gradient, when all were skipped (the forward and backward still run: under DDP every process must join
+    each step's gradient all-reduce)."""
     labels = batch["labels"]
-    if labels.numel() == 0:  # a shape, known on the host: no device sync
-        # The mean over no image is NaN, which would stop the run as non-finite. The forward and backward still
-        # run, on one blank image at weight 0: under DDP every process must join each step's gradient all-reduce.
-        size = recipe.model.image_size
-        blank = torch.zeros(1, 3, size, size, device=labels.device)
-        return parts.model(pixel_values=blank).logits.float().sum() * 0.0
     pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
     logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
     if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
         return augment.soft_target_loss(logits, soft_targets)
-    return torch.nn.functional.cross_entropy(logits.float(), labels, label_smoothing=recipe.train.label_smoothing)
+    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
+                                                  reduction="none", ignore_index=data.SKIPPED_LABEL,
+                                                  label_smoothing=recipe.train.label_smoothing)
+    # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean is;
+    # computed on the device, no sync. With no real image the sum is 0 and so is the loss, with a zero gradient.
+    real = (labels != data.SKIPPED_LABEL).float()
+    image_weights = real if parts.class_weights is None else parts.class_weights[labels.clamp(min=0)] * real
+    total = image_weights.sum()
+    return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
     after those registered with vit_finetune.callbacks.register (see that module for the events)."""
-    output_dir = Path(recipe.output_dir)
     check_output_dir(recipe)
     if recipe.hub.push:
         hub.require_token()
@@ -265,16 +275,46 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
-        vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+        config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+    too_big = memory.why_it_cannot_fit(config, recipe, accelerator.device)
+    if too_big:
+        raise RunError(too_big)
+    lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
+    try:
+        return _run(recipe, callbacks, accelerator)
+    finally:
+        lock.release()
+
+
+def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock:
+    """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
+    if another run holds the lock, every process stops (a collective)."""
+    lock = outputs.RunLock(Path(recipe.output_dir))
+    refused = lock.acquire() if accelerator.is_main_process else None
+    if any_process(accelerator, refused is not None):
+        raise RunError(refused or "the main process could not lock output_dir")
+    if accelerator.is_main_process:
+        outputs.claim(Path(recipe.output_dir), export.run_names())
+    return lock
+
+
+def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
+    """run() once output_dir is held: data, model, the loop, evaluation, export and push."""
+    output_dir = Path(recipe.output_dir)
+    # As in run(): one process per machine downloads, the others then read its cache.
+    with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         set_seed(recipe.train.seed)
         if accelerator.is_main_process and recipe.overwrite:
             export.clear_previous_run(output_dir)
-        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir)
+        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
         if resume_from:
             checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
         parts = build_parts(recipe, accelerator)
     prepare(accelerator, parts, recipe)
-    state = checkpoint.load_checkpoint(accelerator, resume_from, recipe) if resume_from else checkpoint.TrainState()
+    state = checkpoint.TrainState()
+    if resume_from:
+        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, recipe, parts.data_identity)
+    state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if resume_from:
         reapply_hyperparameters(parts, recipe)
     if accelerator.is_main_process:
@@ -289,21 +329,28 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
                                               output_dir / pictures.POSITION_FILE)
 
-    training, hooks = TrainingRun(recipe, accelerator, parts, state), CallbackList(
-        [*REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    training = TrainingRun(recipe, accelerator, parts, state)
+    keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
+                                       parts.labels, measure=lambda: measure(training))
+    hooks = CallbackList([keeper, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    if resume_from:
+        hooks.on_load_checkpoint(training, resume_from)
     started = time.perf_counter()
     train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
-    metrics, predictions = evaluate(training, hooks)
+    # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
+    final = None if state.stopped_early else evaluate(training, hooks)
+    metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
-                               state.history, training_seconds, resume_from)
+                               state.history, training_seconds, resume_from, metrics)
         draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw)
+        keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
@@ -320,10 +367,6 @@ def device_name(device: torch.device) -> str:
     return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
 
 
-def _eval_entry(metrics: dict) -> dict:
-    return {k if k.startswith("eval_") else f"eval_{k}": v for k, v in metrics.items() if isinstance(v, float)}
-
-
 class TrainLog:
     """The loop's counters and its progress bar: loss and images since the last log entry, bad images skipped
     by this process. `write` turns the counters into one history entry for all processes."""
@@ -335,6 +378,7 @@ class TrainLog:
         # Skipped images are counted per process and summed over processes only where the count is saved (each
         # checkpoint, the end): reading a count back every step would sync host and device.
         self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
+        self.skipped_this_epoch: list[str] = []  # this process's bad files, named on the console at the epoch's end
         self.loss_total = torch.zeros((), device=accelerator.device)
         self._restart()
 
@@ -343,8 +387,9 @@ class TrainLog:
         self.loss_batches, self.images, self.clock = 0, 0, time.perf_counter()
 
     def add_batch(self, loss: torch.Tensor, batch: dict) -> None:
-        self.skipped_here += batch["skipped"]
-        images = batch["labels"].numel()
+        self.skipped_here += len(batch["skipped"])
+        self.skipped_this_epoch += batch["skipped"]
+        images = batch["labels"].numel() - len(batch["skipped"])  # the real ones: a bad image's place is blank
         if images:  # a batch of skipped images only has no loss to report
             self.loss_total += loss
             self.loss_batches += 1
@@ -385,6 +430,10 @@ def train_loop(run: TrainingRun, callbacks: Callback = Callback()) -> None:
     callbacks.on_train_start(run)
     try:
         _optimise(run, interrupt, log, callbacks)
+    except RuntimeError as error:
+        if run.accelerator.num_processes > 1 and "timed out" in str(error).lower():
+            raise RunError(_collective_timeout_message(run.accelerator, run.recipe, run.state)) from None
+        raise
     finally:
         log.progress.close()  # on an error too: its message must start on a line of its own
         interrupt.restore()
@@ -403,12 +452,14 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
             callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
         if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
-        stop = state.step >= last or _interrupted(interrupt, run.accelerator)
+        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
         _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
         if interrupt.raised:
             raise Interrupted(_interrupt_message(run.recipe, state))
         if stop:
             break
+    if state.batches_done:  # the run ended inside an epoch
+        _report_skipped(run.accelerator, run.recipe, state.epoch, log)
     log.count_skipped_into(state)
     if pending_finite is not None:
         _stop_if_non_finite(pending_finite & _weights_finite(run.parts.model), state.step, run.accelerator)
@@ -418,7 +469,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
     """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
     the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
-    while state.step < parts.total_steps:
+    while state.step < parts.total_steps and not state.stopped_early:
         # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
         # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
         parts.train_loader.set_epoch(state.epoch)
@@ -435,6 +486,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
                 state.step += 1
                 log.add_step()
                 yield finite
+        _report_skipped(accelerator, run.recipe, state.epoch, log)
         state.epoch += 1
         state.batches_done = 0
         if not run.recipe.train.eval_every_steps and state.step < parts.total_steps:
@@ -456,8 +508,33 @@ def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, in
     _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
     log.count_skipped_into(run.state)
     path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
-                                      run.recipe.train.keep_checkpoints)
+                                      run.recipe.train.keep_checkpoints,
+                                      write_extras=lambda folder: callbacks.on_save_checkpoint(run, folder))
     callbacks.on_checkpoint(run, path)
+
+
+def _collective_timeout_message(accelerator: Accelerator, recipe: Recipe, state: checkpoint.TrainState) -> str:
+    """Gloo raises on the processes still waiting; the frozen or dead one is among the others."""
+    me = accelerator.process_index
+    others = [rank for rank in range(accelerator.num_processes) if rank != me]
+    who = f"process (rank) {others[0]}" if len(others) == 1 else f"one of the processes (ranks) {others}"
+    return (f"process {me} waited train.collective_timeout_s={recipe.train.collective_timeout_s} s at step "
+            f"{state.step + 1} for {who}, which is stuck (stopped, frozen or swapping) or died; the run stopped. "
+            "Find and end it, then resume with train.resume=auto (if train.checkpoint_every_steps is set); raise "
+            "train.collective_timeout_s if a step, evaluation or checkpoint can legitimately take that long")
+
+
+def _report_skipped(accelerator: Accelerator, recipe: Recipe, epoch: int, log: TrainLog, shown: int = 5) -> None:
+    """A collective: the epoch's count of bad images skipped by all processes, and the first few, on the console."""
+    skipped, log.skipped_this_epoch = log.skipped_this_epoch, []
+    if not recipe.data.skip_bad_images:  # nothing can have been skipped; every process knows it, so none gathers
+        return
+    from accelerate.utils import gather_object
+
+    total = sum_over_processes(accelerator, len(skipped))
+    first = [name for names in gather_object([skipped[:shown]]) for name in names][:shown]
+    if accelerator.is_main_process and total:
+        display.say(f"epoch {epoch}: skipped {total} bad image(s) (data.skip_bad_images=true), e.g. {', '.join(first)}")
 
 
 def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
@@ -488,16 +565,22 @@ def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerato
         )
 
 
-def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
-    """Metrics of the current weights on the eval split (labelled, with what the split was), added to the history
-    and passed to the callbacks; and the per-image predictions behind them, for the pictures."""
+def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
+    """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
+    per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
     predictions = evaluation.predict_split(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
                                            len(parts.labels))
     metrics = evaluation.summarise(predictions, len(parts.labels))
     metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
-    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **_eval_entry(metrics)})
+    return metrics, predictions
+
+
+def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
+    """measure(), added to the history and passed to the callbacks."""
+    metrics, predictions = measure(run)
+    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **evaluation.as_eval_entry(metrics)})
     callbacks.on_evaluate(run, metrics)
     return metrics, predictions
 

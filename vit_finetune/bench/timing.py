@@ -102,7 +102,7 @@ def device_batches(spec: ModelSpec, batch_size: int, device: torch.device) -> It
     batches = [{
         "pixel_values": torch.randint(0, 256, shape, dtype=torch.uint8, device=device, generator=generator),
         "labels": torch.randint(0, spec.num_labels, (batch_size,), device=device, generator=generator),
-        "skipped": 0,
+        "skipped": [],  # the names of bad images skipped (none here)
     } for _ in range(2)]
     while True:
         yield from batches

@@ -1,0 +1,141 @@
+"""Hostile or mistaken recipes are refused quickly, with short messages that say what is wrong and the fix."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from runs import train
+from tiny import run_cli, write_colour_folder
+from vit_finetune import data
+from vit_finetune.recipe import DataSettings, RecipeError, load_recipe
+
+# Nine levels of nine aliases: 387,420,489 strings once expanded, 10 lines on disk (the "billion laughs").
+ALIAS_BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{level}: &{level} [{', '.join([f'*{previous}'] * 9)}]\n" for previous, level in zip("abcdefgh", "bcdefghi")
+) + "train: {resume_ignore_changes: *i}\n"
+
+
+@pytest.mark.timeout(60)
+def test_a_yaml_alias_bomb_is_refused_within_two_seconds(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    started = time.monotonic()
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(str(path))
+    assert time.monotonic() - started < 2
+    message = str(caught.value)
+    assert "more than 10,000 values" in message and "aliases" in message and len(message) < 600
+
+
+@pytest.mark.timeout(60)
+def test_a_value_that_contains_itself_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("train: {resume_ignore_changes: &loop [*loop]}\n")
+    with pytest.raises(RecipeError, match="contains itself"):
+        load_recipe(str(path))
+
+
+@pytest.mark.timeout(120)
+def test_the_cli_refuses_an_alias_bomb_with_exit_2_and_no_traceback(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(ALIAS_BOMB)
+    result = run_cli("--recipe", str(path), "--print", timeout=100)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "more than 10,000 values" in result.stderr and len(result.stderr) < 800
+
+
+@pytest.mark.parametrize("override", [
+    "train.batch_size=[" + ",".join(map(str, range(3000))) + "]",  # a long list where a number belongs
+    "train.resume_ignore_changes=[" + ",".join(f"train.nope{i}" for i in range(3000)) + "]",  # unknown keys
+    "hub.repo_id=" + "not a repo id " * 500,
+    "data.dataset=" + "x" * 100_000,
+    "x" * 100_000,  # not even key=value
+], ids=["long-list-for-a-number", "3000-unknown-keys", "long-repo-id", "100k-char-dataset", "100k-char-override"])
+def test_no_message_prints_more_than_an_excerpt_of_a_value(override):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [override])
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 2 and len(lines[1]) < 400, lines[1][:1000]
+
+
+@pytest.mark.parametrize("override", ["train.batch_size=true", "train.epochs=false", "model.image_size=true",
+                                      "train.lr=true", "data.crop_scale=[true, 1.0]", "model.lora.alpha=true"])
+def test_a_boolean_is_not_accepted_where_a_number_is_expected(override):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [override])
+    assert override.split("=")[0] in str(caught.value)
+
+
+def test_float_keys_still_take_yaml_ints_and_exponent_notation():
+    recipe = load_recipe(None, ["train.lr=1", "train.weight_decay=0", "model.lora={alpha: 8}", "train.momentum=5e-1"])
+    assert (recipe.train.lr, recipe.train.weight_decay, recipe.model.lora.alpha, recipe.train.momentum) == (1, 0, 8, 0.5)
+    assert isinstance(recipe.train.lr, float) and load_recipe(None, ["train.batch_size=16"]).train.batch_size == 16
+
+
+@pytest.mark.parametrize("size", [100_000, 8192])
+def test_an_image_size_that_cannot_fit_is_refused_before_weights_load_with_the_estimate(args, tmp_path, capsys, size):
+    import vit_finetune.model as model_module
+
+    loaded = []
+    build_model = model_module.build_model
+
+    def recording_build_model(*call_args, **kwargs):
+        loaded.append(1)
+        return build_model(*call_args, **kwargs)
+
+    started = time.monotonic()
+    code = train([*args, f"model.image_size={size}", f"output_dir={tmp_path / 'out'}"],
+                 patches=[(model_module, "build_model", recording_build_model)])
+    error = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in error and loaded == [] and time.monotonic() - started < 30
+    assert f"model.image_size={size} with train.batch_size=4 needs about" in error and "GiB" in error
+    assert "physical RAM" in error and "Fix: model.image_size=" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_vit_b16_at_4096_px_is_refused_and_at_384_px_fits_a_gpu():
+    import torch
+    from transformers import ViTConfig
+
+    from vit_finetune import memory
+
+    b16 = ViTConfig()  # google/vit-base-patch16-224's shape
+    at_4096 = load_recipe(None, ["model.image_size=4096", "train.batch_size=32"])
+    message = memory.why_it_cannot_fit(b16, at_4096, torch.device("cpu"))
+    assert message and "65,537 tokens per image" in message
+    # food101_384's step (128 images, bf16) is estimated below an 80 GiB H100's memory, 4096 px far above it.
+    assert memory.training_bytes(b16, 384, 128, "bf16") < 40 * 2 ** 30
+    assert memory.training_bytes(b16, 4096, 32, "bf16") > 80 * 2 ** 30
+    # Eager attention keeps tokens^2 scores per head; the estimate counts them.
+    b16._attn_implementation = "eager"
+    assert memory.training_bytes(b16, 384, 128, "bf16") > memory.training_bytes(ViTConfig(), 384, 128, "bf16")
+
+
+def test_a_class_folder_named_like_a_split_is_named_as_the_problem(tmp_path):
+    root = write_colour_folder(tmp_path / "images", classes=3, train=3, splits=False)
+    shutil.copytree(root / "red", root / "test")  # a class called "test"
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(DataSettings(dataset=str(root)), seed=0)
+    message = str(caught.value)
+    assert "class folders ['blue', 'green', 'red'] beside ['test']" in message and "rename the class folder 'test'" in message
+
+
+def test_class_folders_at_mixed_depths_are_named_as_the_problem(tmp_path):
+    root = write_colour_folder(tmp_path / "images", classes=3, train=3, splits=False)
+    (root / "red" / "dark").mkdir()
+    shutil.move(root / "red" / "0.png", root / "red" / "dark" / "0.png")
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(DataSettings(dataset=str(root)), seed=0)
+    message = str(caught.value)
+    assert "different depths" in message and "'red/dark/0.png'" in message and "one folder per class" in message
+
+
+def test_the_usual_layouts_still_load(tmp_path):
+    flat = write_colour_folder(tmp_path / "flat", classes=3, train=10, splits=False)
+    assert data.load_splits(DataSettings(dataset=str(flat)), seed=0).labels == ["blue", "green", "red"]
+    split = write_colour_folder(tmp_path / "split", classes=2, train=3, validation=2)
+    assert len(data.load_splits(DataSettings(dataset=str(split)), seed=0).eval) == 4

@@ -1,0 +1,117 @@
+"""The output folder: a run only ever removes or replaces what a run of this toolkit wrote; a folder that is the
+user's, or the dataset's, is refused before anything is written; two runs never write into one folder at once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runs import RECIPE, train
+from tiny import REPO, write_colour_folder
+from vit_finetune.outputs import LOCK, MANIFEST
+
+SHORT = ["train.max_steps=2"]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
+
+
+def error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return next(line for line in reversed(stderr.splitlines()) if line.startswith("error: "))
+
+
+def users_folder(folder: Path) -> Path:
+    """A folder that never held a run: the user's own card, config and notes."""
+    folder.mkdir(parents=True)
+    (folder / "README.md").write_text("# my project notes\n")
+    (folder / "config.json").write_text('{"mine": true}\n')
+    (folder / "notes.txt").write_text("do not lose\n")
+    return folder
+
+
+def test_a_folder_the_toolkit_did_not_write_is_refused_and_untouched(args, tmp_path, capsys):
+    out = users_folder(tmp_path / "mine")
+    before = snapshot(out)
+    assert train([*args, *SHORT, f"output_dir={out}"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "holds files this toolkit did not write (['README.md', 'config.json', 'notes.txt'])" in error
+    assert "overwrite=true" in error and "new or empty output_dir" in error
+    assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "notes.txt"]
+
+
+def test_overwrite_refuses_to_replace_a_users_files_or_delete_folders_it_did_not_write(args, tmp_path, capsys):
+    out = users_folder(tmp_path / "mine")
+    (out / "adapter").mkdir()
+    (out / "adapter" / "weights.bin").write_bytes(b"the user's own adapter")
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step-00000001").mkdir()
+    before = snapshot(out)
+    assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "holds ['README.md', 'adapter', 'checkpoints', 'config.json'], which this toolkit did not write" in error
+    assert snapshot(out) == before
+
+
+def test_overwrite_only_ever_replaces_what_a_run_wrote(args, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("do not lose\n")
+    (out / "my-plots").mkdir()
+    (out / "my-plots" / "a.png").write_bytes(b"mine")
+    assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # beside the user's files
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 2
+    claimed = set(json.loads((out / MANIFEST).read_text())["written"])
+    assert {"model.safetensors", "metrics.json", "README.md", "checkpoints", "adapter"} <= claimed
+    assert not claimed & {"notes.txt", "my-plots"}
+    first = (out / "model.safetensors").read_bytes()
+    assert train([*args, "train.max_steps=3", f"output_dir={out}", "overwrite=true"]) == 0  # replaces its own
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 3 and (out / "model.safetensors").read_bytes() != first
+    assert (out / "notes.txt").read_text() == "do not lose\n" and (out / "my-plots" / "a.png").read_bytes() == b"mine"
+
+
+@pytest.mark.parametrize("where", ["equal", "inside", "containing"])
+def test_an_output_dir_overlapping_the_dataset_is_refused_before_anything_is_written(base, tmp_path, capsys, where):
+    images = write_colour_folder(tmp_path / "data" / "images", classes=2, train=3, validation=2)
+    before = snapshot(tmp_path)
+    out = {"equal": images, "inside": images / "train" / "runs", "containing": tmp_path / "data"}[where]
+    assert train([f"model.base={base}", f"data.dataset={images}", *RECIPE, *SHORT, f"output_dir={out}",
+                  "overwrite=true"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "overlaps the dataset's folder" in error and "outside the dataset" in error
+    assert snapshot(tmp_path) == before and not (images / "train" / "runs").exists()
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_run_leaves_no_stuck_lock(args, tmp_path, capsys):
+    out = tmp_path / "out"
+    log = tmp_path / "first.err"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with open(log, "w") as stderr:
+        first = subprocess.Popen([sys.executable, "-m", "vit_finetune", *args, f"output_dir={out}", "train.epochs=500"],
+                                 stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO, env=env)
+    try:
+        deadline = time.monotonic() + 200
+        while first.poll() is None and time.monotonic() < deadline:  # until the first run holds the lock
+            if (out / LOCK).is_file() and (out / LOCK).read_text() == str(first.pid):
+                break
+            time.sleep(0.2)
+        assert first.poll() is None and (out / LOCK).read_text() == str(first.pid), log.read_text()[-2000:]
+        assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 1
+        error = error_line(capsys.readouterr().err)
+        assert f"another run (process {first.pid}) is writing into output_dir" in error
+        assert not (out / "metrics.json").exists()
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # the lock died with its process
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 2
+    assert (out / LOCK).exists()

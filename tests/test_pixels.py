@@ -1,0 +1,146 @@
+"""Every way a file becomes RGB pixels: evaluation sees exactly what `pipeline()` sees for the same file.
+
+A run trains one step on a folder holding one file per colour mode (RGB, RGBA, LA, P with transparency, L,
+16-bit grey, CMYK, an EXIF-rotated JPEG); then, per file, the pixels and logits of our evaluation path are
+compared with `pipeline("image-classification")` on the saved output folder given the file's path.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from runs import train
+from vit_finetune import data
+from vit_finetune.recipe import DataSettings
+
+SIZE = 32
+ORIENTATION = 0x0112  # the EXIF tag
+
+
+def noise(rng: np.random.Generator, size=(40, 28)) -> np.ndarray:
+    """Smooth colour ramps plus noise: any change of orientation, alpha or scale moves the pixels."""
+    y, x = np.mgrid[0:size[1], 0:size[0]]
+    ramp = np.stack([x * 5, y * 7, (x + y) * 3], axis=-1)
+    return np.clip(ramp + rng.normal(0, 30, ramp.shape), 0, 255).astype(np.uint8)
+
+
+def write_each_mode(folder: Path, rng: np.random.Generator) -> dict[str, Path]:
+    """One file per colour mode; transparent pixels hold a colour that is not white, as icons' often do."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rgb = noise(rng)
+    alpha = np.where(np.arange(rgb.shape[1])[None, :] < rgb.shape[1] // 2, 0, 255).repeat(rgb.shape[0], 0)
+    files = {}
+
+    def save(name: str, image: Image.Image, **kwargs) -> None:
+        files[name] = folder / name
+        image.save(files[name], **kwargs)
+
+    save("rgb.png", Image.fromarray(rgb))
+    save("rgba.png", Image.fromarray(np.dstack([rgb, alpha]).astype(np.uint8), "RGBA"))
+    save("la.png", Image.fromarray(np.dstack([rgb[..., 0], alpha]).astype(np.uint8), "LA"))
+    palette = Image.fromarray(rgb).quantize(16)
+    save("palette.png", palette, transparency=int(np.asarray(palette)[0, 0]))
+    save("grey.png", Image.fromarray(rgb[..., 1]))
+    save("grey16.png", Image.fromarray((rgb[..., 2].astype(np.uint16) * 257 // 3 + 20000).astype(np.uint16)))
+    save("cmyk.jpg", Image.fromarray(rgb).convert("CMYK"), quality=95)
+    exif = Image.Exif()
+    exif[ORIENTATION] = 6  # "rotate 90 CW to display": phones write this instead of rotating pixels
+    save("rotated.jpg", Image.fromarray(rgb), quality=95, exif=exif)
+    assert Image.open(files["grey16.png"]).mode == "I;16" and Image.open(files["cmyk.jpg"]).mode == "CMYK"
+    return files
+
+
+@pytest.fixture(scope="module")
+def modes_run(base, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("modes")
+    rng = np.random.default_rng(0)
+    for split in ("train", "validation"):
+        for label in ("a", "b"):
+            files = write_each_mode(root / "images" / split / label, rng)
+    out = root / "out"
+    assert train([f"model.base={base}", f"data.dataset={root / 'images'}", f"model.image_size={SIZE}",
+                  "train.batch_size=4", "train.max_steps=1", "model.head_init=random", "data.num_workers=0",
+                  f"output_dir={out}"]) == 0
+    return {"out": out, "images": root / "images", "names": sorted(files)}
+
+
+def our_eval_pixels_and_logits(out: Path, images: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """file name (class/name) -> (pixels, logits) through the evaluation path of a run, on the saved model."""
+    from transformers import AutoImageProcessor, ViTForImageClassification
+
+    settings = DataSettings(dataset=str(images))
+    splits = data.load_splits(settings, seed=0)
+    processor = AutoImageProcessor.from_pretrained(out)
+    eval_set = data.eval_dataset(splits, settings, processor, SIZE)
+    model = ViTForImageClassification.from_pretrained(out).eval()
+    found = {}
+    for index in range(len(eval_set)):
+        pixels, _label, _skipped = eval_set[(index, 0)]
+        path = Path(splits.eval[index][splits.image_column]["path"])
+        with torch.no_grad():
+            logits = model(pixel_values=data.PixelNormalizer(processor, torch.device("cpu"))(pixels[None])).logits[0]
+        found[f"{path.parent.name}/{path.name}"] = (pixels, logits)
+    return found
+
+
+def pipeline_pixels_and_logits(classify, image) -> tuple[torch.Tensor, torch.Tensor]:
+    pixels = classify.preprocess(image)["pixel_values"][0]
+    scores = classify(image, top_k=None, function_to_apply="none")
+    labels = classify.model.config.id2label
+    by_label = {entry["label"]: entry["score"] for entry in scores}
+    return pixels, torch.tensor([by_label[labels[i]] for i in range(len(labels))])
+
+
+@pytest.mark.slow
+def test_evaluation_sees_the_pixels_and_logits_pipeline_sees_for_each_colour_mode(modes_run):
+    from transformers import pipeline
+
+    out, images = modes_run["out"], modes_run["images"]
+    ours = our_eval_pixels_and_logits(out, images)
+    classify = pipeline("image-classification", model=str(out), device=-1)
+    assert len(ours) == 16
+    for name, (pixels, logits) in ours.items():
+        path = images / "validation" / name
+        # 16-bit grey is scaled by our decode (pipeline's load_image clips it): `predict` hands pipeline() our
+        # decoded image, so what a user is told to call still sees the evaluated pixels.
+        given = data.decode_image({"path": str(path), "bytes": None}, 0, DataSettings()) if "16" in name else str(path)
+        their_pixels, their_logits = pipeline_pixels_and_logits(classify, given)
+        assert torch.equal(pixels, their_pixels), name
+        assert torch.allclose(logits, their_logits, rtol=1e-4, atol=1e-5), (name, logits, their_logits)
+    # Alpha is dropped as pipeline() drops it: an RGBA file gives its RGB channels' pixels, transparent or not.
+    assert torch.equal(ours["a/rgba.png"][0], ours["a/rgb.png"][0])
+
+
+def test_a_16_bit_grey_gradient_is_scaled_to_8_bits_not_clipped():
+    gradient = np.linspace(0, 65535, 256).round().astype(np.uint16)[None].repeat(3, 0)
+    buffer = io.BytesIO()
+    Image.fromarray(gradient).save(buffer, format="PNG")
+    assert Image.open(io.BytesIO(buffer.getvalue())).mode == "I;16"
+    image = np.asarray(data.decode_image({"bytes": buffer.getvalue(), "path": None}, 0, DataSettings()))
+    assert image.shape == (3, 256, 3) and (image == image[..., :1]).all()  # grey in all three channels
+    assert image[0, :, 0].tolist() == np.round(gradient[0] / 257).astype(int).tolist()  # 0, 1, ..., 255
+    assert image[0, :, 0].tolist() == list(range(256))
+
+
+def test_exif_orientation_is_applied_as_pipeline_applies_it_for_training_too(tmp_path):
+    from transformers.image_utils import load_image
+
+    path = write_each_mode(tmp_path, np.random.default_rng(1))["rotated.jpg"]
+    stored = Image.open(path)
+    assert stored.size == (40, 28)
+    decoded = data.decode_image({"path": str(path), "bytes": None}, 0, DataSettings())
+    assert decoded.size == (28, 40)
+    assert np.array_equal(np.asarray(decoded), np.asarray(load_image(str(path))))
+    # Training decodes through the same function: its crops come from the upright image.
+    settings = DataSettings(crop_scale=(1.0, 1.0), horizontal_flip=False)
+    table = datasets.Dataset.from_dict({"image": [{"path": str(path), "bytes": None}], "label": [0]})
+    splits = data.Splits(table, table, "image", "label", ["a"])
+    train_set = data.train_dataset(splits, settings, 8, lambda image, index, epoch: torch.tensor(image.size))
+    assert train_set[(0, 0)][0].tolist() == [28, 40]

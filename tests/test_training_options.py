@@ -1,0 +1,243 @@
+"""Training options for small data, piece by piece: layer-wise lr decay, EMA of the weights, class balance,
+per-class recall and stochastic depth. Whole runs with them are in tests/test_keep_best.py."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
+
+from vit_finetune import balance, ema, model as vit, optim, train
+from vit_finetune.families import FAMILIES
+from vit_finetune.recipe import LoraSettings, ModelSettings, load_recipe
+
+LAYERS = 3
+
+
+def tiny_vit() -> ViTForImageClassification:
+    torch.manual_seed(0)
+    return ViTForImageClassification(ViTConfig(hidden_size=16, num_hidden_layers=LAYERS, num_attention_heads=2,
+                                               intermediate_size=32, image_size=16, patch_size=4, num_labels=3))
+
+
+def expected_depth(name: str) -> int:
+    """The BEiT/MAE convention, written out for the ViT names: embeddings 0, block i i+1, the rest L+1."""
+    block = re.search(r"\.layers\.(\d+)\.", name)
+    if block:
+        return int(block.group(1)) + 1
+    return 0 if ".embeddings." in name else LAYERS + 1
+
+
+def lr_of_each_parameter(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict[str, float]:
+    group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    return {name: group_of[id(p)]["lr"] for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_layer_decay_gives_each_parameter_base_lr_times_decay_to_its_distance_from_the_head(lora):
+    model = tiny_vit()
+    if lora:
+        model = vit.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value", "mlp_in"]))
+    recipe = load_recipe(None, ["train.lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05",
+                                "train.warmup_steps=2", "train.scheduler=cosine"])
+    optimizer = train.build_optimizer(model, recipe, "cpu")
+    lrs = lr_of_each_parameter(optimizer, model)
+    assert {name: lr for name, lr in lrs.items()} == pytest.approx(
+        {name: 0.1 * 0.5 ** (LAYERS + 1 - expected_depth(name)) for name in lrs}, rel=1e-12)
+    depths = {expected_depth(name) for name in lrs}
+    assert depths == ({1, 2, 3, 4} if lora else {0, 1, 2, 3, 4})  # LoRA: adapters in blocks, head; no embeddings
+    if lora:
+        assert all(expected_depth(n) in (1, 2, 3) for n in lrs if "lora_" in n)
+        assert any("lora_" in n for n in lrs)
+
+    # The schedule scales every group by the same factor, each from its own base lr.
+    scheduler = train.build_scheduler(optimizer, recipe, total_steps=10)
+    for step in range(1, 6):
+        optimizer.step()
+        scheduler.step()
+        factor = scheduler.lr_lambdas[0](step)
+        assert lr_of_each_parameter(optimizer, model) == pytest.approx(
+            {name: 0.1 * 0.5 ** (LAYERS + 1 - expected_depth(name)) * factor for name in lrs}, rel=1e-12)
+
+
+def test_a_resume_that_accepts_a_new_lr_reapplies_it_to_every_depth():
+    model = tiny_vit()
+    before = load_recipe(None, ["train.lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05"])
+    optimizer = train.build_optimizer(model, before, "cpu")
+    scheduler = train.build_scheduler(optimizer, before, total_steps=10)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    # What a resume loads: the checkpoint's optimizer and scheduler states, into fresh ones.
+    after = load_recipe(None, ["train.lr=0.3", "train.layer_decay=0.5", "train.weight_decay=0.01"])
+    resumed = train.build_optimizer(model, after, "cpu")
+    resumed.load_state_dict(optimizer.state_dict())
+    resumed_scheduler = train.build_scheduler(resumed, after, total_steps=10)
+    resumed_scheduler.load_state_dict(scheduler.state_dict())
+    train.reapply_hyperparameters(SimpleNamespace(optimizer=resumed, scheduler=SimpleNamespace(scheduler=resumed_scheduler)),
+                                  after)
+    factor = resumed_scheduler.lr_lambdas[0](3)
+    lrs = lr_of_each_parameter(resumed, model)
+    assert lrs == pytest.approx({n: 0.3 * 0.5 ** (LAYERS + 1 - expected_depth(n)) * factor for n in lrs}, rel=1e-12)
+    assert {g["weight_decay"] for g in resumed.param_groups} == {0.01, 0.0}
+
+
+def test_layer_decay_keeps_the_weight_decay_split():
+    model = tiny_vit()
+    recipe = load_recipe(None, ["train.layer_decay=0.8", "train.weight_decay=0.05"])
+    optimizer = train.build_optimizer(model, recipe, "cpu")
+    decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+    for name, parameter in model.named_parameters():
+        matrix = parameter.ndim >= 2 and not name.endswith(("cls_token", "position_embeddings"))
+        assert decay_of[id(parameter)] == (0.05 if matrix else 0.0), name
+    assert optimizer.param_groups[0]["lr_scale"] == 1.0  # the head's group leads: its lr is the run's logged lr
+
+
+def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
+    model = tiny_vit()
+    optimizer = train.build_optimizer(model, load_recipe(None, ["train.lr=0.01", "train.weight_decay=0.1"]), "cpu")
+    assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.0, 0.01)]
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+def test_depth_reads_transformers_4_block_names_too():
+    family, config = FAMILIES["vit"], ViTConfig(num_hidden_layers=12)
+
+    def depth(name: str) -> int:
+        return optim.layer_depth(name, lambda n: family.block_index(n, config), 12)
+
+    assert depth("vit.encoder.layer.7.attention.attention.query.weight") == 8
+    assert depth("base_model.model.vit.layers.0.mlp.fc1.lora_A.default.weight") == 1
+    assert depth("vit.embeddings.patch_embeddings.projection.weight") == 0
+    assert depth("vit.layernorm.weight") == 13
+    assert depth("base_model.model.classifier.modules_to_save.default.bias") == 13
+
+
+# ---------------------------------------------------------------- EMA
+
+
+def test_ema_equals_the_formula_over_recorded_raw_weights_after_k_steps():
+    model = tiny_vit()
+    model.vit.embeddings.patch_embeddings.requires_grad_(False)  # frozen parameters are not averaged
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    average = ema.WeightEMA(model, decay=0.9)
+    recorded = [{n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}]
+    pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 1])
+    for _ in range(5):
+        torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        average.update()
+        recorded.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+
+    assert not any(n.startswith("vit.embeddings.patch_embeddings") for n in average.state_dict())
+    for name in recorded[0]:
+        expected = recorded[0][name].double()  # the average starts from the weights before the first step
+        for weights in recorded[1:]:
+            expected = 0.9 * expected + 0.1 * weights[name].double()
+        torch.testing.assert_close(average.state_dict()[name].double(), expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(average.state_dict()["classifier.weight"], model.classifier.weight)
+
+
+def test_ema_applied_for_evaluation_then_the_raw_weights_come_back_bit_for_bit():
+    model = tiny_vit()
+    average = ema.WeightEMA(model, decay=0.5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    raw = {n: p.detach().clone() for n, p in model.named_parameters()}
+    average.update()
+    with average.applied():
+        assert torch.equal(model.classifier.weight, average.state_dict()["classifier.weight"])
+        assert not torch.equal(model.classifier.weight, raw["classifier.weight"])
+    assert all(torch.equal(p, raw[n]) for n, p in model.named_parameters())
+
+
+def test_ema_of_a_lora_model_averages_the_adapter_and_the_head_only():
+    model = vit.apply_lora(tiny_vit(), LoraSettings(r=2))
+    names = set(ema.WeightEMA(model, 0.99).state_dict())
+    assert names == {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in names) and any("classifier" in n for n in names)
+    assert not any("q_proj.base_layer" in n for n in names)
+
+
+# ---------------------------------------------------------------- class balance and per-class recall
+
+SKEWED = [0] * 80 + [1] * 15 + [2] * 5
+
+
+def test_class_weights_are_inverse_frequency_normalised_to_mean_one_per_image():
+    weights = balance.class_weights(SKEWED, 4)  # class 3 has no training image
+    assert weights.tolist() == pytest.approx([100 / (4 * 80), 100 / (4 * 15), 100 / (4 * 5), 0.0])
+    assert balance.class_weights(SKEWED, 3)[torch.tensor(SKEWED)].mean().item() == pytest.approx(1.0)
+
+
+def test_class_weights_weight_each_images_loss_by_its_class():
+    model = tiny_vit().eval()
+    weights = balance.class_weights(SKEWED, 3)
+    parts = SimpleNamespace(model=model, normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
+                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights)
+    pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
+    loss = train.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
+    with torch.no_grad():
+        per_image = torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels, reduction="none")
+    expected = (weights[labels] * per_image).sum() / weights[labels].sum()
+    torch.testing.assert_close(loss.detach(), expected)
+    assert not torch.allclose(expected, per_image.mean())  # the weights do change the loss
+
+
+def test_balanced_sampler_draws_each_class_about_equally_often_and_is_fixed_by_seed_and_epoch():
+    sampler = balance.BalancedEpochSampler(SKEWED, 3, seed=7)
+    counts = Counter()
+    orders = []
+    for epoch in range(20):
+        sampler.set_epoch(epoch)
+        keys = list(sampler)
+        assert len(keys) == len(SKEWED) and all(e == epoch for _, e in keys)
+        orders.append([i for i, _ in keys])
+        counts.update(SKEWED[i] for i, _ in keys)
+    shares = np.array([counts[c] for c in range(3)]) / sum(counts.values())
+    assert np.abs(shares - 1 / 3).max() < 0.05, shares  # from 0.80 / 0.15 / 0.05
+    again = balance.BalancedEpochSampler(SKEWED, 3, seed=7)
+    again.set_epoch(3)
+    assert [i for i, _ in again] == orders[3]  # a resumed run draws the same images
+    assert orders[3] != orders[4]
+
+
+# ---------------------------------------------------------------- stochastic depth
+
+
+def test_drop_path_rate_on_a_vit_is_refused_naming_the_families_that_have_one():
+    with pytest.raises(vit.ModelError, match=r"drop_path_rate=0.1.*'vit'.*beit.*dinov2.*drop_path_rate=null"):
+        vit.set_drop_path_rate(ViTConfig(), ModelSettings(drop_path_rate=0.1))
+
+
+def test_drop_path_rate_makes_training_outputs_stochastic_and_leaves_eval_outputs_deterministic():
+    config = Dinov2Config(hidden_size=16, num_hidden_layers=4, num_attention_heads=2, intermediate_size=32,
+                          image_size=16, patch_size=4, num_labels=3)
+    assert config.drop_path_rate == 0.0
+    vit.set_drop_path_rate(config, ModelSettings(drop_path_rate=0.5))
+    assert config.drop_path_rate == 0.5
+    torch.manual_seed(0)
+    model = Dinov2ForImageClassification(config)
+    pixels = torch.randn(2, 3, 16, 16)
+    model.train()
+    assert not torch.equal(model(pixel_values=pixels).logits, model(pixel_values=pixels).logits)
+    model.eval()
+    assert torch.equal(model(pixel_values=pixels).logits, model(pixel_values=pixels).logits)
+    vit.set_drop_path_rate(config, ModelSettings(drop_path_rate=None))  # null keeps the config's
+    assert config.drop_path_rate == 0.5
+
+
+def test_a_run_asking_stochastic_depth_of_a_vit_is_refused_before_anything_is_written(args, tmp_path, capsys):
+    from runs import train as run_cli_in_process
+
+    out = tmp_path / "out"
+    assert run_cli_in_process([*args, "model.drop_path_rate=0.1", f"output_dir={out}"]) == 1
+    assert "model.drop_path_rate=0.1" in capsys.readouterr().err
+    assert not out.exists()

@@ -1,0 +1,125 @@
+"""The output folder: a run only ever removes or replaces what a run of this toolkit wrote there.
+
+A manifest (`.vit_finetune_manifest.json`) lists the names a run claims before writing any of them; a folder
+holding anything else is the user's, and a run refuses to write into it (or, with overwrite=true, to touch
+a name it would replace). The folder may not overlap the dataset's, and a lock held for the run's life
+keeps a second run out (the kernel drops it when the process dies, even by SIGKILL).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import IO
+
+from .recipe import Recipe, excerpt
+
+MANIFEST = ".vit_finetune_manifest.json"
+LOCK = ".vit_finetune.lock"
+
+
+def claimed(output_dir: Path) -> set[str]:
+    """The names a run of this toolkit claimed in `output_dir` (empty if it never ran there)."""
+    try:
+        names = json.loads((Path(output_dir) / MANIFEST).read_text())["written"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {name for name in names if isinstance(name, str) and "/" not in name and name not in ("", ".", "..")}
+
+
+def claim(output_dir: Path, names: tuple[str, ...]) -> None:
+    """Add `names` to the manifest, atomically, before any of them is written."""
+    manifest = Path(output_dir) / MANIFEST
+    partial = manifest.with_name(MANIFEST + ".partial")
+    partial.write_text(json.dumps({"written": sorted(claimed(output_dir) | set(names) | {LOCK})}, indent=1))
+    os.replace(partial, manifest)
+
+
+def foreign_entries(output_dir: Path) -> list[str]:
+    """What `output_dir` holds that no run of this toolkit claimed."""
+    if not Path(output_dir).is_dir():
+        return []
+    ours = claimed(output_dir) | {MANIFEST, LOCK, MANIFEST + ".partial"}
+    return sorted(entry.name for entry in Path(output_dir).iterdir() if entry.name not in ours)
+
+
+def dataset_folder(recipe: Recipe) -> Path | None:
+    """The local folder the data is read from, if any (a Hub id has none)."""
+    from .data import BUILTIN_SHAPES, cache_dir
+
+    if recipe.data.dataset == BUILTIN_SHAPES:
+        return cache_dir() / "shapes"
+    source = Path(recipe.data.dataset).expanduser()
+    return source if source.is_dir() else None
+
+
+def refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
+    """Why this run may not write into its output_dir (None if it may); nothing is written to find out."""
+    output_dir = Path(recipe.output_dir).expanduser()
+    shown = excerpt(str(recipe.output_dir))
+    data = dataset_folder(recipe)
+    if data is not None:
+        out, source = output_dir.resolve(), data.resolve()
+        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+            return (f"output_dir={shown} overlaps the dataset's folder {str(data)!r}: the run's files would land among "
+                    "the class folders (and overwrite=true could delete them). Fix: an output_dir outside the dataset")
+    foreign = foreign_entries(output_dir)
+    if not foreign:
+        return None
+    listed = excerpt(foreign)
+    if not recipe.overwrite:
+        return (f"output_dir={shown} holds files this toolkit did not write ({listed}); a run could replace them. "
+                "Fix: choose a new or empty output_dir, or pass overwrite=true, which writes beside them and only "
+                "ever removes or replaces what a run of this toolkit wrote")
+    colliding = sorted(set(foreign) & set(run_names))
+    if colliding:
+        return (f"output_dir={shown} holds {excerpt(colliding)}, which this toolkit did not write and a run would "
+                "replace, even with overwrite=true. Fix: move them out, or choose a new or empty output_dir")
+    return None
+
+
+def clear_claimed(output_dir: Path, run_names: tuple[str, ...]) -> None:
+    """overwrite=true: remove what earlier runs claimed (among the names a run writes), and nothing else."""
+    import shutil
+
+    for name in sorted(claimed(output_dir) & set(run_names)):
+        path = Path(output_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+class RunLock:
+    """An exclusive flock on output_dir/.vit_finetune.lock for the life of a run; released when the process ends,
+    however it ends, so a killed run never leaves the folder locked."""
+
+    def __init__(self, output_dir: Path):
+        self.path = Path(output_dir) / LOCK
+        self.handle: IO | None = None
+
+    def acquire(self) -> str | None:
+        """None once held; else why not (another live run holds it), for the message."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            return (f"another run (process {holder}) is writing into output_dir={excerpt(str(self.path.parent))}; two "
+                    "runs would mix their files. Wait for it to end, or choose another output_dir")
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.handle = handle
+        return None
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing drops the flock
+            self.handle = None
