@@ -105,7 +105,14 @@ TOOLBOX = {
     "randaugment": ["augment.policy=randaugment"],
     "erasing": ["augment.erasing_prob=0.25"],
 }
-OPTIONS.update({name: [*OPTIONS["off"], *overrides] for name, overrides in TOOLBOX.items()})
+# The training options (weight selection, layer decay), likewise on top of "off". The EMA forgets over ~1/(1-decay)
+# steps, which must stay well below these runs' 40-100 steps; keep_best picks on the eval split it is scored on.
+TRAINING = {
+    "ema": ["train.ema_decay=0.9"],
+    "keep_best": ["train.keep_best=eval_accuracy"],
+    "layer_decay": ["train.layer_decay=0.75"],
+}
+OPTIONS.update({name: [*OPTIONS["off"], *overrides] for name, overrides in {**TOOLBOX, **TRAINING}.items()})
 
 
 def split(dataset: SmallDataset) -> dict[str, tuple[np.ndarray, np.ndarray]]:

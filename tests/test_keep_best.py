@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 
 # AdamW at a constant lr of 0.2 overshoots on this data: the eval loss falls to its lowest at step 6, then rises,
 # and the accuracy is best first at step 4 (later evaluations only tie it), so the best is never the last step.
-UNSTABLE = ["train.lr=0.2", "train.scheduler=constant", "train.eval_every_steps=2"]
+# A constant lr this high makes the eval loss jump about between evaluations, so some are no better than an
+# earlier one. The crop and flip are pinned: the schedule the tests rely on must not move with the defaults.
+UNSTABLE = ["train.lr=0.2", "train.scheduler=constant", "train.eval_every_steps=2", "data.crop_scale=[0.05,1.0]",
+            "data.horizontal_flip=true"]
 
 
 class Evaluations(Callback):

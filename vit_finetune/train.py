@@ -213,8 +213,9 @@ def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> 
     if recipe.data.crop_scale != "auto":
         return recipe
     crop_scale = data.auto_crop_scale(images_seen)
-    accelerator.print(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen; "
-                      "set data.crop_scale=[low, high] to choose")
+    if accelerator.is_main_process:
+        display.say(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen; "
+                    "set data.crop_scale=[low, high] to choose")
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
 
 
@@ -276,7 +277,8 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
-    too_big = memory.why_it_cannot_fit(config, recipe, accelerator.device)
+    # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
+    too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
     if too_big:
         raise RunError(too_big)
     lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
