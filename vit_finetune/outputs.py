@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import IO
 
+from .checkpoint import PARTIAL_PREFIX, replace_atomically
 from .recipe import Recipe, excerpt
 
 MANIFEST = ".vit_finetune_manifest.json"
@@ -31,17 +32,16 @@ def claimed(output_dir: Path) -> set[str]:
 
 def claim(output_dir: Path, names: tuple[str, ...]) -> None:
     """Add `names` to the manifest, atomically, before any of them is written."""
-    manifest = Path(output_dir) / MANIFEST
-    partial = manifest.with_name(MANIFEST + ".partial")
-    partial.write_text(json.dumps({"written": sorted(claimed(output_dir) | set(names) | {LOCK})}, indent=1))
-    os.replace(partial, manifest)
+    written = sorted(claimed(output_dir) | set(names) | {LOCK})
+    content = json.dumps({"written": written}, indent=1)
+    replace_atomically(Path(output_dir) / MANIFEST, lambda partial: partial.write_text(content))
 
 
 def foreign_entries(output_dir: Path) -> list[str]:
     """What `output_dir` holds that no run of this toolkit claimed."""
     if not Path(output_dir).is_dir():
         return []
-    ours = claimed(output_dir) | {MANIFEST, LOCK, MANIFEST + ".partial"}
+    ours = claimed(output_dir) | {MANIFEST, LOCK, PARTIAL_PREFIX + MANIFEST}  # the partial: a save cut short
     return sorted(entry.name for entry in Path(output_dir).iterdir() if entry.name not in ours)
 
 

@@ -505,7 +505,7 @@ def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, in
     """Every train.checkpoint_every_steps, and at once when interrupted (if checkpoints are on at all); never
     from non-finite weights."""
     every = run.recipe.train.checkpoint_every_steps
-    if not every or (run.state.step % every and not interrupted):
+    if not every or not (_due(run.state.step, every) or interrupted):
         return
     _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
     log.count_skipped_into(run.state)
