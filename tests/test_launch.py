@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -84,6 +83,14 @@ def test_a_cpu_launch_on_two_machines_is_refused_too():
     assert "asked for 2 process(es) on 2 machine(s)" in message
     assert ("Run instead: accelerate launch --multi_gpu --num_machines 2 --machine_rank 1 --num_processes 2 "
             "--main_process_ip 10.0.0.1 --main_process_port 29500 -m vit_finetune") in message
+
+
+def test_several_processes_without_cpu_on_a_machine_without_gpus_are_refused_too():
+    # Without --cpu and with fewer than 2 GPUs, Accelerate also picks its simple launcher (ACCELERATE_USE_CPU=False).
+    parent = ["accelerate", "launch", "--num_processes", "2", "-m", "vit_finetune"]
+    message = processes.lone_process_refusal({"ACCELERATE_USE_CPU": "False"}, parent)
+    assert "asked for 2 process(es) on 1 machine(s)" in message
+    assert "Run instead: accelerate launch --multi_gpu --num_processes 2 -m vit_finetune" in message
 
 
 def test_a_config_file_asking_for_several_cpu_processes_is_read_as_accelerate_reads_it(tmp_path):
@@ -231,11 +238,7 @@ def test_two_machines_train_as_one_run_of_two_processes(two_machine_run):
 @pytest.mark.timeout(300)
 def test_two_machines_write_each_output_once_from_the_main_process(two_machine_run):
     out, record = two_machine_run["out"], two_machine_run["record"]
-    writers: dict[str, set[str]] = defaultdict(set)
-    for log in record.glob("writes-*.jsonl"):
-        for entry in map(json.loads, log.read_text().splitlines()):
-            if entry["rank"] is not None and entry["path"].startswith(str(out)) and entry["kind"] != "os.mkdir":
-                writers[Path(entry["path"]).relative_to(out).as_posix()].add(entry["rank"])
+    writers = recorder.writers_by_path(record, out)
     assert {"model.safetensors", "metrics.json", SHARED_CHECK} <= set(writers)
     assert all(len(ranks) == 1 for ranks in writers.values()), {p: r for p, r in writers.items() if len(r) > 1}
     # Machine 1 writes only its own RNG state into each checkpoint (Accelerate's save_state, on every rank): on

@@ -48,9 +48,10 @@ def reset_accelerate_state() -> None:
 
 # Where torchrun and MPI tell a process the size of its world (Accelerate reads the same variables).
 WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_SIZE")
-# Set by `accelerate launch`'s simple launcher only. It is the one chosen for --cpu (and for a config file whose
-# distributed_type is MULTI_CPU): it starts ONE process, whatever --num_processes says, and leaves the others to
-# mpirun (--mpirun_hostfile). Its torchrun launcher (--multi_gpu) never sets it.
+# Set by `accelerate launch`'s simple launcher only. It is the one chosen for --cpu, for a config file whose
+# distributed_type is MULTI_CPU, and when fewer than 2 GPUs are found without --multi_gpu: it starts ONE process,
+# whatever --num_processes says, and leaves the others to mpirun (--mpirun_hostfile). Its torchrun launcher
+# (--multi_gpu) never sets it.
 SIMPLE_LAUNCHER_VARIABLE = "ACCELERATE_USE_CPU"
 
 
@@ -123,8 +124,8 @@ def lone_process_refusal(env: Mapping[str, str], parent_command_line: list[str] 
         return None
     asked = shlex.join(["accelerate", "launch", *request.launcher_flags, *request.script[:1]])
     return (f"`{asked}` asked for {request.processes} process(es) on {request.machines} machine(s), but Accelerate's "
-            "CPU launcher (chosen for --cpu, or a config file's MULTI_CPU) starts one process and leaves the others to "
-            "mpirun (--mpirun_hostfile): this one would train alone. Run instead: "
+            "simple launcher (its choice for --cpu, a config file's MULTI_CPU, or fewer than 2 GPUs) starts one "
+            "process and leaves the others to mpirun (--mpirun_hostfile): this one would train alone. Run instead: "
             f"{command_that_launches(request)}  (where there are GPUs this uses them; prefix CUDA_VISIBLE_DEVICES= "
             "to stay on the CPU)")
 
