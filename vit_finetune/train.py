@@ -25,7 +25,8 @@ from . import augment, balance, checkpoint, data, evaluation, export, hub, memor
 from . import pictures, progress as display, selection, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .processes import any_process, check_launch, sum_over_processes, unshared_folder_refusal
+from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, sum_over_processes,
+                        unshared_folder_refusal)
 from .recipe import Recipe, write_recipe
 
 
@@ -300,7 +301,9 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
         raise RunError(refused or "the main process could not lock output_dir")
     if accelerator.is_main_process:
         outputs.claim(Path(recipe.output_dir), export.run_names())
-    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK)
+    # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
+    patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
+    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
     if unshared:
         lock.release()
         raise RunError(f"output_dir={unshared}")
