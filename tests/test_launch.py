@@ -261,6 +261,8 @@ shared = unshared_folder_refusal(accelerator, root / "shared", ".check", patienc
 # Each process its own folder: what one output_dir path is on machines without a shared filesystem.
 own = unshared_folder_refusal(accelerator, root / f"rank-{accelerator.process_index}", ".check", patience_s=0.5)
 print(json.dumps({"rank": accelerator.process_index, "shared": shared, "own": own}))
+accelerator.wait_for_everyone()
+accelerator.end_training()  # the process group ends together, not torn down by the first process to exit
 """
 
 
@@ -273,9 +275,9 @@ def test_processes_that_do_not_share_the_output_folder_are_told_so(tmp_path):
     script.write_text(SHARED_FOLDER_PROBE)
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--master_port", str(free_port()), str(script), str(tmp_path)],
-                            capture_output=True, text=True, timeout=240, env=recorder.subprocess_env(tmp_path / "r"),
-                            cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+                            capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
     answers = {entry["rank"]: entry for entry in map(json.loads, result.stdout.split("\n")[:-1])}
     assert sorted(answers) == [0, 1] and answers[0]["shared"] is None and answers[1]["shared"] is None
     assert "is not one folder shared by every machine" in answers[0]["own"]
