@@ -260,7 +260,9 @@ root = Path(sys.argv[1])
 shared = unshared_folder_refusal(accelerator, root / "shared", ".check", patience_s=0.5)
 # Each process its own folder: what one output_dir path is on machines without a shared filesystem.
 own = unshared_folder_refusal(accelerator, root / f"rank-{accelerator.process_index}", ".check", patience_s=0.5)
-print(json.dumps({"rank": accelerator.process_index, "shared": shared, "own": own}))
+# One file per process: two processes printing to one pipe can interleave their lines.
+answer = {"rank": accelerator.process_index, "shared": shared, "own": own}
+(root / f"answer-{accelerator.process_index}.json").write_text(json.dumps(answer))
 accelerator.wait_for_everyone()
 accelerator.end_training()  # the process group ends together, not torn down by the first process to exit
 """
@@ -278,8 +280,8 @@ def test_processes_that_do_not_share_the_output_folder_are_told_so(tmp_path):
                             capture_output=True, text=True, timeout=240,
                             env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    answers = {entry["rank"]: entry for entry in map(json.loads, result.stdout.split("\n")[:-1])}
-    assert sorted(answers) == [0, 1] and answers[0]["shared"] is None and answers[1]["shared"] is None
+    answers = {rank: json.loads((tmp_path / f"answer-{rank}.json").read_text()) for rank in (0, 1)}
+    assert [answers[rank]["rank"] for rank in (0, 1)] == [0, 1] and answers[0]["shared"] is None and answers[1]["shared"] is None
     assert "is not one folder shared by every machine" in answers[0]["own"]
     assert "process 1 on " in answers[1]["own"] and str(tmp_path / "rank-1") in answers[1]["own"]
     assert "filesystem every machine mounts at the same path" in answers[1]["own"]
