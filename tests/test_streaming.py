@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -292,6 +293,32 @@ def test_a_source_that_is_not_parquet_shards_is_refused(tables, tmp_path, capsys
     assert f"data.dataset={str(tables['images'])!r}" in error and "is not a folder holding .parquet shards" in error
     assert "data.streaming=false" in error
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_a_hub_repo_of_image_files_is_refused_before_any_image_is_read(tables, hub, tmp_path, capsys):
+    files = {f"train/{path.parent.name}/{path.name}": path for path in sorted((tables["images"] / "train").rglob("*.png"))}
+    hub.add_repo("user/colour-pictures", files, repo_type="dataset")
+    hub.clear_log()
+    error = run_expecting_error([f"model.base={tables['base']}", "data.dataset=user/colour-pictures", *RECIPE,
+                                 f"output_dir={tmp_path / 'out'}"], capsys)
+    assert "data.dataset='user/colour-pictures' holds files other than parquet shards" in error
+    assert "train/blue/0.png" in error or ".png" in error
+    assert hub.requests(path_regex=r"/resolve/.*\.png") == []  # listed, never downloaded
+
+
+def test_a_resume_refuses_changed_shards(tables, tmp_path, capsys):
+    """A shard rewritten after the checkpoint: the resume is refused before any weight loads."""
+    from runs import SimulatedKill, kill_at
+
+    shards = Path(shutil.copytree(tables["shards"], tmp_path / "shards"))
+    args = [f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={tmp_path / 'out'}",
+            "train.checkpoint_every_steps=2"]
+    with pytest.raises(SimulatedKill):
+        train(args, callbacks=[kill_at(3)])
+    first = next(shards.glob("train-*.parquet"))
+    first.write_bytes(first.read_bytes())  # same content, a new modification time: datasets' own rule for files
+    error = run_expecting_error([*args, "train.resume=auto"], capsys)
+    assert "the data of the train split(s) changed since it was written" in error
 
 
 def test_labels_without_a_class_label_are_refused(tables, tmp_path, capsys):
