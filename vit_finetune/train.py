@@ -268,7 +268,7 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
     pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
     logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
     if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
-        return augment.soft_target_loss(logits, soft_targets)
+        return augment.soft_target_loss(logits, soft_targets, parts.class_weights)
     per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
                                                   reduction="none", ignore_index=data.SKIPPED_LABEL,
                                                   label_smoothing=recipe.train.label_smoothing)
