@@ -260,6 +260,19 @@ def test_killed_and_resumed_stream_equals_the_uninterrupted_run(tables, tmp_path
     assert metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
 
 
+def test_gradient_accumulation_makes_whole_steps_of_each_epoch(tables, tmp_path):
+    """train.grad_accum=2: an epoch of 6 batches is 3 optimiser steps of 2 batches, each row once per epoch (the
+    streamed loader is not Accelerate's, so the step boundaries come from the batch count alone)."""
+    record = tmp_path / "record"
+    assert train([f"model.base={tables['base']}", f"data.dataset={tables['shards']}", *RECIPE, *FIXED_CROP,
+                  "train.grad_accum=2", f"output_dir={tmp_path / 'out'}"], record=record) == 0
+    samples = recorder.read_samples(record)
+    assert [entry["step"] for entry in samples] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    seen = rows_per_rank_and_epoch(samples, train_fingerprints(tables["table"]))
+    assert all(sorted(rows) == list(range(CLASSES * TRAIN_PER_CLASS)) for rows in seen.values()) and len(seen) == 2
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["steps"] == 6
+
+
 # ---------------------------------------------------------------- splitting and errors, in this process
 
 
