@@ -361,14 +361,17 @@ class ImageClassificationDataset(Dataset):
 
     def __getitem__(self, key: tuple[int, int]) -> tuple[torch.Tensor, int, str | None]:
         index, epoch = key
-        row = self.table[int(index)]
+        return self.sample(self.table[int(index)], int(index), epoch)
+
+    def sample(self, row: dict, index: int, epoch: int) -> tuple[torch.Tensor, int, str | None]:
+        """One row decoded and made into pixels; `index` names it and, with `epoch`, seeds its augmentation."""
         try:
-            image = decode_image(row[self.image_column], int(index), self.settings)
+            image = decode_image(row[self.image_column], index, self.settings)
         except BadImageError:
             if not self.settings.skip_bad_images:
                 raise
-            return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], int(index))
-        return self.make_pixels(image, int(index), epoch), row[self.label_column], None
+            return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], index)
+        return self.make_pixels(image, index, epoch), row[self.label_column], None
 
 
 class EpochSampler(Sampler):

@@ -119,22 +119,27 @@ def predict_split(model, loader, accelerator, normalize: Callable, num_classes: 
     last batch, so each image counts once and the order is the split's."""
     was_training = model.training
     model.eval()
-    ranked, references, losses = [], [], []
     k = min(TOP_K, num_classes)
-    for batch in loader:
-        with accelerator.autocast():
-            logits = model(pixel_values=normalize(batch["pixel_values"])).logits.float()
-        sample_losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none",
-                                                          ignore_index=SKIPPED_LABEL)
-        top, labels, sample_losses = accelerator.gather_for_metrics(
-            (logits.topk(k, dim=-1).indices, batch["labels"], sample_losses))
-        ranked.append(top.cpu())
-        references.append(labels.cpu())
-        losses.append(sample_losses.cpu())
+    gathered = [accelerator.gather_for_metrics(batch_predictions(model, batch, accelerator, normalize, k))
+                for batch in loader]
     model.train(was_training)
-    if not references:
+    return joined(gathered, k)
+
+
+def batch_predictions(model, batch: dict, accelerator, normalize: Callable, k: int) -> tuple[torch.Tensor, ...]:
+    """(top-k class ids, labels, per-image loss) of one batch, on the device."""
+    with accelerator.autocast():
+        logits = model(pixel_values=normalize(batch["pixel_values"])).logits.float()
+    losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none", ignore_index=SKIPPED_LABEL)
+    return logits.topk(k, dim=-1).indices, batch["labels"], losses
+
+
+def joined(batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
+    """SplitPredictions from per-batch (ranked, references, losses), in order, on the CPU."""
+    if not batches:
         return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
-    return SplitPredictions(torch.cat(ranked), torch.cat(references), torch.cat(losses))
+    ranked, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
+    return SplitPredictions(ranked, references, losses)
 
 
 def summarise(predictions: SplitPredictions, num_classes: int) -> dict:

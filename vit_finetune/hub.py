@@ -6,6 +6,7 @@ with back-off. A push only reads the output folder: a failure never touches the 
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,15 +51,29 @@ def offline_unless(talks_to_hub: bool):
     if talks_to_hub:
         yield
         return
+    with hub_offline(True):
+        yield
+
+
+@contextmanager
+def hub_offline(offline: bool):
+    """Inside, huggingface_hub and datasets are offline (True) or may talk to the Hub (False); restored after."""
     import datasets.config
     import huggingface_hub.constants
 
     saved = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
-    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = offline
     try:
         yield
     finally:
         huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
+
+
+def offline_by_user() -> bool:
+    """Whether the user set HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE), read from the environment, not from the flags
+    offline_unless may have set for this process."""
+    return any(os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
 def is_retryable(error: Exception) -> bool:

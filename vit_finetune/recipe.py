@@ -132,6 +132,13 @@ class DataSettings(Strict):
     class_balance: Literal["weights", "sampler"] | None = Field(None, description=(
         "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
         "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
+    streaming: bool = Field(False, description=(
+        "read data.dataset as a stream of parquet shards (a Hub dataset id or a local folder of .parquet files) "
+        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column and "
+        "an eval split; each process reads its own shards (README, 'Streaming')"))
+    shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
+        "data.streaming: rows each process holds to shuffle its stream (shard order is shuffled too, per pass); "
+        "more = better mixed, more memory (rows x encoded image size)"))
 
     @field_validator("crop_scale")
     @classmethod
@@ -142,6 +149,18 @@ class DataSettings(Strict):
         if not 0 < low <= high <= 1:
             raise ValueError(f"must satisfy 0 < low <= high <= 1, got {list(value)}; e.g. [0.05, 1.0]")
         return value
+
+    @model_validator(mode="after")
+    def _streaming_keys(self) -> DataSettings:
+        # What a stream cannot do without reading it whole first: subsample it, carve an eval part from it, or
+        # count its classes for balancing.
+        unsupported = {"max_train_samples": self.max_train_samples, "max_eval_samples": self.max_eval_samples,
+                       "class_balance": self.class_balance}
+        given = [f"data.{key}={value}" for key, value in unsupported.items() if value is not None]
+        if self.streaming and given:
+            raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
+                             "whole before training); set them to null, or data.streaming=false")
+        return self
 
 
 class AugmentSettings(Strict):

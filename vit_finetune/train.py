@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, memory, model as vit, optim, outputs
-from . import pictures, progress as display, selection, tracking
+from . import pictures, progress as display, selection, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, sum_over_processes,
@@ -51,8 +51,8 @@ class Parts:
     model: torch.nn.Module
     processor: object
     labels: list[str]
-    train_loader: torch.utils.data.DataLoader
-    eval_loader: torch.utils.data.DataLoader
+    train_loader: torch.utils.data.DataLoader | streaming.StreamLoader  # the latter with data.streaming
+    eval_loader: torch.utils.data.DataLoader | streaming.StreamLoader
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     normalize: data.PixelNormalizer
@@ -168,7 +168,13 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 
 def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
-    splits = data.load_splits(recipe.data, recipe.train.seed)
+    streamed = recipe.data.streaming
+    if streamed:
+        splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
+        rows = streaming.epoch_rows(splits, recipe, accelerator.num_processes)
+    else:
+        splits = data.load_splits(recipe.data, recipe.train.seed)
+        rows = len(splits.train)
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
                             on_resample=lambda before, after: tables.update(before=before, after=after))
@@ -178,7 +184,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     size = recipe.model.image_size
     seed = recipe.train.seed
     images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
-    steps_per_epoch = math.ceil(math.ceil(len(splits.train) / (recipe.train.batch_size * accelerator.num_processes))
+    steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
                                 / recipe.train.grad_accum)
     total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
     if recipe.train.warmup_steps >= total_steps:
@@ -192,12 +198,17 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     workers = recipe.data.num_workers
     if workers is None:
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
-    pin = accelerator.device.type == "cuda"
-    train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
-    eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-    sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
-    train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
-    eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
+    if streamed:
+        train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
+                                                           accelerator, train_pixels, processor, size)
+        class_weights = None  # data.class_balance is refused with streaming (the recipe says why)
+    else:
+        pin = accelerator.device.type == "cuda"
+        train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
+        eval_set = data.eval_dataset(splits, recipe.data, processor, size)
+        sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
+        train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
+        eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
@@ -205,7 +216,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                                              accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps,
-                 as_run, splits.eval_split, tables, data.identity(splits),
+                 as_run, splits.eval_split, tables, splits.identity if streamed else data.identity(splits),
                  None if class_weights is None else class_weights.to(accelerator.device))
 
 
@@ -227,6 +238,9 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
         model = torch.compile(model)
     # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
     # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
+    if recipe.data.streaming:  # each process already reads only its share: Accelerate must not deal it out again
+        parts.model, parts.optimizer, parts.scheduler = accelerator.prepare(model, parts.optimizer, parts.scheduler)
+        return
     parts.model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler = accelerator.prepare(
         model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
 
@@ -344,7 +358,9 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     training = TrainingRun(recipe, accelerator, parts, state)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
                                        parts.labels, measure=lambda: measure(training))
-    hooks = CallbackList([keeper, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to), *callbacks])
+    stream_positions = [streaming.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
+    hooks = CallbackList([keeper, *stream_positions, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to),
+                          *callbacks])
     if resume_from:
         hooks.on_load_checkpoint(training, resume_from)
     started = time.perf_counter()
@@ -360,7 +376,9 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
-        draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels)
+        # The pictures show eval images by their place in the split, which a stream cannot look up.
+        draw = None if recipe.data.streaming else partial(pictures.draw_evaluation, predictions,
+                                                          parts.eval_loader.dataset, parts.labels)
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw)
         keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
@@ -482,13 +500,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
     the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
     while state.step < parts.total_steps and not state.stopped_early:
-        # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
-        # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
-        parts.train_loader.set_epoch(state.epoch)
-        loader = parts.train_loader
-        if state.batches_done:
-            loader = accelerator.skip_first_batches(parts.train_loader, state.batches_done)
-        for batch in loader:
+        for batch in _epoch_batches(run):
             callbacks.on_batch(run, batch)
             batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
             loss, finite = train_step(accelerator, parts, batch, run.recipe)
@@ -503,6 +515,19 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> It
         state.batches_done = 0
         if not run.recipe.train.eval_every_steps and state.step < parts.total_steps:
             _evaluate_during_training(run, callbacks)
+
+
+def _epoch_batches(run: TrainingRun) -> Iterable[dict]:
+    """The current epoch's batches from state.batches_done on."""
+    parts, state = run.parts, run.state
+    if run.recipe.data.streaming:  # its position, restored from the checkpoint, already stands after batches_done
+        return parts.train_loader.batches(parts.steps_per_epoch * run.recipe.train.grad_accum - state.batches_done)
+    # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
+    # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
+    parts.train_loader.set_epoch(state.epoch)
+    if state.batches_done:
+        return run.accelerator.skip_first_batches(parts.train_loader, state.batches_done)
+    return parts.train_loader
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -581,8 +606,8 @@ def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
     """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
     per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
-    predictions = evaluation.predict_split(parts.model, parts.eval_loader, run.accelerator, parts.normalize,
-                                           len(parts.labels))
+    predict = streaming.predict_stream if run.recipe.data.streaming else evaluation.predict_split
+    predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, len(parts.labels))
     metrics = evaluation.summarise(predictions, len(parts.labels))
     metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
     metrics.update(evaluation.eval_split_fields(parts.eval_split))

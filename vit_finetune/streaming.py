@@ -1,0 +1,339 @@
+"""Streaming (data.streaming=true): train and evaluate from parquet shards read while training, from a Hub dataset
+or a local folder, for datasets larger than the disk.
+
+Each process reads its own share of a split (datasets.distributed.split_dataset_by_node: whole shards when the shard
+count is a multiple of the process count, every n-th row otherwise) as an endless series of passes, each shuffled
+with a seeded buffer (IterableDataset.shuffle, set_epoch(pass)). The main process reads the stream and only hands
+the encoded rows out; DataLoader workers decode and augment them as data.py does for a map-style dataset. So the
+order of the rows never depends on the number of workers, and a row's augmentation is a function of (seed, pass,
+its place in the stream) alone.
+
+Exact resume. IterableDataset.state_dict() is not enough: datasets documents that a shuffle buffer's content is not
+in it (a resumed stream refills its buffer from later rows), and a DataLoader reads ahead of training, so the
+dataset's state when a checkpoint is written is not the position of the rows trained on. A checkpoint therefore
+stores each process's position as (pass, rows of that pass trained on); a resume reads that pass again from its
+start and fast-forwards over those rows without decoding them: the same buffer, the same next batch. The cost: up to
+one pass over the process's shards read again (bytes only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Sampler
+
+from . import data, evaluation, hub
+from .callbacks import Callback
+from .checkpoint import CheckpointError
+from .data import DataError
+from .recipe import DataSettings, Recipe, excerpt
+
+SHARD_SUFFIX = ".parquet"
+POSITION_FILE = "stream_position_{rank}.json"  # one per process, in each checkpoint
+
+
+@dataclass
+class StreamedSplits:
+    """What data.Splits holds, for streams: this process's share of each split, images left encoded."""
+
+    train: Any  # datasets.IterableDataset: this process's share, not shuffled yet
+    eval: Any
+    image_column: str
+    label_column: str
+    labels: list[str]
+    eval_split: str
+    train_rows: int | None  # the whole split's, over all processes, from the dataset's metadata
+    eval_rows: int | None
+    identity: dict  # the labels and the shards read, as each checkpoint records them
+
+
+@dataclass
+class Position:
+    """Where a process stands in its stream: the pass (0, 1, ...) and how many rows of that pass were used."""
+
+    pass_: int = 0
+    offset: int = 0
+
+
+# ---------------------------------------------------------------- opening
+
+
+def unsupported(settings: DataSettings, why: str) -> DataError:
+    return DataError(
+        f"data.dataset={excerpt(settings.dataset)} {why}. data.streaming=true reads parquet shards: give a Hub dataset "
+        "of parquet files (e.g. written by Dataset.push_to_hub) or a local folder of .parquet files, or set "
+        "data.streaming=false to load the dataset whole")
+
+
+def open_builder(settings: DataSettings):
+    """datasets' builder for the source (metadata and the list of shards only: nothing is downloaded yet)."""
+    import datasets
+
+    name = settings.dataset
+    local = Path(name).expanduser()
+    if name.startswith((".", "/", "~", "builtin:")) or local.exists():
+        if not local.is_dir() or not any(local.rglob(f"*{SHARD_SUFFIX}")):
+            raise unsupported(settings, "is not a folder holding .parquet shards")
+        name = str(local)
+    try:
+        # Every process reads its own shards, so every process talks to the Hub here (unless the user is offline).
+        with hub.hub_offline(hub.offline_by_user()):
+            builder = datasets.load_dataset_builder(name)
+    except Exception as error:  # datasets raises many types; the user needs the id and the reason
+        raise DataError(f"data.dataset={excerpt(name)} could not be opened for streaming: "
+                        f"{type(error).__name__}: {error}") from None
+    files = [file for split in (builder.config.data_files or {}).values() for file in split]
+    others = [file for file in files if not file.endswith(SHARD_SUFFIX)]
+    if not files or others:
+        raise unsupported(settings, f"holds files other than parquet shards (e.g. {excerpt(others[:1] or None)})")
+    return builder
+
+
+def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedSplits:
+    """This process's share of the train and eval splits, with detected columns and the ClassLabel's names."""
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    builder = open_builder(settings)
+    files = builder.config.data_files
+    names = [str(split) for split in files]
+    if settings.train_split not in files:
+        raise DataError(f"data.train_split={settings.train_split!r} not in the dataset; its splits are {names}")
+    eval_split = settings.eval_split if settings.eval_split in files else "test" if "test" in files else None
+    if eval_split is None:
+        raise DataError(f"data.eval_split={settings.eval_split!r} not in the dataset, whose splits are {names}; "
+                        "a stream cannot hold out part of train for evaluation. Set data.eval_split=<one of them>")
+    with hub.hub_offline(hub.offline_by_user()):
+        train = builder.as_streaming_dataset(split=settings.train_split)
+        evaluation_stream = builder.as_streaming_dataset(split=eval_split)
+    features = train.features
+    image_column = data.detect_column(features, settings.image_column, "image", data.IMAGE_COLUMN_NAMES, datasets.Image)
+    label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
+                                      datasets.ClassLabel)
+    if not isinstance(features[label_column], datasets.ClassLabel):
+        raise DataError(
+            f"data.streaming=true needs the label column {label_column!r} to be a ClassLabel (its names are the "
+            f"classes, known without reading the whole stream); it is {features[label_column]}. Fix: write the shards "
+            "with datasets after cast_column(label, ClassLabel(names=[...])) (push_to_hub and to_parquet keep it), or "
+            "set data.streaming=false")
+
+    def share(stream):
+        stream = stream.cast_column(image_column, datasets.Image(decode=False))
+        return split_dataset_by_node(stream.select_columns([image_column, label_column]), rank, processes)
+
+    labels = list(features[label_column].names)
+    identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
+                "eval": shard_identity(files[eval_split])}
+    return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
+                          split_rows(builder, settings.train_split), split_rows(builder, eval_split), identity)
+
+
+def split_rows(builder, split: str) -> int | None:
+    """The split's row count: from the dataset's card (datasets' split info), else from the parquet footers (a
+    small ranged read per shard); None if neither answers."""
+    import fsspec
+    import pyarrow.parquet as pq
+
+    known = (builder.info.splits or {}).get(split)
+    if known is not None and known.num_examples:
+        return known.num_examples
+    try:
+        with hub.hub_offline(hub.offline_by_user()):
+            total = 0
+            for file in builder.config.data_files[split]:
+                with fsspec.open(file, "rb") as handle:
+                    total += pq.ParquetFile(handle).metadata.num_rows
+            return total
+    except (OSError, ValueError):
+        return None
+
+
+def shard_identity(files: list[str]) -> list[str]:
+    """What a checkpoint records of a split's shards: a Hub shard's URL carries the commit it was resolved at; a
+    local one is named with its size and modification time."""
+    named = []
+    for file in files:
+        if "://" in file:
+            named.append(file)
+        else:
+            stat = os.stat(file)
+            named.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+    return named
+
+
+def epoch_rows(splits: StreamedSplits, recipe: Recipe, processes: int) -> int:
+    """Rows in one epoch: the train split's, or, when its metadata has no count, those of train.max_steps steps."""
+    if splits.train_rows:
+        return splits.train_rows
+    t = recipe.train
+    if t.max_steps is None:
+        raise DataError(
+            f"data.dataset={excerpt(recipe.data.dataset)}: the row count of split {recipe.data.train_split!r} is not in "
+            "the dataset's metadata, so an epoch has no length. Fix: set train.max_steps=<optimiser steps>")
+    return t.max_steps * t.batch_size * t.grad_accum * processes
+
+
+# ---------------------------------------------------------------- reading and decoding
+
+
+class StreamReader(Sampler):
+    """Runs in the main process: this process's rows, still encoded, `count` of them from `start`, as
+    (row, pass, offset) items that DataLoader batches and hands to its workers. Training reads pass after pass
+    (endless); evaluation reads one pass, in order."""
+
+    def __init__(self, stream, shuffle_with: tuple[int, int] | None):
+        if shuffle_with is not None:
+            # The buffer is fed from one shard at a time: datasets' default (10 at once) reads them in threads whose
+            # shutdown sleeps 5 s (an Arrow workaround) at every pass's end, and whenever a pass is left unfinished.
+            seed, buffer_size = shuffle_with
+            stream = stream.shuffle(seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1)
+        self.stream = stream
+        self.endless = shuffle_with is not None
+        self.start, self.count = Position(), None
+
+    def __iter__(self) -> Iterator[tuple[dict, int, int]]:
+        return itertools.islice(self._rows_from(self.start), self.count)
+
+    def _rows_from(self, start: Position) -> Iterator[tuple[dict, int, int]]:
+        for pass_ in itertools.count(start.pass_):
+            self.stream.set_epoch(pass_)  # reshuffles the shards and seeds the buffer, per pass
+            skip = start.offset if pass_ == start.pass_ else 0
+            found = False
+            # The fast-forward of a resume: rows before `skip` are read, never decoded.
+            for offset, row in enumerate(itertools.islice(iter(self.stream), skip, None), skip):
+                found = True
+                yield row, pass_, offset
+            if not self.endless:
+                return
+            if not found and skip == 0:
+                raise DataError("this process's share of the stream is empty: the split has fewer rows than there "
+                                "are processes. Use fewer processes, or more data")
+
+
+class StreamedImages(data.ImageClassificationDataset):
+    """Decodes, in DataLoader workers, the (row, pass, offset) items StreamReader hands out; yields what the
+    map-style dataset yields, plus the position after the row."""
+
+    def __init__(self, rows: int | None, rank: int, processes: int, **parts):
+        super().__init__(None, **parts)
+        self.rows, self.rank, self.processes = rows, rank, processes
+
+    def __len__(self) -> int:
+        return self.rows or 0  # the whole split's rows, over all processes
+
+    def __getitem__(self, item: tuple[dict, int, int]) -> tuple:
+        row, pass_, offset = item
+        # Unique within a pass over all processes: the row's place in this process's stream, interleaved by rank.
+        index = offset * self.processes + self.rank
+        return (*self.sample(row, index, pass_), Position(pass_, offset + 1))
+
+
+def collate(samples: list) -> dict:
+    batch = data.collate([sample[:3] for sample in samples])
+    batch["stream_next"] = samples[-1][3]
+    return batch
+
+
+class StreamLoader:
+    """This process's batches of a stream, moved to the device. Accelerate does not prepare it: it would deal the
+    batches out to the processes a second time. `position` is where training stands; checkpoints save it."""
+
+    def __init__(self, reader: StreamReader, dataset: StreamedImages, batch_size: int, workers: int, pin: bool,
+                 seed: int, device: torch.device):
+        self.reader, self.dataset, self.batch_size, self.device = reader, dataset, batch_size, device
+        self.position = Position()
+        self.loader = DataLoader(
+            dataset, batch_size=batch_size, sampler=reader, collate_fn=collate, num_workers=workers,
+            pin_memory=pin, persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
+            generator=torch.Generator().manual_seed(seed))  # as data.make_loader: keeps torch's global RNG untouched
+
+    def batches(self, count: int | None) -> Iterator[dict]:
+        """`count` batches from `position` on (None: to the end of the pass), each on the device."""
+        from accelerate.utils import send_to_device
+
+        self.reader.start = self.position
+        self.reader.count = None if count is None else count * self.batch_size
+        for batch in self.loader:
+            self.position = batch.pop("stream_next")
+            yield send_to_device(batch, self.device, non_blocking=self.device.type == "cuda")
+
+    def whole_split(self) -> Iterator[dict]:
+        """One pass over this process's share, in order (evaluation)."""
+        self.position = Position()
+        return self.batches(None)
+
+
+def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batch_size: int, workers: int,
+                 accelerator, train_pixels: Callable[[Image.Image, int, int], torch.Tensor],
+                 processor, image_size: int) -> tuple[StreamLoader, StreamLoader]:
+    """The train loader (shuffled, endless, augmented by `train_pixels`) and the eval loader (in order, one pass,
+    preprocessed by the saved image processor)."""
+    rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings)
+    train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
+                               placeholder=torch.zeros(3, image_size, image_size, dtype=torch.uint8), **common)
+    eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
+                              placeholder=torch.zeros(3, image_size, image_size), **common)
+    pin = device.type == "cuda"
+    train = StreamLoader(StreamReader(splits.train, (seed, settings.shuffle_buffer)), train_set, batch_size, workers,
+                         pin, seed, device)
+    evaluation_loader = StreamLoader(StreamReader(splits.eval, None), eval_set, batch_size, workers, pin, seed, device)
+    return train, evaluation_loader
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable,
+                   num_classes: int) -> evaluation.SplitPredictions:
+    """Each process predicts its own share (shares differ in length: no padding), then the shares are gathered
+    once, rank after rank, so each image counts exactly once."""
+    from accelerate.utils import gather_object
+
+    # Unwrapped: a DDP forward may broadcast buffers, a collective that processes with fewer batches never reach.
+    module = accelerator.unwrap_model(model)
+    was_training = module.training
+    module.eval()
+    k = min(evaluation.TOP_K, num_classes)
+    batches = [tuple(part.cpu() for part in evaluation.batch_predictions(module, batch, accelerator, normalize, k))
+               for batch in loader.whole_split()]
+    module.train(was_training)
+    mine = evaluation.joined(batches, k)
+    shares = gather_object([(mine.ranked, mine.references, mine.losses)])
+    return evaluation.joined(shares, k)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+class StreamPositions(Callback):
+    """Saves each process's train-stream position in every checkpoint, and restores it on a resume."""
+
+    def __init__(self, loader: StreamLoader):
+        self.loader = loader
+
+    def on_save_checkpoint(self, run, folder: Path) -> None:
+        position = self.loader.position
+        (folder / POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
+            {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
+             "batches_done": run.state.batches_done}))
+
+    def on_load_checkpoint(self, run, folder: Path) -> None:
+        path = folder / POSITION_FILE.format(rank=run.accelerator.process_index)
+        try:
+            saved = json.loads(path.read_text())
+            self.loader.position = Position(int(saved["pass"]), int(saved["offset"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(
+                f"cannot resume from {folder}: this process's stream position {path.name} cannot be read "
+                f"({type(error).__name__}: {error}); it was written by a run without data.streaming, or is damaged. "
+                "Resume from another checkpoint with train.resume=<its folder>, or start again with overwrite=true"
+            ) from None
