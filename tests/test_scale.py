@@ -39,9 +39,9 @@ def test_checkpoint_size_matches_what_accelerate_writes_for_adamw(tmp_path):
 
 def test_shard_count_divides_evenly_for_every_gpu_count_and_is_the_fewest_that_fit():
     dataset, largest = 1.31e12, 512e6
-    shards = shard_count(dataset, [8, 64], 4, largest)
-    assert all(shards % (gpus * 4) == 0 for gpus in (8, 64))
-    assert dataset / shards <= largest < dataset / (shards - math.lcm(8, 64) * 4)
+    shards = shard_count(dataset, [8, 24, 64], largest)
+    assert all(shards % gpus == 0 for gpus in (8, 24, 64))
+    assert dataset / shards <= largest < dataset / (shards - math.lcm(8, 24, 64))
 
 
 @pytest.mark.parametrize("shards, whole_shards", [(8, True), (6, False)])

@@ -28,7 +28,6 @@ class Workload:
     rate_per_gpu: float
     batch_per_gpu: int
     decode_rate_per_core: float
-    workers_per_gpu: int
     shard_bytes: float  # the largest shard wanted
     checkpoint_minutes: float  # at most this much training lost to a crash
 
@@ -53,13 +52,13 @@ def all_reduce_bus_bytes(parameters: int, gpus: int) -> float:
     return 2 * (gpus - 1) / gpus * parameters * 4
 
 
-def shard_count(dataset_bytes: float, gpu_counts: list[int], workers_per_gpu: int, shard_bytes: float) -> int:
-    """The fewest shards of at most `shard_bytes` that every GPU count's ranks x workers divides evenly.
+def shard_count(dataset_bytes: float, gpu_counts: list[int], shard_bytes: float) -> int:
+    """The fewest shards of at most `shard_bytes` that every GPU count divides evenly.
 
     Even division matters: datasets' split_dataset_by_node then gives each rank whole shards; otherwise every
     rank reads every shard and keeps one row in world_size, so the job downloads the dataset world_size times.
     """
-    unit = math.lcm(*gpu_counts) * workers_per_gpu
+    unit = math.lcm(*gpu_counts)
     return unit * max(1, math.ceil(dataset_bytes / shard_bytes / unit))
 
 
@@ -117,12 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=384)
     parser.add_argument("--batch-size", type=int, default=128, help="per GPU")
     parser.add_argument("--decode-rate", type=float, default=DECODE_RATE_PER_CORE, help="decoded crops/s per core")
-    parser.add_argument("--workers", type=int, default=4, help="DataLoader workers per GPU (shards are split among them)")
     parser.add_argument("--shard-mb", type=float, default=512, help="largest shard wanted")
     parser.add_argument("--checkpoint-minutes", type=float, default=30, help="training a crash may cost at most")
     args = parser.parse_args(argv)
-    for name in ("rate", "images", "dataset_tb", "classes", "image_size", "batch_size", "decode_rate", "workers",
-                 "shard_mb", "checkpoint_minutes"):
+    for name in ("rate", "images", "dataset_tb", "classes", "image_size", "batch_size", "decode_rate", "shard_mb", "checkpoint_minutes"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0")
     if min(args.gpus) <= 0:
@@ -133,8 +130,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     workload = Workload(args.images, args.dataset_tb * 1e12, vit_parameters(args.image_size, args.classes), args.rate,
-                        args.batch_size, args.decode_rate, args.workers, args.shard_mb * 1e6, args.checkpoint_minutes)
-    shards = shard_count(workload.dataset_bytes, args.gpus, args.workers, workload.shard_bytes)
+                        args.batch_size, args.decode_rate, args.shard_mb * 1e6, args.checkpoint_minutes)
+    shards = shard_count(workload.dataset_bytes, args.gpus, workload.shard_bytes)
     print(format_table(workload, [plan(workload, gpus, shards) for gpus in args.gpus], shards))
     return 0
 
