@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import accelerate
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
@@ -89,15 +90,8 @@ def check_set_up(engine: str | None, accelerator: Accelerator, recipe: Recipe) -
 
 
 def _on_cpu_advice(engine: str) -> str:
-    return (f"Accelerate {_accelerate_version()} runs {engine} on GPUs only. Fix: on this machine launch with "
-            f"{DDP_CONFIG} (or torchrun --nproc_per_node N -m vit_finetune ...); keep the {engine} config for a GPU "
-            "machine")
-
-
-def _accelerate_version() -> str:
-    import accelerate
-
-    return accelerate.__version__
+    return (f"Accelerate {accelerate.__version__} runs {engine} on GPUs only. Fix: on a machine without GPUs train "
+            f"with DDP (torchrun --nproc_per_node N -m vit_finetune ...); keep the {engine} config for a GPU machine")
 
 
 def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:

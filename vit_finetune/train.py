@@ -19,8 +19,8 @@ from typing import Iterable, Iterator
 
 import torch
 from accelerate import Accelerator
-from torch.distributed.tensor import DTensor
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from torch.distributed.tensor import DTensor
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, memory, model as vit, optim, outputs
 from . import pictures, progress as display, selection, sharding, tracking
