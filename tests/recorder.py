@@ -179,3 +179,18 @@ def subprocess_env(record_dir: Path, **extra: str) -> dict:
     tests = Path(__file__).resolve().parent
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(OBSERVED_SITE), str(tests), str(REPO)]),
             ENV: str(record_dir), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def writers_by_path(record_dir: Path, folder: Path) -> dict[str, set[str]]:
+    """path under `folder` (relative, posix) -> the ranks (as strings) that wrote that file, from the writes logs.
+
+    Folders are left out: Accelerate makes the checkpoint folder on every rank (exist_ok), no file.
+    """
+    from collections import defaultdict
+
+    writers: dict[str, set[str]] = defaultdict(set)
+    for log in Path(record_dir).glob("writes-*.jsonl"):
+        for entry in map(json.loads, log.read_text().splitlines()):
+            if entry["rank"] is not None and entry["path"].startswith(str(folder)) and entry["kind"] != "os.mkdir":
+                writers[Path(entry["path"]).relative_to(folder).as_posix()].add(entry["rank"])
+    return dict(writers)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -101,23 +100,15 @@ def launch_and_kill(args: list[str], record: Path, when: Callable[[str], bool], 
 
 
 def signal_tree(pid: int, sig: int) -> None:
-    """Send `sig` to a process and all its descendants (Linux /proc): torchrun starts its workers in sessions of
-    their own, so its process group does not hold them."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """Send `sig` to a process and all its descendants: torchrun starts its workers in sessions of their own, so
+    its process group does not hold them."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for member in [root, *root.children(recursive=True)]:
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, waiting = [], [pid]
-    while waiting:
-        tree.append(waiting.pop())
-        waiting.extend(children.get(tree[-1], []))
-    for member in tree:
-        try:
-            os.kill(member, sig)
-        except ProcessLookupError:
+            member.send_signal(sig)
+        except psutil.NoSuchProcess:
             pass
 
 

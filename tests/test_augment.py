@@ -86,6 +86,23 @@ def test_bad_image_rows_train_nothing_and_a_blank_partner_leaves_the_own_label_w
     assert augment.soft_target_loss(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
 
 
+def test_class_weights_apply_to_mixed_targets_and_equal_weighted_cross_entropy_on_one_hot_rows():
+    logits, labels = torch.randn(5, 3), torch.tensor([0, 2, 2, 1, 0])
+    weights = torch.tensor([0.5, 2.0, 1.25])
+    one_hot = torch.nn.functional.one_hot(labels, 3).float()
+    expected = torch.nn.functional.cross_entropy(logits, labels, weight=weights)
+    assert augment.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
+    one_hot[1] = 0  # a bad image's row holds no target and weighs nothing
+    kept = torch.tensor([0, 2, 3, 4])
+    expected = torch.nn.functional.cross_entropy(logits[kept], labels[kept], weight=weights)
+    assert augment.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
+    mixed = torch.tensor([[0.7, 0.3, 0.0]])  # a mixed pair weighs 0.7 w_0 + 0.3 w_1
+    log_p = torch.log_softmax(logits[:1], -1)[0]
+    by_hand = -(0.7 * 0.5 * log_p[0] + 0.3 * 2.0 * log_p[1]) / (0.7 * 0.5 + 0.3 * 2.0)
+    assert augment.soft_target_loss(logits[:1], mixed, weights).item() == pytest.approx(by_hand.item(), rel=1e-6)
+    assert augment.soft_target_loss(logits, torch.zeros(5, 3), weights).item() == 0.0  # all rows skipped
+
+
 def test_mixing_is_off_in_the_last_epochs_and_on_before():
     pixels, labels = batch()
     mix = augmenter(total_epochs=3, mixup=True, cutmix=True, mix_off_epochs=1)

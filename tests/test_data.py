@@ -55,6 +55,18 @@ def test_string_labels_become_a_classlabel_and_an_eval_split_is_carved_stratifie
         r["bytes"] for r in first.eval["photo"]]  # seeded
 
 
+@pytest.mark.parametrize("fraction, part", [(0.1, "test_size = 2"), (0.9, "train_size = 1")])
+def test_an_eval_fraction_too_small_or_large_for_every_class_names_the_key_and_the_range(tmp_path, fraction, part):
+    settings = DataSettings(dataset=str(saved_dataset(tmp_path, ["cat", "dog", "owl"] * 4)), eval_fraction=fraction)
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(settings, seed=0)
+    message = str(caught.value)
+    assert f"data.eval_fraction={fraction} cannot hold out" in message and "(12 images, 3 classes)" in message
+    assert part in message and "an eval_fraction between 0.25 and 0.75" in message
+    carved = data.load_splits(settings.model_copy(update={"eval_fraction": 0.25}), seed=0)  # the range's end works
+    assert sorted(carved.eval["kind"]) == [0, 1, 2]
+
+
 def test_a_missing_column_lists_the_columns(tmp_path):
     path = saved_dataset(tmp_path, ["a", "b"] * 3)
     with pytest.raises(data.DataError) as caught:

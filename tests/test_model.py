@@ -112,6 +112,15 @@ def test_a_checkpoint_missing_a_backbone_tensor_fails_loudly(tiny_base, tmp_path
         vit.build_model(ModelSettings(base=str(broken), image_size=32), LABELS)
 
 
+def test_a_base_folder_without_weights_is_a_model_error_naming_the_folder_and_the_fix(tmp_path):
+    weightless = tmp_path / "weightless"
+    make_tiny_vit(weightless)
+    (weightless / "model.safetensors").unlink()  # config.json alone, as a half-copied folder leaves it
+    with pytest.raises(vit.ModelError, match=r"(?s)model.base='.*weightless': its weights could not be loaded.*"
+                                             r"Fix: a folder needs model.safetensors"):
+        vit.build_model(ModelSettings(base=str(weightless), image_size=32), LABELS)
+
+
 def test_image_size_must_be_a_multiple_of_the_patch_size(tiny_base):
     with pytest.raises(vit.ModelError, match=r"model.image_size=30 is not a multiple of the patch size 4; use 28 or 32"):
         vit.load_base_config(ModelSettings(base=str(tiny_base), image_size=30))

@@ -17,7 +17,6 @@ import json
 import math
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -152,14 +151,9 @@ def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(t
 @pytest.mark.timeout(400)
 def test_only_the_main_process_writes_outputs_and_no_file_is_written_twice(two_process_run):
     out, record = two_process_run["out"], two_process_run["record"]
-    writers: dict[str, set[str]] = defaultdict(set)
-    for log in record.glob("writes-*.jsonl"):
-        for entry in map(json.loads, log.read_text().splitlines()):
-            # Folders are left out: Accelerate makes the checkpoint folder on every rank (exist_ok), no file.
-            if entry["rank"] is not None and entry["path"].startswith(str(out)) and entry["kind"] != "os.mkdir":
-                writers[entry["path"]].add(entry["rank"])
+    writers = recorder.writers_by_path(record, out)
     by_rank1 = sorted(Path(path).name for path, ranks in writers.items() if "1" in ranks)
-    written = {Path(path).relative_to(out).as_posix() for path in writers}
+    written = set(writers)
     # The recorder saw the native writers too: safetensors (model) and torch.save (optimizer).
     assert {"model.safetensors", "metrics.json", "README.md", "recipe.yaml"} <= written
     assert any(path.endswith("optimizer.bin") for path in written)

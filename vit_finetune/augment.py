@@ -117,11 +117,20 @@ def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
     return rows * (labels >= 0).float()[:, None]
 
 
-def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy against probability rows, averaged over the rows that hold a target (not bad images)."""
-    per_row = -(targets * torch.log_softmax(logits.float(), dim=-1)).sum(dim=-1)
-    rows = (targets.sum(dim=-1) > 0).sum().clamp(min=1)
-    return per_row.sum() / rows
+def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, class_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy against probability rows, averaged over the rows that hold a target (not bad images).
+
+    With class weights (data.class_balance=weights) each class's term is weighted and each row weighs
+    sum_c w_c t_c (lambda w_a + (1 - lambda) w_b for a mixed pair), then a weighted mean: for one-hot rows
+    exactly cross_entropy(weight=w)'s mean, as unmixed batches have it.
+    """
+    per_class = -(targets * torch.log_softmax(logits.float(), dim=-1))
+    if class_weights is None:
+        per_row, row_weights = per_class.sum(dim=-1), (targets.sum(dim=-1) > 0).float()
+    else:
+        per_row, row_weights = (per_class * class_weights).sum(dim=-1), (targets * class_weights).sum(dim=-1)
+    total = row_weights.sum()
+    return per_row.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def total_epochs(total_steps: int, steps_per_epoch: int) -> int:

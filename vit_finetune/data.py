@@ -178,8 +178,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
             "Check data.label_column or the dataset's class folders."
         )
     if eval_split is None:
-        carved = train.train_test_split(test_size=settings.eval_fraction, stratify_by_column=label_column, seed=seed)
-        train, evaluation = carved["train"], carved["test"]
+        train, evaluation = hold_out_eval(train, settings, label_column, len(labels), seed)
     else:
         evaluation = loaded[eval_split]
         if not isinstance(evaluation.features[label_column], datasets.ClassLabel):
@@ -190,6 +189,20 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split)
+
+
+def hold_out_eval(train, settings: DataSettings, label_column: str, classes: int, seed: int):
+    """(train, eval): data.eval_fraction of train held out, stratified so every class is in both parts."""
+    try:
+        carved = train.train_test_split(test_size=settings.eval_fraction, stratify_by_column=label_column, seed=seed)
+    except ValueError as error:  # too few images for a part to hold every class, or a class of one image
+        raise DataError(
+            f"data.eval_fraction={settings.eval_fraction} cannot hold out a stratified eval split from "
+            f"data.train_split={settings.train_split!r} ({len(train)} images, {classes} classes): {error}. Fix: "
+            f"an eval_fraction between {classes / len(train):.2f} and {1 - classes / len(train):.2f}, at least two "
+            "images per class, or a dataset split to evaluate on (data.eval_split)"
+        ) from None
+    return carved["train"], carved["test"]
 
 
 def identity(splits: Splits) -> dict:

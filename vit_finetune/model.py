@@ -106,13 +106,20 @@ def load_pretrained(settings: ModelSettings, family: Family) -> PreTrainedModel:
     """The base checkpoint as the family's classification class, failing loudly if anything but the head was
     missing or reshaped. Weights the class has no place for (a distilled DeiT's teacher head, CLIP's text tower)
     are dropped."""
-    model, info = family.model_class().from_pretrained(
-        base_location(settings),
-        revision=settings.revision,
-        trust_remote_code=settings.trust_remote_code,
-        dtype=torch.float32,  # master weights stay float32; mixed precision is autocast's job
-        output_loading_info=True,
-    )
+    try:
+        model, info = family.model_class().from_pretrained(
+            base_location(settings),
+            revision=settings.revision,
+            trust_remote_code=settings.trust_remote_code,
+            dtype=torch.float32,  # master weights stay float32; mixed precision is autocast's job
+            output_loading_info=True,
+        )
+    except OSError as error:  # config.json was there (load_base_config read it), the weights are not
+        raise ModelError(
+            f"model.base={settings.base!r}: its weights could not be loaded: {error}\n"
+            "Fix: a folder needs model.safetensors (or pytorch_model.bin) beside config.json, as save_pretrained "
+            "writes it; for a Hub id, check the revision holds weights"
+        ) from None
     reinitialised = [
         key
         for key in [*info.get("missing_keys", []), *[m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys", [])]]

@@ -3,7 +3,8 @@
 A manifest (`.vit_finetune_manifest.json`) lists the names a run claims before writing any of them; a folder
 holding anything else is the user's, and a run refuses to write into it (or, with overwrite=true, to touch
 a name it would replace). The folder may not overlap the dataset's, and a lock held for the run's life
-keeps a second run out (the kernel drops it when the process dies, even by SIGKILL).
+keeps a second run out (the kernel drops it when the process dies, even by SIGKILL). With several processes, all
+must see one folder (processes.unshared_folder_refusal): a token file the main process writes, every process reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .recipe import Recipe, excerpt
 
 MANIFEST = ".vit_finetune_manifest.json"
 LOCK = ".vit_finetune.lock"
+SHARED_CHECK = ".vit_finetune_shared"  # several processes: a token from the main process that all must read back
 
 
 def claimed(output_dir: Path) -> set[str]:
@@ -32,7 +34,7 @@ def claimed(output_dir: Path) -> set[str]:
 
 def claim(output_dir: Path, names: tuple[str, ...]) -> None:
     """Add `names` to the manifest, atomically, before any of them is written."""
-    written = sorted(claimed(output_dir) | set(names) | {LOCK})
+    written = sorted(claimed(output_dir) | set(names) | {LOCK, SHARED_CHECK})
     content = json.dumps({"written": written}, indent=1)
     replace_atomically(Path(output_dir) / MANIFEST, lambda partial: partial.write_text(content))
 

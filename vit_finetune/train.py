@@ -26,7 +26,8 @@ from . import augment, balance, checkpoint, data, evaluation, export, hub, memor
 from . import pictures, progress as display, selection, sharding, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .processes import any_process, sum_over_processes
+from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, sum_over_processes,
+                        unshared_folder_refusal)
 from .recipe import Recipe, write_recipe
 
 
@@ -278,7 +279,7 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
     pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
     logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
     if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
-        return augment.soft_target_loss(logits, soft_targets)
+        return augment.soft_target_loss(logits, soft_targets, parts.class_weights)
     per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
                                                   reduction="none", ignore_index=data.SKIPPED_LABEL,
                                                   label_smoothing=recipe.train.label_smoothing)
@@ -293,6 +294,9 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
     after those registered with vit_finetune.callbacks.register (see that module for the events)."""
+    lone = check_launch()  # `accelerate launch --cpu --num_processes 2` starts this process alone
+    if lone:
+        raise RunError(lone)
     check_output_dir(recipe)
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
@@ -315,13 +319,19 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
 
 def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock:
     """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
-    if another run holds the lock, every process stops (a collective)."""
+    if another run holds the lock, or a machine sees another folder there, every process stops (collectives)."""
     lock = outputs.RunLock(Path(recipe.output_dir))
     refused = lock.acquire() if accelerator.is_main_process else None
     if any_process(accelerator, refused is not None):
         raise RunError(refused or "the main process could not lock output_dir")
     if accelerator.is_main_process:
         outputs.claim(Path(recipe.output_dir), export.run_names())
+    # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
+    patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
+    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
+    if unshared:
+        lock.release()
+        raise RunError(f"output_dir={unshared}")
     return lock
 
 
