@@ -75,23 +75,41 @@ def kill_at(step: int):
 
 
 def launch_and_kill(args: list[str], record: Path, when: Callable[[str], bool], log: Path,
-                    sig: int = signal.SIGKILL, timeout: float = 180) -> subprocess.CompletedProcess:
-    """`python -m vit_finetune ARGS` in a subprocess, sent `sig` as soon as `when(stdout so far)` holds."""
+                    sig: int = signal.SIGKILL, timeout: float = 180, env: dict | None = None,
+                    launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m vit_finetune ARGS` in a subprocess, sent `sig` as soon as `when(stdout so far)` holds.
+
+    With a `launcher` (`python -m accelerate.commands.launch --config_file C`), `LAUNCHER -m vit_finetune ARGS`:
+    the launcher and all its workers are sent `sig`, as under a cluster's kill of the job."""
+    command = [*launcher, "-m", "vit_finetune", *args] if launcher else [sys.executable, "-m", "vit_finetune", *args]
     with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        process = subprocess.Popen([sys.executable, "-m", "vit_finetune", *args], stdout=out, stderr=err,
-                                   env=recorder.subprocess_env(record), cwd=recorder.OBSERVED_SITE.parent.parent)
+        process = subprocess.Popen(command, stdout=out, stderr=err, env=env or recorder.subprocess_env(record),
+                                   cwd=recorder.OBSERVED_SITE.parent.parent)
         deadline = time.monotonic() + timeout
         sent = False
         while process.poll() is None and time.monotonic() < deadline:
             if not sent and when(log.read_text()):
-                process.send_signal(sig)
+                signal_tree(process.pid, sig) if launcher else process.send_signal(sig)
                 sent = True
             time.sleep(0.005)
         if process.poll() is None:
-            process.kill()
+            signal_tree(process.pid, signal.SIGKILL) if launcher else process.kill()
         process.wait()
     return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(),
                                        log.with_suffix(".err").read_text())
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send `sig` to a process and all its descendants: torchrun starts its workers in sessions of their own, so
+    its process group does not hold them."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for member in [root, *root.children(recursive=True)]:
+        try:
+            member.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def exists(path: Path) -> Callable[[str], bool]:

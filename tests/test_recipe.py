@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from vit_finetune.recipe import (RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe,
-                                 load_recipe, to_yaml, validate)
+                                 load_recipe, recipe_files, to_yaml, validate)
 
-RECIPE_FILES = sorted(Path(RECIPE_DIRS[0]).rglob("*.yaml"))  # recursive: recipes in sub-folders count too
+# Recursive: recipes in sub-folders count too (recipes/accelerate/ holds Accelerate's configs: test_sharded.py).
+RECIPE_FILES = recipe_files(Path(RECIPE_DIRS[0]))
 
 
 def test_the_required_recipes_are_shipped():

@@ -24,6 +24,8 @@ ASSETS_DIR = PACKAGE_DIR / "assets"
 RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
+# recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.
+ACCELERATE_CONFIGS = "accelerate"
 # The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
 REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
 # A recipe has ~60 keys. A YAML alias bomb ("billion laughs") loads in milliseconds as shared references, then
@@ -304,9 +306,15 @@ def available_recipes() -> dict[str, Path]:
     found: dict[str, Path] = {}
     for directory in RECIPE_DIRS:
         if directory.is_dir():
-            for path in sorted(directory.rglob("*.yaml")):
+            for path in recipe_files(directory):
                 found.setdefault(path.relative_to(directory).with_suffix("").as_posix(), path)
     return found
+
+
+def recipe_files(directory: Path) -> list[Path]:
+    """The recipe files under `directory`, sub-folders included, Accelerate's config files left out."""
+    return sorted(path for path in directory.rglob("*.yaml")
+                  if path.relative_to(directory).parts[0] != ACCELERATE_CONFIGS)
 
 
 def find_recipe(name_or_path: str) -> Path:

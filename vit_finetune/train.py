@@ -20,9 +20,10 @@ from typing import Iterable, Iterator
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from torch.distributed.tensor import DTensor
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, memory, model as vit, optim, outputs
-from . import pictures, progress as display, selection, streaming, tracking
+from . import pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, sum_over_processes,
@@ -105,8 +106,21 @@ def check_output_dir(recipe: Recipe) -> None:
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
+    """Accelerate's Accelerator for the recipe; the launch's config file (DDP, FSDP, DeepSpeed) adds the rest."""
+    engine = sharding.requested_engine()
+    try:
+        accelerator = _accelerator(recipe)
+    except RuntimeError as error:
+        if engine is None:
+            raise
+        raise sharding.could_not_set_up(engine, error) from None
+    sharding.check_set_up(engine, accelerator, recipe)
+    return accelerator
+
+
+def _accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
-    accelerator = Accelerator(
+    return Accelerator(
         # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
         # process believes it is the main one.
         cpu=not torch.accelerator.is_available(),
@@ -120,7 +134,6 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         log_with=t.report_to or None,
         project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
     )
-    return accelerator
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
@@ -234,7 +247,7 @@ def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
     """Hand model, optimiser and loaders to Accelerate (DDP wrapping is a collective: all processes at once)."""
     model = parts.model
-    if recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda":
+    if _compiles(recipe, accelerator):
         model = torch.compile(model)
     # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
     # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
@@ -245,6 +258,14 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
         model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
 
 
+def _compiles(recipe: Recipe, accelerator: Accelerator) -> bool:
+    """model.compile, or by default on CUDA; never before sharding (run() refused model.compile=true there):
+    Accelerate compiles a sharded model itself, after sharding, when its config file has a dynamo_config."""
+    if sharding.is_sharded(accelerator):
+        return False
+    return recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda"
+
+
 def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward and backward on one batch; on accumulation boundaries, clip and step. Returns (loss, finite flag)."""
     with accelerator.accumulate(parts.model):
@@ -253,7 +274,10 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
         finite = torch.isfinite(loss.detach())
         if accelerator.sync_gradients and recipe.train.max_grad_norm is not None:
             norm = accelerator.clip_grad_norm_(parts.model.parameters(), recipe.train.max_grad_norm)
-            finite = finite & torch.isfinite(torch.as_tensor(norm, device=finite.device))
+            if isinstance(norm, DTensor):  # FSDP2's norm over all shards; a collective, as clipping is
+                norm = norm.full_tensor()
+            if norm is not None:  # DeepSpeed clips inside its own step and may not know the norm yet
+                finite = finite & torch.isfinite(torch.as_tensor(norm, device=finite.device))
         parts.optimizer.step()
         if accelerator.sync_gradients:
             parts.scheduler.step()
@@ -288,6 +312,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     if lone:
         raise RunError(lone)
     check_output_dir(recipe)
+    sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
         hub.require_token()
     tracking.check_trackers(recipe.train.report_to)
@@ -373,13 +398,15 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
+    # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
+    gathered = sharding.full_state_dict(accelerator, parts.model) if sharding.is_sharded(accelerator) else None
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
         # The pictures show eval images by their place in the split, which a stream cannot look up.
         draw = None if recipe.data.streaming else partial(pictures.draw_evaluation, predictions,
                                                           parts.eval_loader.dataset, parts.labels)
-        save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw)
+        save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
         print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
@@ -590,7 +617,9 @@ def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
 
 def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
     """Checked before anything is saved: a finite loss and gradient can still step the weights to Inf."""
-    return torch.stack([torch.isfinite(p).all() for p in model.parameters() if p.requires_grad]).all()
+    # Sharded (FSDP2), a parameter is a DTensor: each process checks its own shard, _stop_if_non_finite asks all.
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    return torch.stack([torch.isfinite(p).all() for p in local]).all()
 
 
 def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
@@ -629,9 +658,12 @@ def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
 
 
 def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState,
-               info: dict | None = None, draw_pictures=None) -> None:
+               info: dict | None = None, draw_pictures=None, gathered: dict | None = None) -> None:
+    """The output folder (model, processor, card, metrics...); `gathered`: a sharded model's full weights."""
     output_dir = Path(recipe.output_dir)
     trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    if gathered is not None:
+        trained = sharding.unsharded_model(trained, recipe, gathered)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,

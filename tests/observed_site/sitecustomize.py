@@ -6,3 +6,8 @@ if os.environ.get("VIT_FINETUNE_RECORD"):
     import recorder
 
     recorder.install_in_subprocess(os.environ["VIT_FINETUNE_RECORD"])
+
+if os.environ.get("VIT_FINETUNE_FSDP_ON_CPU"):
+    import fsdp_on_cpu
+
+    fsdp_on_cpu.install()
