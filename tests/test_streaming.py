@@ -165,6 +165,25 @@ def test_streamed_evaluation_counts_each_image_once_and_equals_one_process(table
     assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="FSDP with 2 processes needs 2 GPUs (NCCL refuses two "
+                    "ranks on one GPU); this machine has 1")
+def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, tmp_path):
+    """A sharded model's forward is a collective: the ranks' eval shares (5 and 4 rows, batch 4: 2 and 1 batches)
+    must still be evaluated without a hang, each image once (on CPU, as tests/test_sharded.py explains)."""
+    from test_sharded import FSDP_CONFIG, accelerate_launch, launch, sharded_env
+
+    out = tmp_path / "out"
+    launch(accelerate_launch(FSDP_CONFIG, [f"model.base={tables['base']}", f"data.dataset={tables['shards']}",
+                                           f"output_dir={out}", *RECIPE, "train.epochs=1"]), sharded_env())
+    metrics = json.loads((out / "metrics.json").read_text())
+    reference = evaluate_in_one_process(out, tables["table"]["validation"])
+    assert metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
+    assert metrics["confusion_matrix"] == reference["confusion_matrix"]
+    assert metrics["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+
+
 def evaluate_in_one_process(output: Path, split) -> dict:
     """The saved model and image processor over every eval image, in this process, with evaluation's own metrics."""
     from PIL import Image

@@ -23,7 +23,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from PIL import Image
@@ -33,6 +33,7 @@ from . import data, evaluation, hub
 from .callbacks import Callback
 from .checkpoint import CheckpointError
 from .data import DataError
+from .processes import any_process
 from .recipe import DataSettings, Recipe, excerpt
 
 SHARD_SUFFIX = ".parquet"
@@ -298,17 +299,31 @@ def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable
     once, rank after rank, so each image counts exactly once."""
     from accelerate.utils import gather_object
 
-    # Unwrapped: a DDP forward may broadcast buffers, a collective that processes with fewer batches never reach.
-    module = accelerator.unwrap_model(model)
-    was_training = module.training
-    module.eval()
+    was_training = model.training
+    model.eval()
     k = min(evaluation.TOP_K, num_classes)
-    batches = [tuple(part.cpu() for part in evaluation.batch_predictions(module, batch, accelerator, normalize, k))
-               for batch in loader.whole_split()]
-    module.train(was_training)
+    blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
+             "labels": torch.tensor([data.SKIPPED_LABEL], device=accelerator.device)}
+    batches = []
+    for batch in in_lockstep(loader.whole_split(), accelerator):
+        predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, k)
+        if batch is not None:
+            batches.append(tuple(part.cpu() for part in predicted))
+    model.train(was_training)
     mine = evaluation.joined(batches, k)
     shares = gather_object([(mine.ranked, mine.references, mine.losses)])
     return evaluation.joined(shares, k)
+
+
+def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
+    """This process's batches, then None until every process has run out: a forward of a DDP or sharded (FSDP)
+    model is a collective, so all processes forward the same number of times; a None is a blank forward."""
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        if not any_process(accelerator, batch is not None):
+            return
+        yield batch
 
 
 # ---------------------------------------------------------------- checkpoints
