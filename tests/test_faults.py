@@ -68,7 +68,7 @@ def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(ar
     code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "hub.push=true",
                   f"hub.repo_id={hub_repo_id}"],
                  callbacks=[before_batch(count_steps)], patches=[(torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
-    assert code == 3  # train.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
+    assert code == 3  # loop.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
     assert len(steps) == 6  # the NaN of step 5 is read one step late, never later
     assert "NaN/Inf at optimiser step 5" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]

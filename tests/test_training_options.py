@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import balance, ema, model as vit, optim, train
+from vit_finetune import balance, ema, loop, model as vit, optim, train
 from vit_finetune.families import FAMILIES
 from vit_finetune.recipe import LoraSettings, ModelSettings, load_recipe
 
@@ -183,7 +183,7 @@ def test_class_weights_weight_each_images_loss_by_its_class():
     parts = SimpleNamespace(model=model, normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
                             augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights)
     pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
-    loss = train.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
+    loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
     with torch.no_grad():
         per_image = torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels, reduction="none")
     expected = (weights[labels] * per_image).sum() / weights[labels].sum()

@@ -1,4 +1,4 @@
-"""Our configurations, through the library's own code: train.make_accelerator, build_parts, prepare, train_loop."""
+"""Our configurations, through the library's own code: train.make_accelerator, build_parts, prepare, loop.train_loop."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def check_one_epoch_covers(setup: Setup, loader) -> None:
 
 def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed."""
-    from .. import checkpoint, train
+    from .. import checkpoint, loop, train
+    from ..callbacks import TrainingRun
 
     memory.reset()
     recipe, accelerator, parts = build(setup, lora=config == "lora")
@@ -58,7 +59,7 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
         source = parts.train_loader
     settings = our_settings(accelerator, parts, recipe)
     timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
-    train.train_loop(train.TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()))
+    loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()))
     clock.close()
     flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
     return measured(clock, flops, peak, memory, settings)

@@ -1,0 +1,332 @@
+"""The training loop: optimiser steps over the batches, epoch after epoch, and what happens after each step.
+
+`train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then check that nothing
+became NaN/Inf, log, evaluate, checkpoint, stop (the last step, early stopping, or SIGINT/SIGTERM). Everything a
+step does not need to know (data, model, export) is train.py's; callbacks observe each event (callbacks.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+from accelerate import Accelerator
+from torch.distributed.tensor import DTensor
+
+from . import augment, checkpoint, data, evaluation, progress as display, streaming
+from .callbacks import Callback, TrainingRun
+from .errors import VitFinetuneError
+from .processes import any_process, sum_over_processes
+from .recipe import Recipe
+
+if TYPE_CHECKING:  # train imports this module
+    from .train import Parts
+
+
+class NonFiniteLoss(VitFinetuneError):
+    """The loss, a gradient or the weights became NaN/Inf; nothing from then on was saved."""
+
+    exit_code = 3
+
+
+class StuckProcess(VitFinetuneError):
+    """Another process of the run stopped answering (stopped, frozen or dead) and the collectives timed out."""
+
+
+class Interrupted(VitFinetuneError):
+    """SIGINT/SIGTERM stopped training (after a checkpoint, if checkpoints are on); the shell's code for Ctrl-C."""
+
+    exit_code = 130
+
+
+class InterruptFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step and exits."""
+
+    def __init__(self):
+        self.raised = False
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        """After the loop, Ctrl-C must stop evaluation, export or a push at once, as usual."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.raised:  # a second Ctrl-C means: stop now
+            raise KeyboardInterrupt
+        self.raised = True
+
+
+def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on one batch; on accumulation boundaries, clip and step. Returns (loss, finite flag)."""
+    with accelerator.accumulate(parts.model):
+        loss = batch_loss(parts, batch, recipe)
+        accelerator.backward(loss)
+        finite = torch.isfinite(loss.detach())
+        if accelerator.sync_gradients and recipe.train.max_grad_norm is not None:
+            norm = accelerator.clip_grad_norm_(parts.model.parameters(), recipe.train.max_grad_norm)
+            if isinstance(norm, DTensor):  # FSDP2's norm over all shards; a collective, as clipping is
+                norm = norm.full_tensor()
+            if norm is not None:  # DeepSpeed clips inside its own step and may not know the norm yet
+                finite = finite & torch.isfinite(torch.as_tensor(norm, device=finite.device))
+        parts.optimizer.step()
+        if accelerator.sync_gradients:
+            parts.scheduler.step()
+        parts.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), finite
+
+
+def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
+    """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with a
+    zero gradient, when all were skipped (the forward and backward still run: under DDP every process must join
+    each step's gradient all-reduce)."""
+    labels = batch["labels"]
+    pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
+    logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
+    if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
+        return augment.soft_target_loss(logits, soft_targets, parts.class_weights)
+    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
+                                                  reduction="none", ignore_index=data.SKIPPED_LABEL,
+                                                  label_smoothing=recipe.train.label_smoothing)
+    # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean is;
+    # computed on the device, no sync. With no real image the sum is 0 and so is the loss, with a zero gradient.
+    real = (labels != data.SKIPPED_LABEL).float()
+    image_weights = real if parts.class_weights is None else parts.class_weights[labels.clamp(min=0)] * real
+    total = image_weights.sum()
+    return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+
+class TrainLog:
+    """The loop's counters and its progress bar: loss and images since the last log entry, bad images skipped
+    by this process. `write` turns the counters into one history entry for all processes."""
+
+    def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, total_steps: int):
+        self.accelerator = accelerator
+        # A redrawn bar on a terminal, one plain line per log entry in a log file or CI, nothing with --quiet.
+        self.progress = display.progress(total_steps, state.step, "train", enabled=accelerator.is_main_process)
+        # Skipped images are counted per process and summed over processes only where the count is saved (each
+        # checkpoint, the end): reading a count back every step would sync host and device.
+        self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
+        self.skipped_this_epoch: list[str] = []  # this process's bad files, named on the console at the epoch's end
+        self.loss_total = torch.zeros((), device=accelerator.device)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.loss_total.zero_()
+        self.loss_batches, self.images, self.clock = 0, 0, time.perf_counter()
+
+    def add_batch(self, loss: torch.Tensor, batch: dict) -> None:
+        self.skipped_here += len(batch["skipped"])
+        self.skipped_this_epoch += batch["skipped"]
+        images = batch["labels"].numel() - len(batch["skipped"])  # the real ones: a bad image's place is blank
+        if images:  # a batch of skipped images only has no loss to report
+            self.loss_total += loss
+            self.loss_batches += 1
+        self.images += images * self.accelerator.num_processes
+
+    def add_step(self) -> None:
+        self.progress.update(1)
+
+    def write(self, state: checkpoint.TrainState, lr: float) -> dict:
+        """A collective: append the history entry of the steps since the last one (mean loss over processes, lr,
+        images/s), show it on the progress bar and return it."""
+        mean_loss = self._mean_loss_over_processes()
+        rate = self.images / (time.perf_counter() - self.clock)
+        # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
+        trained = {} if mean_loss is None else {"loss": mean_loss}
+        entry = {"step": state.step, "epoch": state.epoch, **trained, "lr": lr, "images_per_s": rate}
+        state.history.append(entry)
+        self.progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
+                                  img_s=f"{rate:.0f}")
+        self._restart()
+        return entry
+
+    def _mean_loss_over_processes(self) -> float | None:
+        """The mean batch loss over all processes; None if no process had a batch with images."""
+        totals = torch.stack([self.loss_total, torch.tensor(float(self.loss_batches), device=self.loss_total.device)])
+        loss_sum, count = self.accelerator.reduce(totals, reduction="sum").tolist()
+        return loss_sum / count if count else None
+
+    def count_skipped_into(self, state: checkpoint.TrainState) -> None:
+        """A collective: state.skipped_images becomes the count of all processes over the whole run."""
+        state.skipped_images = self.skipped_before + sum_over_processes(self.accelerator, self.skipped_here)
+
+
+def train_loop(run: TrainingRun, callbacks: Callback = Callback()) -> None:
+    """Optimiser steps until the run's last one, or until interrupted; SIGINT/SIGTERM checkpoint first."""
+    interrupt = InterruptFlag()
+    log = TrainLog(run.accelerator, run.state, run.parts.total_steps)
+    callbacks.on_train_start(run)
+    try:
+        _optimise(run, interrupt, log, callbacks)
+    except RuntimeError as error:
+        if run.accelerator.num_processes > 1 and "timed out" in str(error).lower():
+            raise StuckProcess(_collective_timeout_message(run.accelerator, run.recipe, run.state)) from None
+        raise
+    finally:
+        log.progress.close()  # on an error too: its message must start on a line of its own
+        interrupt.restore()
+
+
+def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbacks: Callback) -> None:
+    """After each optimiser step: check, log, evaluate, checkpoint, stop."""
+    state, t, last = run.state, run.recipe.train, run.parts.total_steps
+    pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
+    for finite in _optimiser_steps(run, log, callbacks):
+        if pending_finite is not None:
+            _stop_if_non_finite(pending_finite, state.step - 1, run.accelerator)
+        pending_finite = finite
+        callbacks.on_step_end(run)
+        if _due(state.step, t.log_every_steps) or state.step == last:
+            callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
+        if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
+            _evaluate_during_training(run, callbacks)
+        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
+        _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
+        if interrupt.raised:
+            raise Interrupted(_interrupt_message(run.recipe, state))
+        if stop:
+            break
+    if state.batches_done:  # the run ended inside an epoch
+        _report_skipped(run.accelerator, run.recipe, state.epoch, log)
+    log.count_skipped_into(state)
+    if pending_finite is not None:
+        _stop_if_non_finite(pending_finite & _weights_finite(run.parts.model), state.step, run.accelerator)
+
+
+def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> Iterator[torch.Tensor]:
+    """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
+    the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
+    accelerator, parts, state = run.accelerator, run.parts, run.state
+    while state.step < parts.total_steps and not state.stopped_early:
+        for batch in _epoch_batches(run):
+            callbacks.on_batch(run, batch)
+            batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
+            loss, finite = train_step(accelerator, parts, batch, run.recipe)
+            state.batches_done += 1
+            log.add_batch(loss, batch)
+            if accelerator.sync_gradients:
+                state.step += 1
+                log.add_step()
+                yield finite
+        _report_skipped(accelerator, run.recipe, state.epoch, log)
+        state.epoch += 1
+        state.batches_done = 0
+        if not run.recipe.train.eval_every_steps and state.step < parts.total_steps:
+            _evaluate_during_training(run, callbacks)
+
+
+def _epoch_batches(run: TrainingRun) -> Iterable[dict]:
+    """The current epoch's batches from state.batches_done on."""
+    parts, state = run.parts, run.state
+    if run.recipe.data.streaming:  # its position, restored from the checkpoint, already stands after batches_done
+        return parts.train_loader.batches(parts.steps_per_epoch * run.recipe.train.grad_accum - state.batches_done)
+    # Through the prepared loader: Accelerate's loader re-sets its sampler's epoch from its own pass
+    # counter on every pass, which starts at 0 again in a resumed run (and in skip_first_batches' copy).
+    parts.train_loader.set_epoch(state.epoch)
+    if state.batches_done:
+        return run.accelerator.skip_first_batches(parts.train_loader, state.batches_done)
+    return parts.train_loader
+
+
+def _due(step: int, every: int | None) -> bool:
+    """Whether a `*_every_steps` setting (None or 0: never) falls on this step."""
+    return bool(every) and step % every == 0
+
+
+def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, interrupted: bool,
+                       callbacks: Callback) -> None:
+    """Every train.checkpoint_every_steps, and at once when interrupted (if checkpoints are on at all); never
+    from non-finite weights."""
+    every = run.recipe.train.checkpoint_every_steps
+    if not every or not (_due(run.state.step, every) or interrupted):
+        return
+    _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
+    log.count_skipped_into(run.state)
+    path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
+                                      run.recipe.train.keep_checkpoints,
+                                      write_extras=lambda folder: callbacks.on_save_checkpoint(run, folder))
+    callbacks.on_checkpoint(run, path)
+
+
+def _collective_timeout_message(accelerator: Accelerator, recipe: Recipe, state: checkpoint.TrainState) -> str:
+    """Gloo raises on the processes still waiting; the frozen or dead one is among the others."""
+    me = accelerator.process_index
+    others = [rank for rank in range(accelerator.num_processes) if rank != me]
+    who = f"process (rank) {others[0]}" if len(others) == 1 else f"one of the processes (ranks) {others}"
+    return (f"process {me} waited train.collective_timeout_s={recipe.train.collective_timeout_s} s at step "
+            f"{state.step + 1} for {who}, which is stuck (stopped, frozen or swapping) or died; the run stopped. "
+            "Find and end it, then resume with train.resume=auto (if train.checkpoint_every_steps is set); raise "
+            "train.collective_timeout_s if a step, evaluation or checkpoint can legitimately take that long")
+
+
+def _report_skipped(accelerator: Accelerator, recipe: Recipe, epoch: int, log: TrainLog, shown: int = 5) -> None:
+    """A collective: the epoch's count of bad images skipped by all processes, and the first few, on the console."""
+    skipped, log.skipped_this_epoch = log.skipped_this_epoch, []
+    if not recipe.data.skip_bad_images:  # nothing can have been skipped; every process knows it, so none gathers
+        return
+    from accelerate.utils import gather_object
+
+    total = sum_over_processes(accelerator, len(skipped))
+    first = [name for names in gather_object([skipped[:shown]]) for name in names][:shown]
+    if accelerator.is_main_process and total:
+        display.say(f"epoch {epoch}: skipped {total} bad image(s) (data.skip_bad_images=true), e.g. {', '.join(first)}")
+
+
+def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
+    # Every rank must agree to stop at the same step, or the others wait forever in the next collective.
+    flag.raised = any_process(accelerator, flag.raised)
+    return flag.raised
+
+
+def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
+    if recipe.train.checkpoint_every_steps:
+        return (f"interrupted at step {state.step}; a checkpoint was saved in {recipe.output_dir}/checkpoints. "
+                f"Resume with: python -m vit_finetune --recipe <recipe> output_dir={recipe.output_dir} train.resume=auto")
+    return (f"interrupted at step {state.step}; no checkpoint was saved because train.checkpoint_every_steps is "
+            "not set. Set it to make runs resumable")
+
+
+def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
+    """Checked before anything is saved: a finite loss and gradient can still step the weights to Inf."""
+    # Sharded (FSDP2), a parameter is a DTensor: each process checks its own shard, _stop_if_non_finite asks all.
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    return torch.stack([torch.isfinite(p).all() for p in local]).all()
+
+
+def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
+    if any_process(accelerator, ~finite):
+        raise NonFiniteLoss(
+            f"the loss, a gradient or the weights became NaN/Inf at optimiser step {step}; training stopped, no "
+            "checkpoint was written from then on and nothing was saved as the final model. "
+            "Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
+        )
+
+
+def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
+    """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
+    per-image predictions behind them, for the pictures; no history entry, no event."""
+    parts = run.parts
+    predict = streaming.predict_stream if run.recipe.data.streaming else evaluation.predict_split
+    predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, len(parts.labels))
+    metrics = evaluation.summarise(predictions, len(parts.labels))
+    metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
+    metrics.update(evaluation.eval_split_fields(parts.eval_split))
+    return metrics, predictions
+
+
+def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.SplitPredictions]:
+    """measure(), added to the history and passed to the callbacks."""
+    metrics, predictions = measure(run)
+    run.state.history.append({"step": run.state.step, "epoch": run.state.epoch, **evaluation.as_eval_entry(metrics)})
+    callbacks.on_evaluate(run, metrics)
+    return metrics, predictions
+
+
+def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
+    metrics, _ = evaluate(run, callbacks)
+    if run.accelerator.is_main_process:
+        display.say(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
