@@ -1,4 +1,5 @@
-"""Streaming (data.streaming=true): parquet shards read while training, from the loopback Hub or a local folder.
+"""Streaming (data.streaming=true): parquet (or WebDataset) shards read while training, from the loopback Hub or a
+local folder.
 
 - Two processes (torchrun, gloo) stream from a loopback Hub dataset repo: in each epoch the ranks train on disjoint
   rows whose union is the whole train split; the eval split, of an odd size that the ranks share unevenly, is
@@ -6,7 +7,9 @@
   from one of its checkpoints ends with bit-identical weights.
 - One process on a local folder: killed with SIGKILL and resumed with train.resume=auto (with DataLoader workers
   this time), it trains on the same batches and ends with bit-identical weights.
-- The clear errors: a source that is not parquet shards, labels without a ClassLabel, no eval split, no row count.
+- WebDataset tar shards train with data.label_names and train.max_steps, and evaluate like the same rows as parquet.
+- Under FSDP (tests/test_sharded.py's launch) the uneven eval shares are evaluated in lockstep.
+- The clear errors: a source that is not shards, labels without a ClassLabel or names, no eval split, no row count.
 
 Each row's pixels are identified by a fingerprint (tests/recorder.py). With data.crop_scale=[1, 1] and no flip, the
 training transform is deterministic (the centre square, resized), so the test can compute every row's fingerprint.
@@ -335,7 +338,7 @@ def run_expecting_error(args: list[str], capsys) -> str:
 def test_a_source_that_is_not_parquet_shards_is_refused(tables, tmp_path, capsys):
     error = run_expecting_error([f"model.base={tables['base']}", f"data.dataset={tables['images']}", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    assert f"data.dataset={str(tables['images'])!r}" in error and "is not a folder holding .parquet shards" in error
+    assert f"data.dataset={str(tables['images'])!r}" in error and "is not a folder holding .parquet or .tar shards" in error
     assert "data.streaming=false" in error
     assert not (tmp_path / "out" / "checkpoints").exists()
 
@@ -346,7 +349,7 @@ def test_a_hub_repo_of_image_files_is_refused_before_any_image_is_read(tables, h
     hub.clear_log()
     error = run_expecting_error([f"model.base={tables['base']}", "data.dataset=user/colour-pictures", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    assert "data.dataset='user/colour-pictures' holds files other than parquet shards" in error
+    assert "data.dataset='user/colour-pictures' holds files other than shards of one format" in error
     assert "train/blue/0.png" in error or ".png" in error
     assert hub.requests(path_regex=r"/resolve/.*\.png") == []  # listed, never downloaded
 
@@ -373,7 +376,46 @@ def test_labels_without_a_class_label_are_refused(tables, tmp_path, capsys):
     shards = write_shards(table, tmp_path / "plain", {"train": 2, "validation": 1})
     error = run_expecting_error([f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    assert "needs the label column 'label' to be a ClassLabel" in error and "cast_column" in error
+    assert "the label column 'label' is Value('int64'), not a ClassLabel" in error and "cast_column" in error
+    assert "data.label_names=[cat,dog,...]" in error
+
+
+def write_webdataset(images: Path, folder: Path, shards: dict[str, int]) -> Path:
+    """The colour folder as WebDataset tar shards: per sample key a .png and a .cls holding the class index."""
+    import tarfile
+
+    names = sorted(p.name for p in (images / "train").iterdir())
+    folder.mkdir(parents=True)
+    for split, count in shards.items():
+        files = sorted((images / split).glob("*/*.png"))
+        for index in range(count):
+            with tarfile.open(folder / f"{split}-{index:05d}.tar", "w") as tar:
+                for number, path in enumerate(files[index::count]):
+                    for extension, content in (("png", square_png(path)), ("cls", str(names.index(path.parent.name)).encode())):
+                        member = tarfile.TarInfo(f"{split}-{index}-{number:04d}.{extension}")
+                        member.size = len(content)
+                        tar.addfile(member, io.BytesIO(content))
+    return folder
+
+
+def test_webdataset_tar_shards_train_with_their_classes_named_by_label_names(tables, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    shards = write_webdataset(tables["images"], tmp_path / "wds", {"train": 2, "validation": 1})
+    args = [f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={tmp_path / 'out'}"]
+    names = "data.label_names=[blue,green,red]"
+    # A tar shard has no row count: an epoch needs train.max_steps; and integer labels need their names.
+    assert "set train.max_steps=<optimiser steps>" in run_expecting_error([*args, names], capsys)
+    assert "data.label_names=[cat,dog,...]" in run_expecting_error([*args, "train.max_steps=3"], capsys)
+    error = run_expecting_error([*args, "train.max_steps=3", "data.label_names=[blue,green]"], capsys)
+    assert "has label 2, outside the 2 classes of data.label_names (0 to 1)" in error
+    assert train([*args, "train.max_steps=3", names]) == 0
+    out = tmp_path / "out"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
+    assert AutoConfig.from_pretrained(out).id2label == {0: "blue", 1: "green", 2: "red"}
+    reference = evaluate_in_one_process(out, tables["table"]["validation"])  # the same images, as parquet rows
+    assert metrics["confusion_matrix"] == reference["confusion_matrix"]
 
 
 def test_a_stream_without_an_eval_split_is_refused(tables, tmp_path, capsys):
@@ -405,3 +447,13 @@ def test_streaming_refuses_keys_that_need_the_whole_dataset():
 
     with pytest.raises(ValueError, match=r"data\.streaming=true cannot be combined with data\.max_train_samples=5"):
         Recipe(data={"streaming": True, "max_train_samples": 5})
+
+
+def test_label_names_apply_to_streams_only_and_must_be_distinct():
+    from vit_finetune.recipe import Recipe
+
+    with pytest.raises(ValueError, match=r"data\.label_names names the classes of a stream's integer labels"):
+        Recipe(data={"label_names": ["cat", "dog"]})
+    with pytest.raises(ValueError, match=r"must hold at least two distinct names"):
+        Recipe(data={"streaming": True, "label_names": ["cat", "cat"]})
+    assert Recipe(data={"streaming": True, "label_names": ["cat", "dog"]}).data.label_names == ["cat", "dog"]

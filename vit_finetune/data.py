@@ -27,7 +27,7 @@ from .recipe import DataSettings, excerpt
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
-LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target")
+LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target", "cls")  # cls: WebDataset
 
 
 class DataError(VitFinetuneError):

@@ -135,9 +135,12 @@ class DataSettings(Strict):
         "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
         "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
     streaming: bool = Field(False, description=(
-        "read data.dataset as a stream of parquet shards (a Hub dataset id or a local folder of .parquet files) "
-        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column and "
-        "an eval split; each process reads its own shards (README, 'Streaming')"))
+        "read data.dataset as a stream of parquet or WebDataset .tar shards (a Hub dataset id or a local folder) "
+        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column (or "
+        "data.label_names) and an eval split; each process reads its own shards (README, 'Streaming')"))
+    label_names: list[str] | None = Field(None, description=(
+        "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
+        "null = the label column's ClassLabel names"))
     shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
         "data.streaming: rows each process holds to shuffle its stream (shard order is shuffled too, per pass); "
         "more = better mixed, more memory (rows x encoded image size)"))
@@ -162,6 +165,11 @@ class DataSettings(Strict):
         if self.streaming and given:
             raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
                              "whole before training); set them to null, or data.streaming=false")
+        if self.label_names is not None and not self.streaming:
+            raise ValueError("data.label_names names the classes of a stream's integer labels; it applies with "
+                             "data.streaming=true only (a dataset loaded whole finds its classes itself)")
+        if self.label_names is not None and (len(set(self.label_names)) != len(self.label_names) or len(self.label_names) < 2):
+            raise ValueError(f"data.label_names={excerpt(self.label_names)} must hold at least two distinct names")
         return self
 
 

@@ -36,7 +36,9 @@ from .data import DataError
 from .processes import any_process
 from .recipe import DataSettings, Recipe, excerpt
 
-SHARD_SUFFIX = ".parquet"
+# The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
+# label per sample key; their labels are plain integers, named by data.label_names).
+SHARD_SUFFIXES = (".parquet", ".tar")
 POSITION_FILE = "stream_position_{rank}.json"  # one per process, in each checkpoint
 
 
@@ -68,9 +70,9 @@ class Position:
 
 def unsupported(settings: DataSettings, why: str) -> DataError:
     return DataError(
-        f"data.dataset={excerpt(settings.dataset)} {why}. data.streaming=true reads parquet shards: give a Hub dataset "
-        "of parquet files (e.g. written by Dataset.push_to_hub) or a local folder of .parquet files, or set "
-        "data.streaming=false to load the dataset whole")
+        f"data.dataset={excerpt(settings.dataset)} {why}. data.streaming=true reads parquet or WebDataset shards: give "
+        "a Hub dataset of parquet files (e.g. written by Dataset.push_to_hub) or of .tar shards, or a local folder of "
+        ".parquet or .tar files, or set data.streaming=false to load the dataset whole")
 
 
 def open_builder(settings: DataSettings):
@@ -80,8 +82,8 @@ def open_builder(settings: DataSettings):
     name = settings.dataset
     local = Path(name).expanduser()
     if name.startswith((".", "/", "~", "builtin:")) or local.exists():
-        if not local.is_dir() or not any(local.rglob(f"*{SHARD_SUFFIX}")):
-            raise unsupported(settings, "is not a folder holding .parquet shards")
+        if not local.is_dir() or not any(path.suffix in SHARD_SUFFIXES for path in local.rglob("*")):
+            raise unsupported(settings, "is not a folder holding .parquet or .tar shards")
         name = str(local)
     try:
         # Every process reads its own shards, so every process talks to the Hub here (unless the user is offline).
@@ -91,9 +93,11 @@ def open_builder(settings: DataSettings):
         raise DataError(f"data.dataset={excerpt(name)} could not be opened for streaming: "
                         f"{type(error).__name__}: {error}") from None
     files = [file for split in (builder.config.data_files or {}).values() for file in split]
-    others = [file for file in files if not file.endswith(SHARD_SUFFIX)]
-    if not files or others:
-        raise unsupported(settings, f"holds files other than parquet shards (e.g. {excerpt(others[:1] or None)})")
+    kinds = {suffix for file in files for suffix in SHARD_SUFFIXES if file.endswith(suffix)}
+    others = [file for file in files if not file.endswith(SHARD_SUFFIXES)]
+    if not files or others or len(kinds) > 1:
+        example = others[:1] or sorted(kinds)
+        raise unsupported(settings, f"holds files other than shards of one format (e.g. {excerpt(example or None)})")
     return builder
 
 
@@ -118,22 +122,42 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     image_column = data.detect_column(features, settings.image_column, "image", data.IMAGE_COLUMN_NAMES, datasets.Image)
     label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
-    if not isinstance(features[label_column], datasets.ClassLabel):
-        raise DataError(
-            f"data.streaming=true needs the label column {label_column!r} to be a ClassLabel (its names are the "
-            f"classes, known without reading the whole stream); it is {features[label_column]}. Fix: write the shards "
-            "with datasets after cast_column(label, ClassLabel(names=[...])) (push_to_hub and to_parquet keep it), or "
-            "set data.streaming=false")
+    labels = class_names(features[label_column], label_column, settings)
 
     def share(stream):
         stream = stream.cast_column(image_column, datasets.Image(decode=False))
         return split_dataset_by_node(stream.select_columns([image_column, label_column]), rank, processes)
 
-    labels = list(features[label_column].names)
     identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
                 "eval": shard_identity(files[eval_split])}
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
                           split_rows(builder, settings.train_split), split_rows(builder, eval_split), identity)
+
+
+def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:
+    """The classes, known without reading the stream: the label column's ClassLabel names, or data.label_names for
+    plain integer labels (WebDataset's .cls files hold the class index)."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        if settings.label_names is not None and list(settings.label_names) != feature.names:
+            raise DataError(f"data.label_names={excerpt(settings.label_names)} differs from the label column's own "
+                            f"class names {excerpt(feature.names)}; remove data.label_names")
+        return list(feature.names)
+    if settings.label_names is not None and str(getattr(feature, "dtype", "")).startswith(("int", "uint")):
+        return list(settings.label_names)
+    raise DataError(
+        f"data.streaming=true needs the classes before reading the stream: the label column {label_column!r} is "
+        f"{feature}, not a ClassLabel. Fix: for integer labels (WebDataset's .cls) name the classes in index order, "
+        "data.label_names=[cat,dog,...]; or write the shards with datasets after cast_column(label, "
+        "ClassLabel(names=[...])) (push_to_hub and to_parquet keep it); or set data.streaming=false")
+
+
+def check_label(label: int, classes: int, where: str) -> None:
+    """A plain integer label must name one of the classes (a ClassLabel column cannot hold another)."""
+    if not 0 <= label < classes:
+        raise DataError(f"{where} has label {label}, outside the {classes} classes of data.label_names (0 to "
+                        f"{classes - 1}). Fix: data.label_names must name every class index the shards use")
 
 
 def split_rows(builder, split: str) -> int | None:
@@ -145,6 +169,8 @@ def split_rows(builder, split: str) -> int | None:
     known = (builder.info.splits or {}).get(split)
     if known is not None and known.num_examples:
         return known.num_examples
+    if not all(file.endswith(".parquet") for file in builder.config.data_files[split]):
+        return None  # a tar shard has no row count short of reading it whole
     try:
         with hub.hub_offline(hub.offline_by_user()):
             total = 0
@@ -189,13 +215,14 @@ class StreamReader(Sampler):
     (row, pass, offset) items that DataLoader batches and hands to its workers. Training reads pass after pass
     (endless); evaluation reads one pass, in order."""
 
-    def __init__(self, stream, shuffle_with: tuple[int, int] | None):
+    def __init__(self, stream, shuffle_with: tuple[int, int] | None,
+                 check: Callable[[dict, str], None] = lambda row, where: None):
         if shuffle_with is not None:
             # The buffer is fed from one shard at a time: datasets' default (10 at once) reads them in threads whose
             # shutdown sleeps 5 s (an Arrow workaround) at every pass's end, and whenever a pass is left unfinished.
             seed, buffer_size = shuffle_with
             stream = stream.shuffle(seed=seed, buffer_size=buffer_size, max_buffer_input_shards=1)
-        self.stream = stream
+        self.stream, self.check = stream, check
         self.endless = shuffle_with is not None
         self.start, self.count = Position(), None
 
@@ -210,6 +237,7 @@ class StreamReader(Sampler):
             # The fast-forward of a resume: rows before `skip` are read, never decoded.
             for offset, row in enumerate(itertools.islice(iter(self.stream), skip, None), skip):
                 found = True
+                self.check(row, f"row {offset} of pass {pass_} of this process's share of the stream")
                 yield row, pass_, offset
             if not self.endless:
                 return
@@ -283,9 +311,14 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
                               placeholder=torch.zeros(3, image_size, image_size), **common)
     pin = device.type == "cuda"
-    train = StreamLoader(StreamReader(splits.train, (seed, settings.shuffle_buffer)), train_set, batch_size, workers,
-                         pin, seed, device)
-    evaluation_loader = StreamLoader(StreamReader(splits.eval, None), eval_set, batch_size, workers, pin, seed, device)
+
+    def check(row: dict, where: str) -> None:
+        check_label(row[splits.label_column], len(splits.labels), where)
+
+    train = StreamLoader(StreamReader(splits.train, (seed, settings.shuffle_buffer), check), train_set, batch_size,
+                         workers, pin, seed, device)
+    evaluation_loader = StreamLoader(StreamReader(splits.eval, None, check), eval_set, batch_size, workers, pin, seed,
+                                     device)
     return train, evaluation_loader
 
 
