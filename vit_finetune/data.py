@@ -422,13 +422,14 @@ def default_num_workers(device_type: str, processes: int) -> int:
 
 
 def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: bool, seed: int,
-                num_workers: int, pin_memory: bool, sampler: EpochSampler | None = None) -> DataLoader:
-    """Batches of (index, epoch) keys from `sampler`, by default EpochSampler's (shuffled or in order)."""
+                num_workers: int, pin_memory: bool, sampler: Sampler | None = None,
+                collate_fn: Callable[[list], dict] = collate) -> DataLoader:
+    """Batches of the keys `sampler` yields, by default EpochSampler's (index, epoch) keys (shuffled or in order)."""
     return DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=sampler or EpochSampler(len(dataset), seed, shuffle),
-        collate_fn=collate,
+        sampler=sampler if sampler is not None else EpochSampler(len(dataset), seed, shuffle),
+        collate_fn=collate_fn,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,

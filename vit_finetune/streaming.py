@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
 from . import data, evaluation, hub
 from .callbacks import Callback
@@ -278,10 +278,7 @@ class StreamLoader:
                  seed: int, device: torch.device):
         self.reader, self.dataset, self.batch_size, self.device = reader, dataset, batch_size, device
         self.position = Position()
-        self.loader = DataLoader(
-            dataset, batch_size=batch_size, sampler=reader, collate_fn=collate, num_workers=workers,
-            pin_memory=pin, persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None,
-            generator=torch.Generator().manual_seed(seed))  # as data.make_loader: keeps torch's global RNG untouched
+        self.loader = data.make_loader(dataset, batch_size, False, seed, workers, pin, sampler=reader, collate_fn=collate)
 
     def batches(self, count: int | None) -> Iterator[dict]:
         """`count` batches from `position` on (None: to the end of the pass), each on the device."""
