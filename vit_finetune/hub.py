@@ -72,7 +72,9 @@ def hub_offline(offline: bool):
 def offline_by_user() -> bool:
     """Whether the user set HF_HUB_OFFLINE (or HF_DATASETS_OFFLINE), read from the environment, not from the flags
     offline_unless may have set for this process."""
-    return any(os.environ.get(name, "").upper() in {"1", "ON", "YES", "TRUE"}
+    import huggingface_hub.constants
+
+    return any(os.environ.get(name, "").upper() in huggingface_hub.constants.ENV_VARS_TRUE_VALUES
                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 

@@ -94,11 +94,6 @@ def _on_cpu_advice(engine: str) -> str:
             f"with DDP (torchrun --nproc_per_node N -m vit_finetune ...); keep the {engine} config for a GPU machine")
 
 
-def full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A collective, every process must call it: the whole model's weights, on the main process (empty elsewhere)."""
-    return accelerator.get_state_dict(model)
-
-
 def unsharded_model(trained: torch.nn.Module, recipe: Recipe, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A plain copy of the trained model on the CPU holding `full_state` (the gathered weights), with its LoRA
     adapter if it has one: what save_pretrained and peft's merge work on, which a sharded model is not."""

@@ -327,7 +327,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics.update(steps=state.step, skipped_images=state.skipped_images)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
-    gathered = sharding.full_state_dict(accelerator, parts.model) if sharding.is_sharded(accelerator) else None
+    gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
