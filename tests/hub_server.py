@@ -272,7 +272,9 @@ class FaultRule:
     """Make the next `times` requests matching (method, path_regex) fail with `status`.
 
     `times=None` means "always". `delay` (seconds) is slept before answering (with the fault status, or
-    with the normal answer when `status` is None: a pure slow-down).
+    with the normal answer when `status` is None: a pure slow-down, a stalled Hub when long). `reset=True`
+    drops the connection instead of answering (a TCP reset after reading the request): the client sees a
+    connection error, not an HTTP status.
     """
 
     status: int | None = 503
@@ -281,6 +283,7 @@ class FaultRule:
     method: str | None = None
     delay: float = 0.0
     message: str = "Injected fault"
+    reset: bool = False
     hits: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -533,11 +536,13 @@ class HubServer:
 
     # faults -------------------------------------------------------------------------------------
     def inject_faults(self, status: int | None = 503, times: int | None = 1, path_regex: str | None = None,
-                      method: str | None = None, delay: float = 0.0, message: str = "Injected fault") -> FaultRule:
+                      method: str | None = None, delay: float = 0.0, message: str = "Injected fault",
+                      reset: bool = False) -> FaultRule:
         """Make the next `times` requests whose path (with query) matches `path_regex` (re.search) and whose
-        method matches `method` fail with `status`. `times=None` = always. Returns the rule (see `.hits`)."""
+        method matches `method` fail with `status` (or, with `reset=True`, with a dropped connection). `times=None`
+        = always. Returns the rule (see `.hits`)."""
         rule = FaultRule(status=status, times=times, path_regex=path_regex, method=method, delay=delay,
-                         message=message)
+                         message=message, reset=reset)
         with self.lock:
             self._faults.append(rule)
         return rule
@@ -788,6 +793,11 @@ class _Handler(BaseHTTPRequestHandler):
             if rule is not None:
                 if rule.delay:
                     time.sleep(rule.delay)
+                if rule.reset:
+                    faulted = True
+                    self._drain_body()
+                    self._reset_connection()
+                    return
                 if rule.status is not None:
                     faulted = True
                     self._drain_body()
@@ -813,6 +823,18 @@ class _Handler(BaseHTTPRequestHandler):
                 user_agent=self.headers.get("User-Agent", ""), client=tuple(self.client_address),
                 faulted=faulted,
             ))
+
+    def _reset_connection(self) -> None:
+        """Close the socket with SO_LINGER 0, so the kernel sends a TCP reset and no answer reaches the client."""
+        import socket
+        import struct
+
+        self.close_connection = True
+        try:
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+        except OSError:
+            pass
 
     def _authenticate(self) -> tuple[str | None, str | None, bool]:
         auth = self.headers.get("Authorization")

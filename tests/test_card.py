@@ -41,3 +41,30 @@ def test_hostile_labels_leave_the_card_body_as_it_is_with_plain_labels():
     for label in HOSTILE:
         assert " ".join(label.split()) in shown, (label, shown)
     assert front["pipeline_tag"] == "image-classification"  # the front matter is untouched
+
+
+def test_a_hostile_dataset_path_and_output_folder_name_cannot_change_the_card(base, images, tmp_path):
+    """A real run whose data folder and output folder are named like HTML and a heading: the card shows the names
+    as text, with the same structure and elements as a run with plain names."""
+    import shutil
+
+    from runs import RECIPE, train
+
+    hostile = '<img src=x onerror="alert(1)"> `x\n# owned'
+    data = tmp_path / f"data {hostile}"
+    shutil.copytree(images, data)
+    cards = {}
+    for label, dataset, out in (("plain", images, tmp_path / "plain"), ("hostile", data, tmp_path / hostile)):
+        recipe = tmp_path / f"{label}.yaml"  # a recipe file: a command-line override cannot hold a line break
+        recipe.write_text(yaml.safe_dump({"model": {"base": str(base)}, "data": {"dataset": str(dataset)},
+                                          "output_dir": str(out)}))
+        assert train(["--recipe", str(recipe), *RECIPE, "train.max_steps=2"]) == 0
+        _, front, body = (out / "README.md").read_text().split("---\n", 2)
+        cards[label] = body
+    assert block_structure(cards["hostile"]) == block_structure(cards["plain"])
+    render = MarkdownIt("commonmark").enable("table").render
+    shown = render(cards["hostile"])
+    assert "<img" not in shown and "owned</h1>" not in shown
+    for tag in ("<a ", "<strong>", "<em>", "<code>", "<h1", "<h2", "<h3", "<table", "<p>", "<li>", "<pre"):
+        assert shown.count(tag) == render(cards["plain"]).count(tag), tag
+    assert "&lt;img src=x onerror=" in shown  # the name is still there, as text

@@ -1,12 +1,14 @@
 """Publishing: create the repo and upload a finished output folder to the Hub in one commit.
 
-huggingface_hub retries its upload calls but sends the commit once, so the whole push is retried here
-with back-off. A push only reads the output folder: a failure never touches the local files.
+huggingface_hub retries its upload calls but sends the commit once and waits forever for an answer, so the whole
+push is retried here with back-off, under a timeout per request. A push publishes only what the run's manifest
+lists, and only reads the output folder: a failure never touches the local files.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +17,6 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import VitFinetuneError
-from .checkpoint import CHECKPOINTS
 from .export import METRICS_FILE, STAGING
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
@@ -78,36 +79,116 @@ def offline_by_user() -> bool:
                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+TIMEOUT_VARIABLE = "VIT_FINETUNE_HUB_TIMEOUT"
+DEFAULT_TIMEOUT_S = 120.0  # per request (connect, each read, each write): a stalled Hub is given up, then retried
+
+
+def request_timeout() -> float:
+    """Seconds a Hub request may wait on the network: VIT_FINETUNE_HUB_TIMEOUT, else DEFAULT_TIMEOUT_S."""
+    value = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise PushError(f"{TIMEOUT_VARIABLE}={value!r} is not a number of seconds above 0; set it to e.g. 120, or unset it")
+    return seconds
+
+
+@contextmanager
+def requests_time_out(seconds: float):
+    """Inside, every request huggingface_hub sends (its one shared client) gives up after `seconds` of silence:
+    its default is to wait forever, so a stalled commit would block a push with no end."""
+    import httpx2
+    from huggingface_hub import get_session
+
+    session = get_session()
+    saved = session.timeout
+    session.timeout = httpx2.Timeout(seconds)
+    try:
+        yield
+    finally:
+        session.timeout = saved
+
+
 def is_retryable(error: Exception) -> bool:
+    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card) will not."""
     status = getattr(getattr(error, "response", None), "status_code", None)
     return status is None or status in (408, 429) or status >= 500
 
 
+def failure_reason(error: Exception, timeout: float) -> str:
+    """One line on what went wrong with a request."""
+    import httpx2
+
+    if isinstance(error, httpx2.TimeoutException):
+        return f"the Hub did not answer within {timeout:g} s ({TIMEOUT_VARIABLE}): timed out"
+    if isinstance(error, httpx2.TransportError):
+        return f"connection error: {type(error).__name__}: {error}"
+    return f"{type(error).__name__}: {error}"
+
+
+def published_files(output_dir: Path) -> list[str]:
+    """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
+    left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
+    from .checkpoint import CHECKPOINTS
+    from .outputs import MANIFEST, claimed
+    from .selection import BEST_DIR
+
+    kept_for_the_run = {CHECKPOINTS, STAGING, BEST_DIR}  # resumable state, the final save's staging, keep-best's copy
+    names = sorted(name for name in claimed(output_dir)
+                   if not name.startswith(".") and name not in kept_for_the_run and (output_dir / name).exists())
+    if not names:
+        raise PushError(f"{output_dir} holds no {MANIFEST} listing what a run wrote there, so what to publish is unknown; "
+                        "push a folder written by `python -m vit_finetune` (or upload your own files with `hf upload`)")
+    return names
+
+
 def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
-    """Upload a finished run (checkpoints left out) and return the commit URL."""
+    """Upload what the run wrote (its manifest, checkpoints left out) in one commit and return the commit URL.
+
+    The whole push (create, upload, commit) is retried with back-off on connection errors, timeouts and 5xx;
+    every request times out. The output folder is only read: a failure never touches it.
+    """
+    import httpx2
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
     output_dir = Path(output_dir)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise PushError(f"hub.repo_id={repo_id!r} is not a valid Hub id ({error}); use namespace/name with letters, "
+                        "digits, '-', '_' or '.' (no '--' or '..')") from None
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
+    names = published_files(output_dir)
+    timeout = request_timeout()
     api = HfApi(token=require_token())
-    last_error: Exception | None = None
-    for attempt, delay in enumerate((0.0, *RETRY_DELAYS)):  # read at each call: tests shorten it
-        time.sleep(delay)
-        try:
-            api.create_repo(repo_id, private=private, exist_ok=True)
-            commit = api.upload_folder(
-                repo_id=repo_id,
-                folder_path=output_dir,
-                commit_message=f"Upload {output_dir.name} with vit_finetune",
-                ignore_patterns=[f"{CHECKPOINTS}/**", f"{STAGING}/**", ".*"],
-            )
-            return commit.commit_url
-        except (HfHubHTTPError, OSError) as error:
-            last_error = error
-            if not is_retryable(error):
-                break
-            print(f"push attempt {attempt + 1} failed ({error.__class__.__name__}: {str(error)[:200]}); retrying")
-    raise PushError(
-        f"could not push {output_dir} to {repo_id}: {str(last_error)[:500]}\n"
-        f"The model is safe in {output_dir}. Push it later with:\n"
-        f"  python -m vit_finetune push {output_dir} --repo-id {repo_id}{' --private' if private else ''}"
-    )
+    attempts = 1 + len(RETRY_DELAYS)
+    reason = ""
+    with requests_time_out(timeout):
+        for attempt, delay in enumerate((0.0, *RETRY_DELAYS), start=1):  # read at each call: tests shorten it
+            time.sleep(delay)
+            try:
+                api.create_repo(repo_id, private=private, exist_ok=True)
+                commit = api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=output_dir,
+                    commit_message=f"Upload {output_dir.name} with vit_finetune",
+                    allow_patterns=[pattern for name in names for pattern in (name, f"{name}/**")],
+                    ignore_patterns=[".*", "**/.*"],
+                )
+                return commit.commit_url
+            except (HfHubHTTPError, httpx2.TransportError, OSError) as error:
+                reason = " ".join(failure_reason(error, timeout).split())[:300]
+                if not is_retryable(error):
+                    break
+                if attempt < attempts:
+                    print(f"push attempt {attempt} of {attempts} failed ({reason}); retrying in {RETRY_DELAYS[attempt - 1]:g} s",
+                          flush=True)
+    again = f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}{' --private' if private else ''}"
+    raise PushError(f"could not push {output_dir} to {repo_id} after {attempt} attempt(s) ({reason}). "
+                    f"The model is safe in {output_dir}: the local folder is intact. Push it again with: {again}")

@@ -76,15 +76,27 @@ def _hub_problem(repo_id: str) -> str | None:
 
 def load_classifier(name: str, device: str = "cpu", eager_attention: bool = False):
     """(model in eval mode on `device`, its saved image processor). Eager attention returns attention weights,
-    which explain needs and training never does (it is slower)."""
+    which explain needs and training never does (it is slower).
+
+    A model's own Python code (an `auto_map` in its config) never runs: trust_remote_code is False, not left unset,
+    so transformers refuses instead of asking on stdin, where a piped `yes` would have run it."""
+    from safetensors import SafetensorError
     from transformers import AutoImageProcessor, AutoModelForImageClassification
+    from transformers.utils import SAFE_WEIGHTS_NAME
 
     location = model_location(name)
     extra = {"attn_implementation": "eager"} if eager_attention else {}
     try:
-        model = AutoModelForImageClassification.from_pretrained(location, **extra)
-        processor = AutoImageProcessor.from_pretrained(location)
+        model = AutoModelForImageClassification.from_pretrained(location, trust_remote_code=False, **extra)
+        processor = AutoImageProcessor.from_pretrained(location, trust_remote_code=False)
+    except SafetensorError as error:
+        raise InputError(f"{name}: its weights file {SAFE_WEIGHTS_NAME} is damaged or incomplete ({error}); "
+                         "copy or download the model again") from None
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise InputError(f"{name} ships its own Python code (an auto_map in its config), which vit_finetune "
+                             "never runs: it would run with your permissions. Use a model of a supported family saved "
+                             "with save_pretrained (no auto_map), such as a run's output_dir") from None
         raise InputError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
     return model.to(device).eval(), processor
 

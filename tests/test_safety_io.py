@@ -1,0 +1,391 @@
+"""Using and publishing a model is as safe as training one: no model code runs, a push publishes only what the run
+wrote and survives a flaky Hub, output files are never half-written or replaced unasked, inputs are read once and
+without hanging, and a user's mistake is a one-line error naming the value and the fix, never a traceback."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tiny import COLOURS, REPO, colour_image
+from vit_finetune.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained(args, tmp_path_factory) -> Path:
+    from runs import train
+
+    output = tmp_path_factory.mktemp("safety-io") / "run"
+    assert train([*args, f"output_dir={output}"]) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def photo(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("one-photo") / "red.png"
+    colour_image(COLOURS["red"], np.random.default_rng(5)).save(path)
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in folder.rglob("*") if p.is_file()}
+
+
+def error_line(stderr: str) -> str:
+    """The one `error: ...` line a refusal prints; a traceback fails the test."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    return next(line for line in reversed(stderr.splitlines()) if line.startswith("error: "))
+
+
+def cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 120,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m vit_finetune ARGS` in a fresh interpreter, with `stdin` as its standard input."""
+    return subprocess.run([sys.executable, "-m", "vit_finetune", *args], input=stdin or "", capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd or REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+# ---------------------------------------------------------------- 1. a model's own code never runs
+
+
+def remote_code_repo(hub, repo_id: str, trained: Path, marker: Path) -> None:
+    """A Hub repo holding the trained model, whose config.json maps the Auto classes to its own evil.py, which
+    creates `marker` when imported: the stand-in for an attacker's code."""
+    config = json.loads((trained / "config.json").read_text())
+    config.update(model_type="evil-vit", auto_map={"AutoConfig": "evil.EvilConfig",
+                                                     "AutoModelForImageClassification": "evil.EvilModel"})
+    evil = (f"from pathlib import Path\nPath({str(marker)!r}).touch()\n"
+            "from transformers import ViTConfig, ViTForImageClassification\n\n\n"
+            "class EvilConfig(ViTConfig):\n    model_type = 'evil-vit'\n\n\n"
+            "class EvilModel(ViTForImageClassification):\n    config_class = EvilConfig\n")
+    hub.add_repo(repo_id, {"config.json": json.dumps(config), "evil.py": evil,
+                           "model.safetensors": trained / "model.safetensors",
+                           "preprocessor_config.json": trained / "preprocessor_config.json"})
+
+
+@pytest.mark.parametrize("command", ["predict", "evaluate", "explain"])
+def test_a_models_own_code_never_runs_even_when_stdin_says_yes(command, trained, photo, images, hub, hub_repo_id,
+                                                              tmp_path):
+    marker = tmp_path / "remote-code-ran"
+    remote_code_repo(hub, hub_repo_id, trained, marker)
+    extra = {"predict": [str(photo)], "explain": [str(photo), "--output-dir", str(tmp_path / "ex")],
+             "evaluate": ["--dataset", str(images), "--split", "validation"]}[command]
+    result = cli(command, hub_repo_id, *extra, stdin="y\n" * 20, timeout=180)
+    assert result.returncode == 1
+    error = error_line(result.stderr)
+    assert "trust_remote_code" not in result.stdout and "[y/N]" not in result.stdout  # nothing asked
+    assert hub_repo_id in error and "its own Python code" in error
+    assert not marker.exists()
+    assert not (tmp_path / "ex").exists()
+
+
+# ---------------------------------------------------------------- 2. push publishes what the run wrote
+
+
+def with_users_files(trained: Path, folder: Path) -> Path:
+    """A copy of the finished run with a user's notes and folder beside its files."""
+    shutil.copytree(trained, folder)
+    (folder / "notes.txt").write_text("my private notes\n")
+    (folder / "mydir").mkdir()
+    (folder / "mydir" / "f").write_text("mine\n")
+    return folder
+
+
+def run_files(folder: Path) -> set[str]:
+    """What the run wrote, as its manifest lists it (files under a listed folder included)."""
+    from vit_finetune.outputs import claimed
+
+    listed = claimed(folder)
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")
+            if p.is_file() and p.relative_to(folder).parts[0] in listed and not p.name.startswith(".")}
+
+
+def test_push_uploads_only_the_files_the_run_wrote(trained, hub, hub_token, hub_repo_id, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    folder = with_users_files(trained, tmp_path / "run")
+    assert main(["push", str(folder), "--repo-id", hub_repo_id]) == 0
+    pushed = set(hub.repo_files(hub_repo_id)) - {".gitattributes"}
+    assert "notes.txt" not in pushed and "mydir/f" not in pushed
+    assert pushed == run_files(folder) and "model.safetensors" in pushed
+
+
+@pytest.mark.slow
+def test_a_run_with_hub_push_uploads_only_the_files_it_wrote(args, hub, hub_token, hub_repo_id, tmp_path,
+                                                             monkeypatch):
+    from runs import train
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    out = tmp_path / "out"
+    assert train([*args, "train.max_steps=2", f"output_dir={out}"]) == 0
+    (out / "notes.txt").write_text("my private notes\n")
+    (out / "mydir").mkdir()
+    (out / "mydir" / "f").write_text("mine\n")
+    assert train([*args, "train.max_steps=2", f"output_dir={out}", "overwrite=true", "hub.push=true",
+                  f"hub.repo_id={hub_repo_id}"]) == 0
+    pushed = set(hub.repo_files(hub_repo_id)) - {".gitattributes"}
+    assert "notes.txt" not in pushed and "mydir/f" not in pushed
+    assert pushed == run_files(out)
+    assert (out / "notes.txt").read_text() == "my private notes\n"  # left where it was
+
+
+# ---------------------------------------------------------------- 3. push and a flaky or stalled Hub
+
+@pytest.fixture
+def fast_retries(hub_token, monkeypatch):
+    """In-process pushes with the token, the real back-off shortened (it sleeps 15 s in all) and a 2 s timeout."""
+    from vit_finetune import hub as hub_module
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "2")
+    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.05,) * 4)
+
+
+@pytest.mark.parametrize("route", [r"^/api/repos/create", r"/preupload/", r"\.git/info/lfs/objects/batch",
+                                   r"/commit/"], ids=["create", "preupload", "lfs-batch", "commit"])
+def test_push_survives_a_connection_reset(route, trained, hub, hub_repo_id, fast_retries, capsys):
+    hub.inject_faults(status=None, reset=True, times=1, path_regex=route, method="POST")
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert hub.requests(method="POST", path_regex=route)[0].faulted
+    files = hub.repo_files(hub_repo_id)
+    assert files["model.safetensors"] == (trained / "model.safetensors").read_bytes()
+
+
+def test_a_hub_that_keeps_resetting_gives_one_clear_line_and_the_command_to_push_again(trained, hub, hub_repo_id,
+                                                                                      fast_retries, capsys):
+    before = snapshot(trained)
+    hub.inject_faults(status=None, reset=True, times=None, path_regex=r"/commit/", method="POST")
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "connection error" in error
+    assert f"The model is safe in {trained}: the local folder is intact" in error
+    assert error.endswith(f"python -m vit_finetune push {trained} --repo-id {hub_repo_id}")
+    assert len(hub.requests(method="POST", path_regex=r"/commit/")) == 5
+    assert snapshot(trained) == before
+
+
+def test_a_stalled_commit_times_out_and_is_retried(trained, hub, hub_repo_id, fast_retries, capsys):
+    hub.inject_faults(status=None, delay=30, times=1, path_regex=r"/commit/", method="POST")
+    start = time.monotonic()
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 0
+    assert time.monotonic() - start < 25  # the stalled request was given up, not waited out
+    assert "push attempt 1 of 5 failed (the Hub did not answer within 2 s" in capsys.readouterr().out
+    assert hub.repo_files(hub_repo_id)["model.safetensors"] == (trained / "model.safetensors").read_bytes()
+
+
+def test_a_hub_that_always_stalls_ends_with_the_command_to_push_again(trained, hub, hub_repo_id, fast_retries,
+                                                                     capsys):
+    hub.inject_faults(status=None, delay=10, times=None, path_regex=r"/commit/", method="POST")
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "timed out" in error and f"python -m vit_finetune push {trained} --repo-id {hub_repo_id}" in error
+
+
+def test_a_timeout_that_is_not_a_number_is_refused(trained, hub_repo_id, fast_retries, monkeypatch, capsys):
+    monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "soon")
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
+    assert "VIT_FINETUNE_HUB_TIMEOUT='soon'" in error_line(capsys.readouterr().err)
+
+
+# ---------------------------------------------------------------- 4. output files: whole or not at all
+
+
+def many_photos(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        colour_image(COLOURS["red" if index % 2 else "blue"], rng).save(folder / f"{index:03d}.png")
+    return folder
+
+
+def test_predict_killed_mid_write_leaves_no_partial_output(trained, tmp_path):
+    photos = many_photos(tmp_path / "photos", 300)
+    output = tmp_path / "preds.csv"
+    command = [sys.executable, "-m", "vit_finetune", "predict", str(trained), str(photos), "--output", str(output),
+               "--batch-size", "1"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 120
+    written = []
+    while process.poll() is None and time.monotonic() < deadline and not written:
+        written = [p for p in tmp_path.iterdir() if p.name.endswith("preds.csv") and p.stat().st_size > 200]
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert written, "predict finished or never wrote before it could be killed"
+    assert not output.exists()  # no valid-looking CSV holding part of the rows
+
+
+def test_predict_refuses_to_replace_an_existing_output_unless_asked(trained, photo, tmp_path, capsys):
+    output = tmp_path / "preds.csv"
+    output.write_text("my own spreadsheet\n")
+    assert main(["predict", str(trained), str(photo), "--output", str(output)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(output) in error and "--overwrite" in error
+    assert output.read_text() == "my own spreadsheet\n"
+    assert main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"]) == 0
+    rows = list(csv.DictReader(output.open()))
+    assert [row["image"] for row in rows] == [str(photo)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.csv"]  # no temporary file left
+
+
+def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, photo, tmp_path, monkeypatch, capsys):
+    from vit_finetune import inference
+
+    output = tmp_path / "preds.jsonl"
+    output.write_text('{"earlier": "results"}\n')
+
+    def failing_rows(*args, **kwargs):  # stands for a failure after the file is opened (a device error, Ctrl-C)
+        yield {"image": "x.png", "error": None, "predictions": []}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inference, "predict_rows", failing_rows)
+    with pytest.raises(KeyboardInterrupt):
+        main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"])
+    assert output.read_text() == '{"earlier": "results"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["preds.jsonl"]
+
+
+def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_path, capsys):
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    (folder / "metrics.json").write_text('{"mine": 1}')
+    assert main(["evaluate", str(trained), "--output-dir", str(folder)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "metrics.json" in error and "--overwrite" in error
+    assert sorted(p.name for p in folder.iterdir()) == ["metrics.json"]
+    assert (folder / "metrics.json").read_text() == '{"mine": 1}'
+    assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 0
+    assert json.loads((folder / "metrics.json").read_text())["accuracy"] >= 0
+    assert {"confusion_matrix.png", "misclassified.png"} <= {p.name for p in folder.iterdir()}
+
+
+# ---------------------------------------------------------------- 5. globs over looping links
+
+
+def test_a_glob_over_self_links_ends_and_reads_each_file_once(trained, tmp_path):
+    tree = tmp_path / "L"
+    many_photos(tree / "sub", 3)
+    (tree / "loop").symlink_to(".")
+    (tree / "sub" / "back").symlink_to("..")
+    output = tmp_path / "p.csv"
+    result = cli("predict", str(trained), str(tree / "**" / "*.png"), "--output", str(output), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = [row["image"] for row in csv.DictReader(output.open())]
+    assert sorted(Path(name).resolve() for name in names) == sorted((tree / "sub").glob("*.png"))
+    result = cli("explain", str(trained), str(tree / "**" / "*.png"), "--output-dir", str(tmp_path / "ex"),
+                 timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(list((tmp_path / "ex").rglob("*.png"))) == 3
+
+
+def test_a_folder_with_a_self_link_is_read_once(trained, tmp_path, capsys):
+    tree = tmp_path / "L"
+    many_photos(tree, 2)
+    (tree / "loop").symlink_to(".")
+    assert main(["predict", str(trained), str(tree), "--output", str(tmp_path / "p.csv")]) == 0
+    assert len(list(csv.DictReader((tmp_path / "p.csv").open()))) == 2
+
+
+# ---------------------------------------------------------------- 6. silently wrong answers
+
+
+@pytest.mark.parametrize("command", ["predict", "evaluate"])
+@pytest.mark.parametrize("size", ["-3", "0"])
+def test_a_batch_size_below_one_is_refused(command, size, trained, photo, capsys):
+    extra = [str(photo)] if command == "predict" else []
+    assert main([command, str(trained), *extra, "--batch-size", size]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert f"--batch-size {size}" in error and "at least 1" in error
+
+
+def test_explain_gives_same_named_images_of_two_folders_two_pictures(trained, tmp_path):
+    for folder, colour in (("a", "red"), ("b", "blue"), ("c", "green")):
+        (tmp_path / "in" / folder).mkdir(parents=True)
+    colour_image(COLOURS["red"], np.random.default_rng(1)).save(tmp_path / "in" / "a" / "x.png")
+    colour_image(COLOURS["blue"], np.random.default_rng(2)).save(tmp_path / "in" / "b" / "x.png")
+    colour_image(COLOURS["green"], np.random.default_rng(3)).save(tmp_path / "in" / "c" / "0000-x.png")
+    assert main(["explain", str(trained), str(tmp_path / "in"), "--output-dir", str(tmp_path / "ex")]) == 0
+    pictures = sorted(str(p.relative_to(tmp_path / "ex")) for p in (tmp_path / "ex").rglob("*.png"))
+    assert pictures == ["a/x.rollout.png", "b/x.rollout.png", "c/0000-x.rollout.png"]
+    hashes = {hashlib.sha256((tmp_path / "ex" / p).read_bytes()).hexdigest() for p in pictures}
+    assert len(hashes) == 3
+
+
+# ---------------------------------------------------------------- 7. messages, not tracebacks
+
+
+def test_predict_output_naming_a_folder_or_a_missing_folder(trained, photo, tmp_path, capsys):
+    assert main(["predict", str(trained), str(photo), "--output", str(tmp_path)]) == 1
+    assert "is a folder" in error_line(capsys.readouterr().err)
+    (tmp_path / "dir.csv").mkdir()
+    assert main(["predict", str(trained), str(photo), "--output", str(tmp_path / "dir.csv")]) == 1
+    assert "is a folder" in error_line(capsys.readouterr().err)
+    missing = tmp_path / "no" / "such" / "p.csv"
+    assert main(["predict", str(trained), str(photo), "--output", str(missing)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(missing.parent) in error and "does not exist" in error
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.fixture(scope="module")
+def truncated(trained, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("truncated") / "run"
+    shutil.copytree(trained, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return folder
+
+
+@pytest.mark.parametrize("command", ["predict", "evaluate", "explain"])
+def test_a_truncated_model_file_is_a_clear_error(command, truncated, photo, tmp_path, capsys):
+    extra = {"predict": [str(photo)], "evaluate": [], "explain": [str(photo), "--output-dir", str(tmp_path / "e")]}
+    assert main([command, str(truncated), *extra[command]]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(truncated) in error and "model.safetensors" in error
+
+
+@pytest.mark.parametrize("top_k", ["0", "-1"])
+def test_explain_top_k_below_one_is_refused(top_k, trained, photo, tmp_path, capsys):
+    assert main(["explain", str(trained), str(photo), "--top-k", top_k, "--output-dir", str(tmp_path / "e")]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert f"--top-k {top_k}" in error and "at least 1" in error
+    assert not (tmp_path / "e").exists()
+
+
+def test_explain_output_dir_naming_a_file(trained, photo, tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    assert main(["explain", str(trained), str(photo), "--output-dir", str(taken)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(taken) in error and "not a folder" in error
+    assert taken.read_text() == "mine"
+
+
+def test_a_path_component_too_long_for_the_filesystem(trained, photo, capsys):
+    long = "/tmp/" + "x" * 300 + ".png"
+    assert main(["predict", str(trained), long]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "too long" in error
+
+
+def test_a_newline_in_a_file_name_cannot_spoof_predict_output(trained, tmp_path):
+    name = "cat.png\n  0.9999  dog"
+    colour_image(COLOURS["red"], np.random.default_rng(1)).save(tmp_path / name, format="PNG")
+    result = cli("predict", str(trained), str(tmp_path / name))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert not any(line.strip() == "0.9999  dog" for line in lines)
+    assert lines[0] == str(tmp_path / "cat.png\\n  0.9999  dog")
