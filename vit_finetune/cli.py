@@ -37,12 +37,23 @@ def _train_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def at_least_one(text: str) -> int:
+    """An argparse type for --batch-size and --top-k: 0 or below would silently give nothing ("0 images", exit 0)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give one of at least 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1; give a whole number of at least 1")
+    return value
+
+
 def _model_command_parser(command: str, description: str, batches: bool = True) -> argparse.ArgumentParser:
     """The parser of a command that uses a trained model: its name, what it does, and the options all share."""
     parser = argparse.ArgumentParser(prog=f"python -m vit_finetune {command}", description=description)
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     if batches:
-        parser.add_argument("--batch-size", type=int, default=None, help="images per forward pass")
+        parser.add_argument("--batch-size", type=at_least_one, default=None, help="images per forward pass")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto = cuda when available")
     return parser
 
@@ -54,7 +65,8 @@ def _predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
     parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
-    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    parser.add_argument("--top-k", type=at_least_one, default=5)
     return parser
 
 
@@ -65,6 +77,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
     parser.add_argument("--output-dir", type=Path,
                         help="also write metrics.json, confusion_matrix.png and misclassified.png here")
+    parser.add_argument("--overwrite", action="store_true", help="replace those files if --output-dir holds them")
     return parser
 
 
@@ -76,7 +89,7 @@ def _explain_parser() -> argparse.ArgumentParser:
                         help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
     parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
     parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
-    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--top-k", type=at_least_one, default=5)
     return parser
 
 
@@ -140,7 +153,7 @@ def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
     from . import inference
 
-    write = inference.writer_for(args.output)  # a wrong suffix, image or model path fails before anything loads
+    write = inference.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
     if bool(args.images) == bool(args.dataset):
         raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
     sources = None if args.dataset else inference.collect_images(args.images)
@@ -159,7 +172,7 @@ def predict_command(argv: list[str]) -> int:
     if write is None:
         inference.write_text(rows)
         return 0
-    count = write(rows, Path(args.output), min(args.top_k, model.config.num_labels))
+    count = inference.write_output(write, rows, Path(args.output).expanduser(), min(args.top_k, model.config.num_labels))
     print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                 f"{unreadable[:5]}" if unreadable else ""))
     return 0
@@ -169,6 +182,8 @@ def evaluate_command(argv: list[str]) -> int:
     args = _evaluate_parser().parse_args(argv)
     from . import inference
 
+    if args.output_dir is not None:
+        inference.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
     metrics = inference.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
                                        args.batch_size, _device(args.device), args.output_dir)
     shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
@@ -182,7 +197,9 @@ def explain_command(argv: list[str]) -> int:
 
     sources = inference.collect_images(args.images)
     inference.model_location(args.model)
-    from .explain import explain_images
+    from .explain import check_output_dir, explain_images
+
+    check_output_dir(args.output_dir)
 
     written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
                              args.top_k)

@@ -11,6 +11,7 @@ dozen lines are here. Attention weights need eager attention, loaded for explain
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,10 +146,25 @@ def draw_explanation(image, explanation: Explanation, size: int, method: str, pa
 
 
 def output_names(names: list[str], method: str) -> list[str]:
-    """`photo.rollout.png` per image; images of the same file name get their position in front."""
-    stems = [Path(name).stem for name in names]
-    return [f"{stem}.{method}.png" if stems.count(stem) == 1 else f"{index:04d}-{stem}.{method}.png"
-            for index, stem in enumerate(stems)]
+    """`photo.rollout.png` per image, under its path relative to the folder all images share (`a/x.rollout.png`,
+    `b/x.rollout.png`), so same-named images of two folders never write one picture; two images that differ only
+    by suffix in one folder keep it (`x.png.rollout.png`, `x.jpg.rollout.png`)."""
+    paths = [Path(os.path.abspath(name)) for name in names]
+    common = Path(os.path.commonpath([path.parent for path in paths])) if paths else Path(".")
+    relative = [path.relative_to(common) for path in paths]
+    short = [str(path.with_suffix("")) for path in relative]
+    chosen = [stem if short.count(stem) == 1 else str(path) for stem, path in zip(short, relative)]
+    if len(set(chosen)) < len(chosen):  # a stem that is another image's full name: full names, distinct paths
+        chosen = [str(path) for path in relative]
+    return [f"{name}.{method}.png" for name in chosen]
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """--output-dir must be a folder, or a name for a new one: never a file (it is the user's)."""
+    from .inference import path_kind
+
+    if path_kind(output_dir, str(output_dir), "--output-dir") == "file":
+        raise ExplainError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
 
 
 def explain_images(model_name: str, sources: list, output_dir: Path, method: str = "rollout",
@@ -163,7 +179,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
     if label is not None and label not in model.config.label2id:
         raise ExplainError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
     vision = getattr(model.config, "vision_config", None) or model.config
-    output_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for source, name in zip(sources, output_names([s.name for s in sources], method)):
         try:
@@ -173,6 +188,7 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
             continue
         pixels = processor(images=image, return_tensors="pt")["pixel_values"].to(device)
         explanation = explain_pixels(model, pixels, method, label, top_k)
+        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
         draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
         written.append(output_dir / name)
     return written

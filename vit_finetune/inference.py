@@ -101,24 +101,50 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
     return model.to(device).eval(), processor
 
 
+def path_kind(path: Path, given: str, what: str) -> str:
+    """'folder', 'file' or 'missing'; a path the system refuses to look up (a name over 255 bytes, a loop of
+    links) is an InputError naming it, not an OSError from deep inside a glob."""
+    try:
+        return "folder" if path.is_dir() else "file" if path.exists() else "missing"
+    except OSError as error:
+        shown = given if len(given) <= 120 else given[:60] + "..." + given[-40:]
+        raise InputError(f"{what} {shown!r} cannot be looked up: {error.strerror or error}; give a shorter or "
+                         "valid path") from None
+
+
+def glob_files(pattern: str) -> list[Path]:
+    """The files a glob names. pathlib's `**` never descends into a linked folder, so a link back to an ancestor
+    cannot make the search endless (glob.glob follows it: two such links never return)."""
+    path = Path(pattern).expanduser()
+    root = Path(path.anchor) if path.is_absolute() else Path(".")
+    relative = str(path.relative_to(root)) if path.is_absolute() else str(path)
+    try:
+        return sorted(match for match in root.glob(relative) if match.is_file())
+    except (ValueError, OSError):  # an unacceptable pattern ("/" alone) or an unreadable folder: nothing found
+        return []
+
+
 def collect_images(specs: list[str]) -> list[ImageSource]:
-    """Files, folders (searched recursively for image files) and globs, in the order given, each file once."""
-    found: dict[str, None] = {}
+    """Files, folders (searched recursively for image files, linked folders not followed) and globs, in the order
+    given, each file once however many links or specs reach it."""
+    found: dict[Path, str] = {}  # resolved path -> the name it was first reached by
     unmatched = []
     for spec in specs:
         path = Path(spec).expanduser()
-        if path.is_dir():
-            matches = sorted(str(p) for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-        elif path.is_file():
-            matches = [str(path)]
+        kind = path_kind(path, spec, "image path")
+        if kind == "folder":
+            matches = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+        elif kind == "file":
+            matches = [path]
         else:
-            matches = sorted(p for p in glob.glob(spec, recursive=True) if Path(p).is_file())
+            matches = glob_files(spec)
         if not matches:
             unmatched.append(spec)
-        found.update(dict.fromkeys(matches))
+        for match in matches:
+            found.setdefault(match.resolve(), str(match))
     if unmatched:
         raise InputError(f"image file(s) not found: {unmatched}; give files, folders or globs such as 'photos/*.jpg'")
-    return [ImageSource(path, {"path": path, "bytes": None}) for path in found]
+    return [ImageSource(name, {"path": name, "bytes": None}) for name in found.values()]
 
 
 def dataset_split(dataset: str, split: str) -> tuple[object, str, str | None]:
@@ -205,16 +231,22 @@ def write_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
     return count
 
 
+def printable(text: str) -> str:
+    """Text for one line of a terminal: line breaks and other control characters escaped (a file named
+    "cat.png\\n  0.99  dog" would otherwise print a prediction the model never made)."""
+    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(text))
+
+
 def write_text(rows: Iterator[dict], stream=None) -> int:
     """No --output: the human-readable listing on stdout."""
     stream = stream or sys.stdout
     count = 0
     for row in rows:
-        print(row["image"], file=stream)
+        print(printable(row["image"]), file=stream)
         if row["error"]:
-            print(f"  error: {row['error']}", file=stream)
+            print(f"  error: {printable(row['error'])}", file=stream)
         for guess in row["predictions"]:
-            print(f"  {guess['score']:.4f}  {guess['label']}", file=stream)
+            print(f"  {guess['score']:.4f}  {printable(guess['label'])}", file=stream)
         count += 1
     return count
 
@@ -222,15 +254,56 @@ def write_text(rows: Iterator[dict], stream=None) -> int:
 WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
 
 
-def writer_for(output: str | None):
-    """The writer for --output's suffix, checked before any image is read."""
+def writer_for(output: str | None, overwrite: bool = False):
+    """The writer for --output's suffix, and the file checked, before any model or image is read: a folder, a
+    missing folder, or a file the user did not ask to replace is refused."""
     if output is None:
         return None
-    suffix = Path(output).suffix.lower()
+    path = Path(output).expanduser()
+    kind = path_kind(path, output, "--output")
+    if kind == "folder":
+        raise InputError(f"--output {output!r} is a folder; give a file name in it, such as {str(path / 'predictions.csv')!r}")
+    suffix = path.suffix.lower()
     if suffix not in WRITERS:
         raise InputError(f"--output {output!r}: unknown format {suffix or '(no suffix)'!r}; use a name ending in "
                          f"{' or '.join(WRITERS)}")
+    if path_kind(path.parent, str(path.parent), "--output's folder") != "folder":
+        raise InputError(f"--output {output!r}: the folder {str(path.parent)!r} does not exist; create it first or "
+                         "write elsewhere")
+    if kind == "file" and not overwrite:
+        raise InputError(f"--output {output!r} already exists; pass --overwrite to replace it, or choose a new name")
     return WRITERS[suffix]
+
+
+def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
+    """`write` into a temporary file beside `path`, renamed over it once complete: a kill or an error midway leaves
+    no partial file under the name, and a file that was there stays as it was."""
+    from .checkpoint import PARTIAL_PREFIX, replace_atomically
+
+    counted: list[int] = []
+    partial = path.with_name(f"{PARTIAL_PREFIX}{path.name}")
+    try:
+        replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return counted[0]
+
+
+def check_evaluation_folder(output_dir: Path, overwrite: bool) -> None:
+    """evaluate --output-dir: a folder (or a name for a new one) whose metrics.json and pictures may be written,
+    checked before the model loads: a file there is replaced only with --overwrite."""
+    from .export import METRICS_FILE
+    from .pictures import CONFUSION_FILE, MISCLASSIFIED_FILE
+
+    kind = path_kind(output_dir, str(output_dir), "--output-dir")
+    if kind == "file":
+        raise InputError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
+    taken = [name for name in (METRICS_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE)
+             if kind == "folder" and (output_dir / name).exists()]
+    if taken and not overwrite:
+        raise InputError(f"--output-dir {str(output_dir)!r} already holds {taken}; pass --overwrite to replace them, "
+                         "or choose a new --output-dir")
 
 
 def to_model_labels(table, label_column: str, labels: list[str]):
@@ -298,5 +371,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
         pictures.draw_evaluation(predictions, eval_set, labels, output_dir)
-        (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        from .checkpoint import replace_atomically
+
+        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
     return metrics
