@@ -105,6 +105,16 @@ def markdown_text(value: str) -> str:
     return MARKDOWN_MARKS.sub(r"\\\g<0>", html.escape(one_line, quote=False))
 
 
+def markdown_code(value: str) -> str:
+    """A path, id or split name as one inline code span that nothing in it can end: line breaks made spaces (a new
+    line could start a heading), and a fence of more backticks than the longest run inside."""
+    one_line = " ".join(str(value).split())
+    longest = max((len(run) for run in re.findall(r"`+", one_line)), default=0)
+    fence = "`" * (longest + 1)
+    padded = f" {one_line} " if one_line.startswith("`") or one_line.endswith("`") else one_line
+    return f"{fence}{padded}{fence}"
+
+
 def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora: bool, load_from: str | None = None,
                info: dict | None = None, pictures: tuple[str, ...] = (), model_type: str = "vit") -> ModelCard:
     family = FAMILIES[model_type]
@@ -135,21 +145,24 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
     t = recipe.train
     rows = "\n".join(f"| {METRIC_NAMES[k]} | {metrics[k]:.4f} |" for k in METRIC_NAMES if k in metrics)
     lora_text = (
-        f"LoRA (r={recipe.model.lora.r}, alpha={recipe.model.lora.alpha}, targets {recipe.model.lora.target_modules}); "
+        f"LoRA (r={recipe.model.lora.r}, alpha={recipe.model.lora.alpha}, targets "
+        f"{markdown_text(recipe.model.lora.target_modules)}); "
         f"the repo root holds the merged model, `{ADAPTER_DIR}/` the adapter with the head."
         if lora else "full fine-tuning"
     )
+    # Every string a user gave (folder names, paths, ids, split names) goes in as inert text or code: a folder named
+    # like HTML or a heading must not change the card the Hub renders.
     body = f"""
-# {name}
+# {markdown_text(name)}
 
-A {family.name} fine-tuned with vit_finetune from `{recipe.model.base}` on `{dataset}`
+A {family.name} fine-tuned with vit_finetune from {markdown_code(recipe.model.base)} on {markdown_code(dataset)}
 at **{recipe.model.image_size}×{recipe.model.image_size} px**. Its position information was moved once to the new
 size ({family.resized}), so the model runs at this size with no `interpolate_pos_encoding` flag.
 
 ## Use
 ```python
 from transformers import pipeline
-classify = pipeline("image-classification", model="{load_from or name}")
+classify = pipeline("image-classification", model={json.dumps(load_from or name, ensure_ascii=False)})
 classify("photo.jpg")
 ```
 
@@ -227,9 +240,9 @@ def info_text(info: dict | None) -> str:
         return ""
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     rate = f"{info['images_per_s']} images/s (median over logged steps)" if info["images_per_s"] else "images/s not logged"
-    resumed = f"; resumed from {info['resumed_from']}" if info["resumed_from"] else ""
+    resumed = f"; resumed from {markdown_code(info['resumed_from'])}" if info["resumed_from"] else ""
     return (f"- Saved weights: {info['weights']}\n"
-            f"- Training time: {duration(info['training_seconds'])} on {info['processes']} x {info['device']} "
+            f"- Training time: {duration(info['training_seconds'])} on {info['processes']} x {markdown_text(info['device'])} "
             f"(mixed precision: {info['mixed_precision']}), {rate}{resumed}\n"
             f"- Versions: {versions} (also in [`{RUN_INFO_FILE}`]({RUN_INFO_FILE}))\n")
 
@@ -238,11 +251,11 @@ def eval_set_text(metrics: dict, recipe: Recipe) -> str:
     """What the card's numbers were measured on, in words."""
     size = metrics.get("eval_samples", "?")
     if metrics.get("eval_carved_from_train"):
-        why = (f"the dataset has no `{recipe.data.eval_split}` split" if recipe.data.eval_split
+        why = (f"the dataset has no {markdown_code(recipe.data.eval_split)} split" if recipe.data.eval_split
                else "data.eval_split is null")
-        return (f"{size} eval images held out from `{recipe.data.train_split}` ({recipe.data.eval_fraction:.0%}, "
+        return (f"{size} eval images held out from {markdown_code(recipe.data.train_split)} ({recipe.data.eval_fraction:.0%}, "
                 f"stratified, seed {recipe.train.seed}) because {why}")
-    return f"{size} eval images, split `{metrics.get('eval_split', recipe.data.eval_split)}`"
+    return f"{size} eval images, split {markdown_code(metrics.get('eval_split', recipe.data.eval_split))}"
 
 
 def save_image_processor(processor, folder: Path) -> None:
