@@ -243,6 +243,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
         hub.require_token()
+        hub.request_timeout()  # a malformed VIT_FINETUNE_HUB_TIMEOUT fails now, not after the training
     tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
