@@ -160,7 +160,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
     try:
         validate_repo_id(repo_id)
     except HFValidationError as error:
-        raise PushError(f"hub.repo_id={repo_id!r} is not a valid Hub id ({error}); use namespace/name with letters, "
+        raise PushError(f"repo id {repo_id!r} is not a valid Hub id ({error}); use namespace/name with letters, "
                         "digits, '-', '_' or '.' (no '--' or '..')") from None
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")

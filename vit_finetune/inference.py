@@ -5,7 +5,6 @@ predict in batches, write CSV or JSONL, and evaluate it on any split of any data
 from __future__ import annotations
 
 import csv
-import glob
 import json
 import sys
 from dataclasses import dataclass
