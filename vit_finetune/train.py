@@ -24,7 +24,7 @@ from . import augment, balance, checkpoint, data, evaluation, export, hub, loop,
 from . import pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal
+from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal, watch_launcher
 from .recipe import Recipe, write_recipe
 
 
@@ -239,6 +239,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     lone = check_launch()  # `accelerate launch --cpu --num_processes 2` starts this process alone
     if lone:
         raise RunError(lone)
+    watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training
     check_output_dir(recipe)
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
