@@ -264,11 +264,9 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
     """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
     if another run holds the lock, or a machine sees another folder there, every process stops (collectives)."""
     lock = outputs.RunLock(Path(recipe.output_dir))
-    refused = lock.acquire() if accelerator.is_main_process else None
+    refused = _lock_and_claim(lock, recipe) if accelerator.is_main_process else None
     if any_process(accelerator, refused is not None):
         raise RunError(refused or "the main process could not lock output_dir")
-    if accelerator.is_main_process:
-        outputs.claim(Path(recipe.output_dir), export.run_names())
     # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
     patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
     unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
@@ -276,6 +274,23 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
         lock.release()
         raise RunError(f"output_dir={unshared}")
     return lock
+
+
+def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
+    """The main process's first writes into output_dir: the lock, the manifest's claim and the trackers' folder;
+    why one failed (a refusal, the lock released), or None."""
+    output_dir = Path(recipe.output_dir)
+    refused = lock.acquire()
+    if refused:
+        return refused
+    try:
+        outputs.claim(output_dir, export.run_names())
+    except OSError as error:
+        refused = outputs.unwritable(output_dir, error)
+    refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
+    if refused:
+        lock.release()
+    return refused
 
 
 def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
