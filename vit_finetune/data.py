@@ -205,10 +205,39 @@ def hold_out_eval(train, settings: DataSettings, label_column: str, classes: int
     return carved["train"], carved["test"]
 
 
+# Image files (an image folder) up to this many bytes in all are hashed, so a resume notices a file changed in place
+# even with its size and modification time kept; beyond it, hashing would slow every start (~1 s a GiB), and only
+# datasets' fingerprint is compared (the file names, sizes and modification times).
+CONTENT_HASH_LIMIT_BYTES = 1 << 30
+
+
 def identity(splits: Splits) -> dict:
-    """What a checkpoint records of the data: the labels, and datasets' fingerprints of the loaded splits (any image
-    added, removed or modified changes them; for an image folder, so does a file's modification time)."""
-    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint}
+    """What a checkpoint records of the data: the labels, datasets' fingerprints of the loaded splits (any image
+    added, removed or modified changes them; for an image folder, so does a file's modification time), and, for
+    image files up to CONTENT_HASH_LIMIT_BYTES, a hash of their bytes."""
+    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint,
+            "train_content": content_hash(splits.train, splits.image_column),
+            "eval_content": content_hash(splits.eval, splits.image_column)}
+
+
+def content_hash(split, image_column: str) -> str | None:
+    """A hash of the split's image files, in order; None when the images are stored in the dataset itself (its
+    fingerprint covers them), the files total over CONTENT_HASH_LIMIT_BYTES, or one cannot be read."""
+    import hashlib
+
+    if len(split) == 0 or split[0][image_column].get("bytes") is not None:
+        return None
+    paths = [cell["path"] for cell in split[image_column]]
+    try:
+        if sum(os.path.getsize(path) for path in paths) > CONTENT_HASH_LIMIT_BYTES:
+            return None
+        digest = hashlib.sha256()
+        for path in paths:
+            with open(path, "rb") as file:
+                digest.update(hashlib.file_digest(file, "sha256").digest())
+    except (OSError, TypeError):  # a missing file is reported where it is decoded, by name
+        return None
+    return digest.hexdigest()
 
 
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):
