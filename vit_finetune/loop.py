@@ -233,7 +233,9 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         if stop:
             break
     if interrupt.raised:  # heard between two forward passes: state stands at the last step's end again
-        if not _due(state.step, t.checkpoint_every_steps):  # (else that step's checkpoint is already written)
+        latest = checkpoint.latest_checkpoint(Path(run.recipe.output_dir))
+        # Not again for a step already saved (the one resumed from, say): its folder would be replaced for nothing.
+        if state.step > 0 and (latest is None or latest.name != checkpoint.checkpoint_name(state.step)):
             finite = pending_finite if pending_finite is not None else torch.ones((), dtype=torch.bool)
             _checkpoint_if_due(run, finite.to(run.accelerator.device), log, True, callbacks)
         raise Interrupted(_interrupt_message(run.recipe, state))
@@ -340,6 +342,8 @@ def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
 
 
 def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
+    if state.step == 0:  # stopped between two forward passes of the first step
+        return "interrupted before the first optimiser step ended; nothing was trained or saved"
     if recipe.train.checkpoint_every_steps:
         return (f"interrupted at step {state.step}; a checkpoint was saved in {recipe.output_dir}/checkpoints. "
                 f"Resume with: python -m vit_finetune --recipe <recipe> output_dir={recipe.output_dir} train.resume=auto")
