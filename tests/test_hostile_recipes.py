@@ -139,3 +139,36 @@ def test_the_usual_layouts_still_load(tmp_path):
     assert data.load_splits(DataSettings(dataset=str(flat)), seed=0).labels == ["blue", "green", "red"]
     split = write_colour_folder(tmp_path / "split", classes=2, train=3, validation=2)
     assert len(data.load_splits(DataSettings(dataset=str(split)), seed=0).eval) == 4
+
+
+@pytest.mark.slow
+def test_a_size_too_big_for_memory_is_refused_with_a_fix_that_also_trains_in_reasonable_time(tmp_path):
+    import json
+    import re
+
+    from transformers import AutoConfig
+
+    from vit_finetune import memory
+    from vit_finetune.model import ASSETS_DIR
+
+    result = run_cli("--recipe", "demo", "model.image_size=4096", f"output_dir={tmp_path / 'refused'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    error = next(line for line in result.stderr.splitlines() if line.startswith("error: "))
+    found = re.search(r"Fix: model\.image_size=(\d+) \(about [\d.]+ GiB and at least ([\d.]+) (s|min|h) a step here\)",
+                      error)
+    assert found, error
+    suggested, seconds = int(found[1]), float(found[2]) * {"s": 1, "min": 60, "h": 3600}[found[3]]
+    assert seconds <= memory.SUGGESTED_STEP_SECONDS
+    # Not merely the largest size that fits the memory: attention's cost grows with the square of the tokens, and
+    # that one (512 px on 24 GiB) is estimated at many minutes a step on a small CPU.
+    config = AutoConfig.from_pretrained(ASSETS_DIR / "tiny-vit-32")
+    available, _ = memory.available_bytes(__import__("torch").device("cpu"))
+    largest = max(s for s in (4 * 2 ** k for k in range(1, 12)) if memory.training_bytes(config, s, 32, "no") <= available)
+    assert suggested < largest and memory.step_flops(config, largest, 32) > 8 * memory.step_flops(config, suggested, 32)
+    assert not (tmp_path / "refused").exists()
+    # The suggestion runs as the message says.
+    out = tmp_path / "fixed"
+    ran = run_cli("--recipe", "demo", f"model.image_size={suggested}", "train.max_steps=1", "train.warmup_steps=0",
+                  "data.max_eval_samples=32", f"output_dir={out}", timeout=600)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 1

@@ -4,6 +4,7 @@ user's, or the dataset's, is refused before anything is written; two runs never 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import json
 import os
 import signal
@@ -115,3 +116,78 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_run_leaves_no_s
     assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # the lock died with its process
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
     assert (out / LOCK).exists()
+
+
+# ---------------------------------------------------------------- a disk that cannot be written
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size_kib, read_only) -> a fresh tmpfs folder. A real read-only or full filesystem: chmod does not stop
+    root, and a full disk cannot be faked without mocking the writes."""
+    mounted = []
+
+    def mount(size_kib: int, read_only: bool = False) -> Path:
+        folder = tmp_path / f"mount{len(mounted)}"
+        folder.mkdir()
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(folder)],
+                              capture_output=True, text=True)
+        if made.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}): mounting needs root with CAP_SYS_ADMIN, "
+                        "and nothing else makes a read-only or full filesystem honestly")
+        mounted.append(folder)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_an_output_dir_on_a_read_only_filesystem_is_refused_with_the_reason(args, tmpfs, capsys):
+    read_only = tmpfs(64, read_only=True)
+    for output in (read_only, read_only / "new"):  # the folder itself, or one to be made there
+        assert train([*args, *SHORT, f"output_dir={output}"]) == 1
+        error = error_line(capsys.readouterr().err)
+        assert f"output_dir={output} cannot be written (Read-only file system" in error
+        assert "choose another output_dir" in error
+    assert not any(read_only.iterdir())
+
+
+def test_an_output_dir_on_a_full_disk_is_refused_with_the_reason(args, tmpfs, capsys):
+    full = tmpfs(64)
+    with open(full / "filler", "wb", buffering=0) as filler:  # the user's file, filling the disk
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+    filler_size = (full / "filler").stat().st_size
+    output = full / "out"
+    assert train([*args, *SHORT, f"output_dir={output}"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert f"output_dir={output} cannot be written (No space left on device; 0.0 MiB free on that disk)" in error
+    assert "free disk space" in error
+    assert (full / "filler").stat().st_size == filler_size  # the user's file untouched
+
+
+def test_a_tensorboard_folder_that_cannot_be_written_is_refused_on_resume_before_training(args, tmp_path, capsys):
+    pytest.importorskip("tensorboard", reason="tensorboard is a dev dependency (pip install -e '.[dev]')")
+    from runs import SimulatedKill, completed, kill_at
+
+    output = tmp_path / "run"
+    run = [*args, f"output_dir={output}", "train.report_to=[tensorboard]", "train.checkpoint_every_steps=2"]
+    with pytest.raises(SimulatedKill):
+        train(run, callbacks=[kill_at(3)])
+    assert completed(output, 2).exists()
+    shutil.rmtree(output / "runs")
+    (output / "runs").write_text("a file where TensorBoard's folder should be\n")
+    batches = []
+    from runs import before_batch
+
+    assert train([*run, "train.resume=auto"], callbacks=[before_batch(batches.append)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert f"train.report_to=['tensorboard'] writes into {output / 'runs'}, which cannot be written" in error
+    assert batches == []  # refused before training
+    assert (output / "runs").read_text() == "a file where TensorBoard's folder should be\n"

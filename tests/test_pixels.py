@@ -144,3 +144,61 @@ def test_exif_orientation_is_applied_as_pipeline_applies_it_for_training_too(tmp
     splits = data.Splits(table, table, "image", "label", ["a"])
     train_set = data.train_dataset(splits, settings, 8, lambda image, index, epoch: torch.tensor(image.size))
     assert train_set[(0, 0)][0].tolist() == [28, 40]
+
+
+# ---------------------------------------------------------------- grey deeper than 16 bits, through a training run
+
+GRADIENT = np.linspace(0, 1, 32)  # left to right, black to white in each file's own range
+
+
+def unsigned_tiff(values: np.ndarray) -> bytes:
+    """A 32-bit *unsigned* integer TIFF: Pillow writes only signed ones, so its SampleFormat tag is set by hand."""
+    buffer = io.BytesIO()
+    Image.fromarray(values.astype(np.uint32).view(np.int32)).save(buffer, format="TIFF")
+    signed = b"\x53\x01\x03\x00\x01\x00\x00\x00\x02\x00"  # tag 339 (SampleFormat), SHORT, 1 value: 2 (signed)
+    assert buffer.getvalue().count(signed) == 1
+    return buffer.getvalue().replace(signed, signed[:-2] + b"\x01\x00")
+
+
+# class -> (file name, how to write it, the mode Pillow opens it in, the white level the run must scale by)
+DEEP_GREY = {
+    "int32": ("g.tif", lambda path, v: Image.fromarray(np.round(v * (2**31 - 1)).astype(np.int32)).save(path),
+              "I", 2**31 - 1),
+    "uint32": ("g.tif", lambda path, v: path.write_bytes(unsigned_tiff(np.round(v * (2**32 - 1)))), "I", 2**32 - 1),
+    "float32": ("g.tif", lambda path, v: Image.fromarray(v.astype(np.float32)).save(path), "F", 1.0),
+    # Pillow opens a 16-bit PGM as "I" too (stretched to 0..65535): its 32-bit mode must not make it black.
+    "pgm16": ("g.pgm", lambda path, v: path.write_bytes(
+        b"P5 32 32 65535\n" + np.round(v * 65535).astype(">u2").tobytes()), "I", 65535),
+}
+
+
+def test_32_bit_integer_and_float_grey_tiffs_train_as_their_range_says_not_white_or_black(tmp_path):
+    from vit_finetune.callbacks import Callback
+
+    images, gradient = tmp_path / "deep-grey", np.tile(GRADIENT, (32, 1))
+    for label, (name, write, mode, _) in DEEP_GREY.items():
+        for split, copies in (("train", 2), ("validation", 1)):
+            for copy in range(copies):
+                path = images / split / label / f"{copy}-{name}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write(path, gradient)
+                assert Image.open(path).mode == mode
+    labels, seen = sorted(DEEP_GREY), {}
+
+    class SeenPixels(Callback):
+        def on_batch(self, run, batch):
+            for label, pixels in zip(batch["labels"].tolist(), batch["pixel_values"]):
+                seen.setdefault(labels[label], []).append(pixels.numpy())
+
+    assert train(["--recipe", "demo", f"data.dataset={images}", f"output_dir={tmp_path / 'out'}", "model.image_size=32",
+                  "train.batch_size=8", "train.max_steps=1", "train.warmup_steps=0", "data.crop_scale=[1.0, 1.0]",
+                  "data.horizontal_flip=false", "data.num_workers=0"], callbacks=[SeenPixels()]) == 0
+    assert sorted(seen) == labels
+    for label, (_, _, mode, white) in DEEP_GREY.items():
+        # Each file's gradient, scaled by its white level: 0 .. 255 left to right, whatever the file's type.
+        stored = gradient if mode == "F" else np.round(gradient * white) / white
+        want = np.round(stored * 255).astype(np.uint8)
+        assert want[0, 0] == 0 and want[0, -1] == 255
+        for pixels in seen[label]:  # CHW uint8: what the model's input is made from
+            assert (pixels == pixels[:1]).all(), label  # grey in all three channels
+            assert np.array_equal(pixels[0], want), (label, pixels[0][0].tolist())

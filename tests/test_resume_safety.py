@@ -137,3 +137,26 @@ def test_a_frozen_process_ends_a_two_process_run_with_a_message_naming_it(base, 
     assert code != 0 and waited >= 10
     message = next(line for line in err.read_text().splitlines() if line.startswith("error: "))
     assert message.startswith("error: process 0 waited train.collective_timeout_s=10 s") and "(rank) 1" in message
+
+
+def test_an_image_changed_in_place_with_its_size_and_time_kept_is_refused(base, tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    images = write_colour_folder(tmp_path / "images", classes=3, train=8, validation=3)
+    changed = images / "train" / "red" / "uncompressed.bmp"  # a BMP's size depends on its dimensions only
+    Image.fromarray(np.full((32, 32, 3), (200, 30, 30), np.uint8)).save(changed)
+    out = tmp_path / "out"
+    args = [f"model.base={base}", f"data.dataset={images}", *RECIPE, f"output_dir={out}", "train.checkpoint_every_steps=1"]
+    with pytest.raises(SimulatedKill):
+        train(args, callbacks=[kill_at(3)])
+    assert completed(out, 2).exists()
+    before = changed.stat()
+    Image.fromarray(np.full((32, 32, 3), (30, 30, 200), np.uint8)).save(changed)  # now blue, labelled red
+    os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns))  # as a copy tool that keeps times leaves it
+    assert (changed.stat().st_size, changed.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    assert train([*args, "train.resume=auto"], record=tmp_path / "record") == 1
+    error = error_line(capsys.readouterr().err)
+    assert "the data of the train" in error and "changed since it was written" in error and "bytes" in error
+    assert recorder.read_samples(tmp_path / "record") == []
+    assert not list((out / "checkpoints").glob("damaged-*"))  # the checkpoint is intact and kept

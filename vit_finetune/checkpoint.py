@@ -272,14 +272,22 @@ def refuse_changed_data(checkpoint: Path, data_identity: dict) -> None:
             "checkpoint's classifier has one output per old label. Restore the class folders as they were, or train "
             "again with overwrite=true (or another output_dir)"
         )
-    changed = [split for split in ("train", "eval") if saved.get(split) != data_identity[split]]
+    changed = [split for split in ("train", "eval") if saved.get(split) != data_identity[split]
+               or _differs(saved.get(f"{split}_content"), data_identity.get(f"{split}_content"))]
     if changed:
         raise CheckpointError(
             f"cannot resume from {checkpoint}: the data of the {' and '.join(changed)} split(s) changed since it was "
-            "written (images added, removed or modified: the datasets fingerprint differs). Resuming would re-draw "
+            "written (images added, removed or modified: the datasets fingerprint, or the image files' bytes, "
+            "differ). Resuming would re-draw "
             "the eval split and the sample order, so images trained on could land in evaluation. Restore the data "
             "as it was, or train again with overwrite=true (or another output_dir)"
         )
+
+
+def _differs(saved_hash: str | None, current_hash: str | None) -> bool:
+    """Whether two content hashes disagree; one not taken (a checkpoint from before hashing, files over
+    data.CONTENT_HASH_LIMIT_BYTES) leaves the check to the fingerprint."""
+    return saved_hash is not None and current_hash is not None and saved_hash != current_hash
 
 
 def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> TrainState:

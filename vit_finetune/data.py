@@ -205,10 +205,40 @@ def hold_out_eval(train, settings: DataSettings, label_column: str, classes: int
     return carved["train"], carved["test"]
 
 
+# Image files (an image folder) up to this many bytes in all are hashed, so a resume notices a file changed in place
+# even with its size and modification time kept; beyond it, hashing would slow every start (sha256 read ~150 MiB/s
+# on a busy 2-core machine: ~2 s at this bound), and only datasets' fingerprint is compared (the file names, sizes
+# and modification times).
+CONTENT_HASH_LIMIT_BYTES = 256 << 20
+
+
 def identity(splits: Splits) -> dict:
-    """What a checkpoint records of the data: the labels, and datasets' fingerprints of the loaded splits (any image
-    added, removed or modified changes them; for an image folder, so does a file's modification time)."""
-    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint}
+    """What a checkpoint records of the data: the labels, datasets' fingerprints of the loaded splits (any image
+    added, removed or modified changes them; for an image folder, so does a file's modification time), and, for
+    image files up to CONTENT_HASH_LIMIT_BYTES, a hash of their bytes."""
+    return {"labels": list(splits.labels), "train": splits.train._fingerprint, "eval": splits.eval._fingerprint,
+            "train_content": content_hash(splits.train, splits.image_column),
+            "eval_content": content_hash(splits.eval, splits.image_column)}
+
+
+def content_hash(split, image_column: str) -> str | None:
+    """A hash of the split's image files, in order; None when the images are stored in the dataset itself (its
+    fingerprint covers them), the files total over CONTENT_HASH_LIMIT_BYTES, or one cannot be read."""
+    import hashlib
+
+    if len(split) == 0 or split[0][image_column].get("bytes") is not None:
+        return None
+    paths = [cell["path"] for cell in split[image_column]]
+    try:
+        if sum(os.path.getsize(path) for path in paths) > CONTENT_HASH_LIMIT_BYTES:
+            return None
+        digest = hashlib.sha256()
+        for path in paths:
+            with open(path, "rb") as file:
+                digest.update(hashlib.file_digest(file, "sha256").digest())
+    except (OSError, TypeError):  # a missing file is reported where it is decoded, by name
+        return None
+    return digest.hexdigest()
 
 
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):
@@ -261,18 +291,40 @@ def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Ima
         ) from None
 
 
-# 16-bit greyscale modes: convert("RGB") clips them at 255 (an almost white image); they are scaled instead.
+# Grey deeper than 8 bits: convert("RGB") clips it at 255 (a white image) or truncates floats (a black one), so it
+# is scaled to 8 bits instead, taking as white the top of the range its type conventionally spans:
+#   16-bit ("I;16*"), and Pillow's "I" from a 16-bit PGM/PNM (Pillow stretches any maxval to 0..65535): 65535
+#   32-bit integer TIFF ("I"): 2**31 - 1 if signed (Pillow writes these), 2**32 - 1 if unsigned
+#   32-bit float ("F"): 1.0, as float images are kept in [0, 1] (skimage, OpenCV); values outside are clipped
+# Data that uses only part of its type's range (12-bit counts in a 32-bit file) comes out dark: rescale it first.
 SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+TIFF_BITS_PER_SAMPLE, TIFF_SAMPLE_FORMAT, TIFF_UNSIGNED = 258, 339, 1
+WHITE_LEVELS = {**{mode: lambda image: 65535 for mode in SIXTEEN_BIT_MODES},
+                "I": lambda image: _integer_white(image), "F": lambda image: 1.0}
+
+
+def _integer_white(image: Image.Image) -> int:
+    """White for Pillow's 32-bit signed mode "I": by the bits the file declares (only TIFF declares 32)."""
+    tags = getattr(image, "tag_v2", {})
+    if 32 not in tuple(tags.get(TIFF_BITS_PER_SAMPLE, ())):
+        return 65535
+    return 2**32 - 1 if tuple(tags.get(TIFF_SAMPLE_FORMAT, (TIFF_UNSIGNED,)))[0] == TIFF_UNSIGNED else 2**31 - 1
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """RGB pixels as `pipeline()` reads a file (transformers' load_image): EXIF orientation applied, then
-    convert("RGB"), which drops alpha and maps grey, palette and CMYK. One exception: 16-bit grey is scaled to
-    8 bits (load_image clips it); `predict` decodes with this function, so its pixels match evaluation."""
+    convert("RGB"), which drops alpha and maps grey, palette and CMYK. One exception: grey deeper than 8 bits is
+    scaled to 8 bits (WHITE_LEVELS; load_image clips it); `predict` decodes with this function, so its pixels
+    match evaluation."""
     ImageOps.exif_transpose(image, in_place=True)
-    if image.mode in SIXTEEN_BIT_MODES:
-        sixteen = np.asarray(image, dtype=np.uint16)
-        image = Image.fromarray(np.round(sixteen / 257.0).astype(np.uint8))  # mode L
+    white_level = WHITE_LEVELS.get(image.mode)
+    if white_level is not None:
+        white = white_level(image)
+        values = np.asarray(image)
+        if white == 2**32 - 1:  # unsigned 32-bit samples, held by Pillow in a signed int32
+            values = values.astype(np.int32).view(np.uint32)
+        scaled = np.clip(values.astype(np.float64) / white, 0.0, 1.0) * 255.0
+        image = Image.fromarray(np.round(np.nan_to_num(scaled)).astype(np.uint8))  # mode L; NaN as black
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

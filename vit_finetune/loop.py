@@ -1,19 +1,23 @@
 """The training loop: optimiser steps over the batches, epoch after epoch, and what happens after each step.
 
 `train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then check that nothing
-became NaN/Inf, log, evaluate, checkpoint, stop (the last step, early stopping, or SIGINT/SIGTERM). Everything a
-step does not need to know (data, model, export) is train.py's; callbacks observe each event (callbacks.py).
+became NaN/Inf, log, evaluate, checkpoint, stop (the last step, early stopping, or SIGINT/SIGTERM, which with
+train.grad_accum > 1 is also heard between two forward passes). Everything a step does not need to know (data,
+model, export) is train.py's; callbacks observe each event (callbacks.py).
 """
 
 from __future__ import annotations
 
+import random
 import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
+import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from . import augment, checkpoint, data, evaluation, progress as display, streaming
@@ -43,7 +47,8 @@ class Interrupted(VitFinetuneError):
 
 
 class InterruptFlag:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step and exits."""
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step, or, with gradient accumulation,
+    at the next forward pass (see StepBoundary), and exits."""
 
     def __init__(self):
         self.raised = False
@@ -58,6 +63,43 @@ class InterruptFlag:
         if self.raised:  # a second Ctrl-C means: stop now
             raise KeyboardInterrupt
         self.raised = True
+
+
+class StepBoundary:
+    """What moves between two optimiser steps and is saved in a checkpoint: the position in the epoch,
+    Accelerate's accumulation counter, the random generators (dropout draws from them) and the count of skipped
+    images. Taken before each step's first forward pass; put back when a stop between two forward passes drops
+    the step's partial gradients, so that the checkpoint then written resumes exactly as one written at the step's start would.
+    The weights, optimiser and scheduler do not move between steps."""
+
+    def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, log: "TrainLog"):
+        self.accelerator, self.state, self.log = accelerator, state, log
+
+    def take(self) -> None:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.saved = (self.state.batches_done, self.accelerator.step, self.log.skipped_here,
+                      len(self.log.skipped_this_epoch), random.getstate(), np.random.get_state(),
+                      torch.get_rng_state(), cuda)
+
+    def restore(self, model: torch.nn.Module) -> None:
+        (self.state.batches_done, self.accelerator.step, self.log.skipped_here, skipped_names, python, numpy,
+         torch_cpu, cuda) = self.saved
+        del self.log.skipped_this_epoch[skipped_names:]
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(torch_cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        # The dropped step's partial gradients (Accelerate's optimizer.zero_grad does nothing between two steps).
+        model.zero_grad(set_to_none=True)
+
+
+def stops_between_passes(run: TrainingRun) -> bool:
+    """Whether a stop is heard between two forward passes of one optimiser step. Not with one pass per step
+    (the step's end is as soon), nor under DeepSpeed (its engine counts passes itself) or with data.streaming (the
+    stream's position is not put back): there a stop waits for the step's end."""
+    return (run.recipe.train.grad_accum > 1 and not run.recipe.data.streaming
+            and run.accelerator.distributed_type != DistributedType.DEEPSPEED)
 
 
 def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +217,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
     """After each optimiser step: check, log, evaluate, checkpoint, stop."""
     state, t, last = run.state, run.recipe.train, run.parts.total_steps
     pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
-    for finite in _optimiser_steps(run, log, callbacks):
+    for finite in _optimiser_steps(run, log, callbacks, interrupt):
         if pending_finite is not None:
             _stop_if_non_finite(pending_finite, state.step - 1, run.accelerator)
         pending_finite = finite
@@ -190,6 +232,13 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
             raise Interrupted(_interrupt_message(run.recipe, state))
         if stop:
             break
+    if interrupt.raised:  # heard between two forward passes: state stands at the last step's end again
+        latest = checkpoint.latest_checkpoint(Path(run.recipe.output_dir))
+        # Not again for a step already saved (the one resumed from, say): its folder would be replaced for nothing.
+        if state.step > 0 and (latest is None or latest.name != checkpoint.checkpoint_name(state.step)):
+            finite = pending_finite if pending_finite is not None else torch.ones((), dtype=torch.bool)
+            _checkpoint_if_due(run, finite.to(run.accelerator.device), log, True, callbacks)
+        raise Interrupted(_interrupt_message(run.recipe, state))
     if state.batches_done:  # the run ended inside an epoch
         _report_skipped(run.accelerator, run.recipe, state.epoch, log)
     log.count_skipped_into(state)
@@ -197,21 +246,31 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         _stop_if_non_finite(pending_finite & _weights_finite(run.parts.model), state.step, run.accelerator)
 
 
-def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback) -> Iterator[torch.Tensor]:
+def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback,
+                     interrupt: InterruptFlag) -> Iterator[torch.Tensor]:
     """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
-    the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set."""
+    the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set.
+    A stop heard between two forward passes of a step ends it early, the step's partial work dropped."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
+    boundary = StepBoundary(accelerator, state, log) if stops_between_passes(run) else None
     while state.step < parts.total_steps and not state.stopped_early:
+        step_starts = True
         for batch in _epoch_batches(run):
+            if boundary is not None and step_starts:
+                boundary.take()
             callbacks.on_batch(run, batch)
             batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
             loss, finite = train_step(accelerator, parts, batch, run.recipe)
             state.batches_done += 1
             log.add_batch(loss, batch)
+            step_starts = accelerator.sync_gradients
             if accelerator.sync_gradients:
                 state.step += 1
                 log.add_step()
                 yield finite
+            elif boundary is not None and _interrupted(interrupt, accelerator):  # a collective, as at a step's end
+                boundary.restore(parts.model)
+                return
         _report_skipped(accelerator, run.recipe, state.epoch, log)
         state.epoch += 1
         state.batches_done = 0
@@ -283,6 +342,8 @@ def _interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
 
 
 def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
+    if state.step == 0:  # stopped between two forward passes of the first step
+        return "interrupted before the first optimiser step ended; nothing was trained or saved"
     if recipe.train.checkpoint_every_steps:
         return (f"interrupted at step {state.step}; a checkpoint was saved in {recipe.output_dir}/checkpoints. "
                 f"Resume with: python -m vit_finetune --recipe <recipe> output_dir={recipe.output_dir} train.resume=auto")

@@ -9,13 +9,14 @@ must see one folder (processes.unshared_folder_refusal): a token file the main p
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 from pathlib import Path
 from typing import IO
 
-from .checkpoint import PARTIAL_PREFIX, replace_atomically
+from .checkpoint import PARTIAL_PREFIX, describe_write_error, replace_atomically
 from .recipe import Recipe, excerpt
 
 MANIFEST = ".vit_finetune_manifest.json"
@@ -94,6 +95,13 @@ def clear_claimed(output_dir: Path, run_names: tuple[str, ...]) -> None:
             path.unlink()
 
 
+def unwritable(output_dir: Path, error: OSError) -> str:
+    """Why a run cannot start in `output_dir`: its first write there failed (read-only, full, not a folder)."""
+    existing = next(folder for folder in [output_dir, *output_dir.parents] if folder.exists())
+    return (f"output_dir={output_dir} cannot be written ({describe_write_error(error, existing)}); nothing was "
+            "trained. Fix: free disk space there or make it writable, or choose another output_dir")
+
+
 class RunLock:
     """An exclusive flock on output_dir/.vit_finetune.lock for the life of a run; released when the process ends,
     however it ends, so a killed run never leaves the folder locked."""
@@ -103,9 +111,12 @@ class RunLock:
         self.handle: IO | None = None
 
     def acquire(self) -> str | None:
-        """None once held; else why not (another live run holds it), for the message."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
+        """None once held; else why not (another live run holds it, or the folder cannot be written), for the message."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")
+        except OSError as error:
+            return unwritable(self.path.parent, error)
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -114,10 +125,15 @@ class RunLock:
             handle.close()
             return (f"another run (process {holder}) is writing into output_dir={excerpt(str(self.path.parent))}; two "
                     "runs would mix their files. Wait for it to end, or choose another output_dir")
-        handle.seek(0)
-        handle.truncate()
-        handle.write(str(os.getpid()))
-        handle.flush()
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+        except OSError as error:  # a full disk
+            with contextlib.suppress(OSError):  # close() retries the failed write, fails again, and closes all the same
+                handle.close()
+            return unwritable(self.path.parent, error)
         self.handle = handle
         return None
 

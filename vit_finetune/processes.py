@@ -12,7 +12,10 @@ import contextlib
 import io
 import os
 import shlex
+import signal
 import socket
+import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -145,6 +148,45 @@ def check_launch() -> str | None:
     if SIMPLE_LAUNCHER_VARIABLE not in os.environ:
         return None
     return lone_process_refusal(os.environ, parent_command_line())
+
+
+# ------------------------------------------------------------------ a launcher that died
+
+# Set in a worker by the launchers that start one: torchrun (and Accelerate's --multi_gpu, which is torchrun), and
+# Accelerate's simple launcher. A process run straight from a shell has none, and is never watched: a shell's
+# `nohup ... &` must outlive the shell.
+LAUNCHER_VARIABLES = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", SIMPLE_LAUNCHER_VARIABLE)
+LAUNCHER_POLL_S = 1.0
+_watching: list[threading.Thread] = []
+
+
+def watch_launcher(grace_s: float, poll_s: float = LAUNCHER_POLL_S) -> None:
+    """Under a launcher: once the launcher is gone (SIGKILL, the OOM killer), stop this process as the launcher's own
+    SIGTERM would (the training loop checkpoints, if checkpoints are on, and exits), and kill it if it has not
+    ended `grace_s` seconds later. Without this, a killed launcher leaves its workers training to the end.
+
+    A thread watches the parent pid (it changes when the parent dies: the orphan is re-parented).
+    prctl(PR_SET_PDEATHSIG) would be cheaper but fires when the *thread* that started this process ends, which in
+    a launcher may be a helper thread while the launcher lives on."""
+    if _watching or not any(name in os.environ for name in LAUNCHER_VARIABLES):
+        return
+    launcher = os.getppid()
+    watcher = threading.Thread(target=_stop_when_orphaned, args=(launcher, grace_s, poll_s),
+                               name="launcher-watchdog", daemon=True)
+    _watching.append(watcher)
+    watcher.start()
+
+
+def _stop_when_orphaned(launcher: int, grace_s: float, poll_s: float) -> None:
+    while os.getppid() == launcher:
+        time.sleep(poll_s)
+    print(f"error: the launcher (pid {launcher}) that started this process is gone; stopping this process "
+          f"(pid {os.getpid()}) too", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    print(f"error: process {os.getpid()} did not stop within {grace_s:.0f} s (train.collective_timeout_s) of its "
+          "launcher's end; killing it", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ------------------------------------------------------------------ one output folder for all machines

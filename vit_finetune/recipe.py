@@ -206,7 +206,8 @@ class TrainSettings(Strict):
     max_grad_norm: Float | None = Field(1.0, gt=0,
         description="clip the global gradient norm to this; null = no clipping")
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
-    seed: StrictInt = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
+    seed: StrictInt = Field(0, ge=0, le=2**32 - 1, description=(  # the range numpy's generator accepts
+        "seeds weights of the head, data order, augmentation and the carved eval split; 0 to 4294967295"))
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
         description="no, bf16 or fp16 autocast; weights stay float32")
     log_every_steps: StrictInt = Field(10, gt=0,

@@ -20,10 +20,11 @@ from .callbacks import Callback
 from .errors import VitFinetuneError
 
 TRACKER_DIR = "runs"  # under output_dir: where file-based trackers (tensorboard) write
-# Each tracker: the package it needs (checked before the run starts) and how it takes a picture, if it can.
+# Each tracker: the package it needs (checked before the run starts), how it takes a picture, if it can, and
+# whether it writes under output_dir/runs (checked to be writable before training).
 TRACKERS = {
     "tensorboard": {"package": "tensorboard", "image": lambda tracker, name, pixels, step: tracker.writer.add_image(
-        name, pixels, global_step=step, dataformats="HWC")},
+        name, pixels, global_step=step, dataformats="HWC"), "writes_in_output_dir": True},
     "wandb": {"package": "wandb", "image": lambda tracker, name, pixels, step: tracker.log_images(
         {name: [pixels]}, step=step)},
     "mlflow": {"package": "mlflow", "image": lambda tracker, name, pixels, step: __import__("mlflow").log_image(
@@ -43,6 +44,29 @@ def check_trackers(names: list[str]) -> None:
         packages = " ".join(TRACKERS[name]["package"] for name in missing)
         raise TrackerMissing(f"train.report_to={names} needs {packages!r}, which is not installed. "
                              f"Fix: pip install {packages}, or leave {missing} out of train.report_to")
+
+
+def tracker_folder_refusal(output_dir: Path, names: list[str]) -> str | None:
+    """Why the trackers in `names` could not write their files under output_dir/runs, or None; checked before
+    training rather than met at the tracker's first write (a traceback after the data and model loaded)."""
+    from .checkpoint import describe_write_error
+
+    writers = [name for name in names if TRACKERS[name].get("writes_in_output_dir")]
+    folder = Path(output_dir) / TRACKER_DIR
+    if not writers:
+        return None
+    probe = folder / ".vit_finetune_probe"
+    try:
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(20, "it is a file, not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        return (f"train.report_to={writers} writes into {folder}, which cannot be written "
+                f"({describe_write_error(error, Path(output_dir))}). Fix: move or remove what stands there, free "
+                f"disk space or make it writable, or leave {writers} out of train.report_to")
+    return None
 
 
 def callbacks_for(names: list[str]) -> list[Callback]:

@@ -24,7 +24,7 @@ from . import augment, balance, checkpoint, data, evaluation, export, hub, loop,
 from . import pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
-from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal
+from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal, watch_launcher
 from .recipe import Recipe, write_recipe
 
 
@@ -239,6 +239,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     lone = check_launch()  # `accelerate launch --cpu --num_processes 2` starts this process alone
     if lone:
         raise RunError(lone)
+    watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training
     check_output_dir(recipe)
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
@@ -264,11 +265,9 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
     """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
     if another run holds the lock, or a machine sees another folder there, every process stops (collectives)."""
     lock = outputs.RunLock(Path(recipe.output_dir))
-    refused = lock.acquire() if accelerator.is_main_process else None
+    refused = _lock_and_claim(lock, recipe) if accelerator.is_main_process else None
     if any_process(accelerator, refused is not None):
         raise RunError(refused or "the main process could not lock output_dir")
-    if accelerator.is_main_process:
-        outputs.claim(Path(recipe.output_dir), export.run_names())
     # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
     patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
     unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
@@ -276,6 +275,23 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
         lock.release()
         raise RunError(f"output_dir={unshared}")
     return lock
+
+
+def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
+    """The main process's first writes into output_dir: the lock, the manifest's claim and the trackers' folder;
+    why one failed (a refusal, the lock released), or None."""
+    output_dir = Path(recipe.output_dir)
+    refused = lock.acquire()
+    if refused:
+        return refused
+    try:
+        outputs.claim(output_dir, export.run_names())
+    except OSError as error:
+        refused = outputs.unwritable(output_dir, error)
+    refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
+    if refused:
+        lock.release()
+    return refused
 
 
 def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:

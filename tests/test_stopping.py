@@ -1,0 +1,107 @@
+"""A run stops when it is asked to, and soon: a killed launcher takes its workers with it, and SIGTERM stops a run
+with gradient accumulation between two forward passes, not only after the optimiser step, keeping exact resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from runs import completed, train
+from tiny import REPO
+
+pytestmark = pytest.mark.slow
+
+# The shipped demo, made small: 12 steps an epoch at batch 32, for 100 epochs (far longer than any test waits).
+DEMO = ["--recipe", "demo", "model.image_size=32", "train.epochs=100", "data.num_workers=0"]
+LAUNCHERS = {
+    "accelerate launch --cpu (one process)": ["--cpu"],
+    "accelerate launch --multi_gpu (torchrun, two processes)": ["--multi_gpu", "--num_processes", "2"],
+}
+
+
+def workers_of(launcher: psutil.Process, count: int, log: Path, timeout: float = 200) -> list[psutil.Process]:
+    """The launcher's `count` vit_finetune processes, once the training loop has logged a step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        workers = [p for p in launcher.children(recursive=True) if "vit_finetune" in " ".join(p.cmdline())]
+        if len(workers) == count and "train step" in log.read_text():
+            return workers
+        time.sleep(0.2)
+    raise AssertionError(f"training did not start: {log.read_text()[-2000:]}")
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("launch", LAUNCHERS.values(), ids=LAUNCHERS.keys())
+def test_workers_stop_soon_after_their_launcher_is_killed(launch, tmp_path):
+    out, log = tmp_path / "out", tmp_path / "log.txt"
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--quiet", "-m", "vit_finetune", *DEMO,
+               "train.log_every_steps=1",
+               "train.checkpoint_every_steps=1000", f"output_dir={out}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "VIT_FINETUNE_CACHE": str(tmp_path / "cache")}
+    with open(log, "w") as handle:
+        process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    workers = []
+    try:
+        workers = workers_of(psutil.Process(process.pid), 2 if "--multi_gpu" in launch else 1, log)
+        process.send_signal(signal.SIGKILL)  # the launcher alone, as the OOM killer or a cluster's hard kill does
+        process.wait()
+        # Without a watch on the launcher, the workers train on to step 1,200; with it they stop within seconds.
+        _, alive = psutil.wait_procs(workers, timeout=120)
+        assert not alive, f"workers {[p.pid for p in alive]} still run after their launcher was killed"
+    finally:
+        for worker in workers:
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass
+    said = log.read_text()
+    assert "Traceback" not in said, said[-3000:]
+    assert f"the launcher (pid {process.pid}) that started this process is gone" in said
+    assert "interrupted at step" in said  # stopped as SIGTERM stops it: with a checkpoint, to resume from
+    assert list((out / "checkpoints").glob("step-*/COMPLETE"))
+    assert not (out / "metrics.json").exists()
+
+
+# Gradient accumulation: 3 forward passes of 4 images per optimiser step, 4 steps an epoch (48 images), 6 steps in all;
+# LoRA's dropout draws from the global random generators, so a resume that did not restore them would differ.
+ACCUMULATING = ["--recipe", "demo", "model.image_size=32", "train.batch_size=4", "train.grad_accum=3",
+                "train.max_steps=6", "train.warmup_steps=0", "data.max_train_samples=48", "data.max_eval_samples=12",
+                "data.num_workers=0", "model.lora={r: 4, dropout: 0.5}", "train.checkpoint_every_steps=100"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    assert train([*ACCUMULATING, f"output_dir={root / 'out'}"], record=root / "record") == 0
+    return root / "record"
+
+
+@pytest.mark.parametrize("stop_at_pass", [8, 14], ids=["step 3's second pass", "the next epoch's second pass"])
+def test_sigterm_stops_between_forward_passes_and_the_checkpoint_resumes_bit_identically(
+        stop_at_pass, uninterrupted, tmp_path, capsys):
+    from runs import assert_bit_identical, before_batch
+
+    out = tmp_path / "out"
+    passes = []
+
+    def sigterm(n: int) -> None:
+        passes.append(n)
+        if n == stop_at_pass:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption sends it
+
+    assert train([*ACCUMULATING, f"output_dir={out}"], callbacks=[before_batch(sigterm)]) == 130
+    assert passes[-1] == stop_at_pass  # no forward pass after the one running when SIGTERM came
+    done = (stop_at_pass - 1) // 3  # the optimiser steps finished before it
+    assert completed(out, done).exists() and not completed(out, done + 1).exists()
+    assert f"interrupted at step {done}" in capsys.readouterr().err
+    assert train([*ACCUMULATING, f"output_dir={out}", "train.resume=auto"], record=tmp_path / "record") == 0
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+    assert_bit_identical(uninterrupted / "weights-0.safetensors", tmp_path / "record" / "weights-0.safetensors")
