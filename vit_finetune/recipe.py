@@ -7,13 +7,14 @@ naming the key, the value and the fix, before anything expensive starts.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
                       model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
@@ -49,6 +50,20 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def expand_home(value: str | None) -> str | None:
+    """`~` (or `~user`) spelled out once, when the recipe is read: every safety check and every write then sees one
+    folder (left to each consumer, a check looked in $HOME while a write went to a folder named `~`)."""
+    if value is None or not value.startswith("~"):
+        return value
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise ValueError(f"no home folder is known for {value.split('/')[0]!r}; give the full path")
+    return expanded
+
+
+# A path a run reads or writes; `~` is expanded here and nowhere else.
+HomePath = Annotated[str, AfterValidator(expand_home)]
+HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 # The metrics train.keep_best can follow, and whether higher or lower is better.
@@ -81,7 +96,7 @@ class LoraSettings(Strict):
 
 
 class ModelSettings(Strict):
-    base: str = Field("google/vit-base-patch16-224", description=(
+    base: HomePath = Field("google/vit-base-patch16-224", description=(
         "the pretrained ViT-family model (see the README's family table): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
@@ -103,7 +118,7 @@ class ModelSettings(Strict):
 
 
 class DataSettings(Strict):
-    dataset: str = Field("ethz/food101", description=(
+    dataset: HomePath = Field("ethz/food101", description=(
         "a Hub dataset id, a folder of class sub-folders (optionally under train/ and validation/), a folder "
         "written by save_to_disk, or builtin:shapes (the demo's generated shapes)"))
     train_split: str = Field("train", description="split to train on")
@@ -216,7 +231,7 @@ class TrainSettings(Strict):
     checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
         description="save a resumable checkpoint every this many steps; null = none")
     keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
-    resume: str | None = Field(None,
+    resume: HomePath | None = Field(None,
         description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
         [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
@@ -267,7 +282,7 @@ class Recipe(Strict):
     augment: AugmentSettings = AugmentSettings()
     train: TrainSettings = TrainSettings()
     hub: HubSettings = HubSettings()
-    output_dir: str = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
+    output_dir: HomePath = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
     overwrite: bool = Field(False, description="replace a finished run (or checkpoints) already in output_dir")
 
     @model_validator(mode="after")
