@@ -55,6 +55,7 @@ class StreamedSplits:
     train_rows: int | None  # the whole split's, over all processes, from the dataset's metadata
     eval_rows: int | None
     identity: dict  # the labels and the shards read, as each checkpoint records them
+    image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
 
 
 @dataclass
@@ -130,8 +131,10 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
 
     identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
                 "eval": shard_identity(files[eval_split])}
+    # A streamed Hub dataset downloads no image files: a cell holding only a path names one on this machine.
+    folders = None if data.is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
-                          split_rows(builder, settings.train_split), split_rows(builder, eval_split), identity)
+                          split_rows(builder, settings.train_split), split_rows(builder, eval_split), identity, folders)
 
 
 def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:
@@ -302,7 +305,8 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     """The train loader (shuffled, endless, augmented by `train_pixels`) and the eval loader (in order, one pass,
     preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings)
+    common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
+                  image_folders=splits.image_folders)
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
                                placeholder=torch.zeros(3, image_size, image_size, dtype=torch.uint8), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
