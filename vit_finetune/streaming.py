@@ -186,15 +186,28 @@ def split_rows(builder, split: str) -> int | None:
 
 
 def shard_identity(files: list[str]) -> list[str]:
-    """What a checkpoint records of a split's shards: a Hub shard's URL carries the commit it was resolved at; a
-    local one is named with its size and modification time."""
+    """What a checkpoint records of a split's shards: what each one holds, not where it was read. A Hub shard is
+    named by its path in the repo, its size and its content hash from the Hub's metadata (the commit it was
+    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and
+    modification time (datasets' own rule for local files)."""
+    import fsspec
+
     named = []
     for file in files:
-        if "://" in file:
-            named.append(file)
-        else:
+        if "://" not in file:
             stat = os.stat(file)
             named.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+            continue
+        filesystem, path = fsspec.core.url_to_fs(file)
+        try:
+            with hub.hub_offline(hub.offline_by_user()):
+                info = filesystem.info(path)
+        except (OSError, ValueError) as error:
+            raise DataError(f"the shard {excerpt(file)} cannot be described by the Hub ({type(error).__name__}: "
+                            f"{error}); check the connection, then run again") from None
+        content = (info.get("lfs") or {}).get("sha256") or info.get("blob_id")  # the git blob's hash if not in LFS
+        where = filesystem.resolve_path(path)  # HfFileSystem: the repo and the path in it, the commit apart
+        named.append(f"{where.repo_type}s/{where.repo_id}/{where.path_in_repo} {info.get('size')} {content}")
     return named
 
 
