@@ -53,3 +53,50 @@ def test_a_changed_hub_shard_still_refuses_the_resume(tables, hub, tmp_path, cap
     assert train([*args, "train.checkpoint_every_steps=2", "train.resume=auto"]) == 1
     assert "the data of the train split(s) changed since it was written" in capsys.readouterr().err
     assert not (out / "metrics.json").exists()
+
+
+def damage(kind: str, tables: dict, folder: Path) -> str:
+    """Damage the second train shard of a copy of the shards in `folder`; returns the damaged shard's name."""
+    shard = folder / "train-00001-of-00002.parquet"
+    second_half = tables["table"]["train"].shard(2, 1, contiguous=True)
+    if kind == "no rows":
+        second_half.select([]).to_parquet(str(shard))
+    elif kind == "renamed column":
+        second_half.rename_column("image", "picture").to_parquet(str(shard))
+    elif kind == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif kind == "empty file":
+        shard.write_bytes(b"")
+    return shard.name
+
+
+@pytest.mark.parametrize("kind, problem", [("no rows", "holds no rows"),
+                                           ("renamed column", "has no column 'image'"),
+                                           ("truncated", "is not a readable parquet file"),
+                                           ("empty file", "is not a readable parquet file")])
+def test_a_damaged_parquet_shard_stops_the_run_before_training_naming_it(tables, tmp_path, capsys, kind, problem):
+    shards = Path(shutil.copytree(tables["shards"], tmp_path / "shards"))
+    name = damage(kind, tables, shards)
+    out = tmp_path / "out"
+    assert train([f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "train.max_steps" not in err, err[-3000:]
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    assert name in error and problem in error, error
+    assert "train step" not in err and "Loading weights" not in err  # before the model loads, let alone trains
+    assert not (out / "checkpoints").exists()
+
+
+def test_a_truncated_tar_shard_stops_the_run_instead_of_dropping_its_last_rows(tables, tmp_path, capsys):
+    shards = write_webdataset(tables["images"], tmp_path / "wds", {"train": 2, "validation": 1})
+    cut = shards / "train-00001.tar"
+    members = tarfile.open(cut).getmembers()
+    cut.write_bytes(cut.read_bytes()[: members[-3].offset_data + 10])  # inside the third-last member's data
+    out = tmp_path / "out"
+    assert train([f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={out}",
+                  "train.max_steps=3", "data.label_names=[blue,green,red]"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    assert "train-00001.tar" in error and "truncated" in error, error
+    assert "train step" not in err and not (out / "metrics.json").exists()
