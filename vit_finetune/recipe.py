@@ -33,6 +33,11 @@ REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0
 # expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.
 MAX_RECIPE_VALUES = 10_000
 MAX_RECIPE_BYTES = 1_000_000
+# The deepest key (model.lora.target_modules) is a list 3 levels down; YAML and pydantic recurse per level, and a
+# value nested thousands deep ends in a RecursionError. (An alias bomb is shallow: MAX_RECIPE_VALUES stops it.)
+MAX_RECIPE_DEPTH = 32
+NAME_MAX = 255  # bytes in one file or folder name: ext4, XFS, APFS and NTFS allow no more
+SEED_MAX = 2**32 - 1  # NumPy's generators take no larger seed (nor a negative one)
 EXCERPT = reprlib.Repr()
 EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
 EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
@@ -61,8 +66,17 @@ def expand_home(value: str | None) -> str | None:
     return expanded
 
 
-# A path a run reads or writes; `~` is expanded here and nowhere else.
-HomePath = Annotated[str, AfterValidator(expand_home)]
+def names_fit(value: str | None) -> str | None:
+    """A path's every name within NAME_MAX bytes; a longer one fails in the file system (ENAMETOOLONG) at first use."""
+    for name in (value or "").split("/"):
+        if len(name.encode()) > NAME_MAX:
+            raise ValueError(f"holds a name of {len(name.encode())} bytes ({excerpt(name)}); file systems allow "
+                             f"{NAME_MAX}. Shorten it")
+    return value
+
+
+# A path a run reads or writes (or a Hub id); `~` is expanded here and nowhere else.
+HomePath = Annotated[str, AfterValidator(expand_home), AfterValidator(names_fit)]
 HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
@@ -253,6 +267,13 @@ class TrainSettings(Strict):
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int) -> int:
+        if not 0 <= value <= SEED_MAX:
+            raise ValueError(f"must be between 0 and {SEED_MAX} (the seeds NumPy's generators take), e.g. 0")
+        return value
+
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no_is_a_string(cls, value: Any) -> Any:
@@ -268,11 +289,22 @@ class HubSettings(Strict):
     @field_validator("repo_id")
     @classmethod
     def _repo_id_is_valid(cls, value: str | None) -> str | None:
-        if value is not None and not REPO_ID_PATTERN.match(value):
-            raise ValueError(
-                f"{excerpt(value)} is not a valid Hub repo id; use 'name' or 'namespace/name' "
-                "(letters, digits, '-', '_', '.', no spaces)"
-            )
+        """huggingface_hub's own rules (no '--' or '..', no '.git' ending...), then the Hub's (the name starts with a
+        letter or digit): an id either refuses fails only at the push, after training."""
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        if value is None:
+            return value
+        try:
+            validate_repo_id(value)
+        except HFValidationError as error:
+            reason = str(error).replace(f": {value!r}", "").rstrip(".")
+        else:
+            reason = None if REPO_ID_PATTERN.match(value) else "a name must start with a letter or digit"
+        if reason:
+            raise ValueError(f"{excerpt(value)} is not a valid Hub repo id ({reason}); use 'name' or 'namespace/name' with letters, digits, "
+                             "'-', '_' and '.', e.g. your-name/vit-food101-384")
         return value
 
 
@@ -366,6 +398,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
+    except RecursionError:
+        raise RecipeError([f"{path} is nested deeper than Python can read; a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH} levels deep"], str(path)) from None
     except UnicodeDecodeError as error:
         raise RecipeError([f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"],
                           str(path)) from None
@@ -391,6 +426,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw  # let the schema decide whether a plain string is acceptable here
+        except RecursionError:
+            problems.append(f"override {key.strip()}=... is nested deeper than Python can read; a recipe value is at "
+                            f"most {MAX_RECIPE_DEPTH} levels deep")
+            continue
         node = data
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -480,8 +519,31 @@ def count_values(data: Any, limit: int = MAX_RECIPE_VALUES) -> int:
         return limit + 1
 
 
+def deepest(data: Any, limit: int = MAX_RECIPE_DEPTH) -> tuple[int, str]:
+    """How deep `data` nests (counted up to limit + 1, without recursion) and the dotted key where it does. A node
+    shared through YAML aliases is walked once, so an alias bomb costs no more than its text."""
+    stack, found, seen = [(data, 1, "")], (0, ""), set()
+    while stack:
+        node, depth, key = stack.pop()
+        if not isinstance(node, (dict, list)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found = max(found, (depth, key))
+        if depth > limit:
+            break
+        children = node.items() if isinstance(node, dict) else ((None, child) for child in node)
+        stack.extend((child, depth + 1, f"{key}.{name}".lstrip(".") if name is not None else key)
+                     for name, child in children)
+    return found
+
+
 def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     """Type and check a recipe mapping; raise RecipeError listing every problem."""
+    depth, key = deepest(data)
+    if depth > MAX_RECIPE_DEPTH:
+        raise RecipeError([f"{key or 'the recipe'} is nested more than {MAX_RECIPE_DEPTH} levels deep (lists or "
+                           f"mappings inside each other, or a YAML alias that contains itself); a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH}. Write the value out flat"], source)
     if count_values(data) > MAX_RECIPE_VALUES:
         raise RecipeError([f"the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases repeated "
                            "inside each other, or a value that contains itself); a recipe has about 60. Write the "
