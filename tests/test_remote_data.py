@@ -97,3 +97,19 @@ def test_a_local_dataset_may_name_files_by_path(base, tmp_path):
     out = tmp_path / "out"
     assert train([f"model.base={base}", f"data.dataset={saved}", *RECIPE, *SHORT, f"output_dir={out}"]) == 0
     assert json.loads((out / "metrics.json").read_text())["skipped_images"] == 0
+
+
+def test_a_streamed_hub_image_cell_naming_a_local_file_is_never_read(base, hub_dataset_with_a_local_path, tmp_path,
+                                                                      capsys):
+    from test_streaming import RECIPE as STREAMED
+
+    repo, secret = hub_dataset_with_a_local_path
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={repo}", *STREAMED, "train.max_steps=2",
+                  f"output_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "holds no image bytes" in err and "passport.png" in err, err[-2000:]
+    assert not (out / "metrics.json").exists()
+    assert train([f"model.base={base}", f"data.dataset={repo}", *STREAMED, "train.max_steps=2", f"output_dir={out}",
+                  "data.skip_bad_images=true", "overwrite=true"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["skipped_images"] >= 1
