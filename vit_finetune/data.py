@@ -132,12 +132,8 @@ def refuse_foreign_paths(split, split_name: str, image_column: str, folders: tup
             paths, pathless = chunk, pa.array([True] * len(chunk))
         for row, path in zip(pc.indices_nonzero(pathless).to_pylist(), pc.filter(paths, pathless).to_pylist()):
             if not path_allowed(path, folders, follow_links=False):
-                raise DataError(
-                    f"data.dataset={excerpt(settings.dataset)}: row {start + row} of split {split_name!r} holds no "
-                    f"image bytes, only the path {excerpt(path)}, which is not a file of the Hub dataset: a Hub "
-                    "dataset's images are read from the dataset, never from this machine's disk. Fix the dataset "
-                    "(embed the images, as push_to_hub does), or set data.skip_bad_images=true to skip and count "
-                    "such images")
+                raise DataError(f"data.dataset={excerpt(settings.dataset)}: row {start + row} of split {split_name!r} "
+                                + not_the_datasets_file(path))
         start += len(chunk)
 
 
@@ -292,11 +288,7 @@ def decode_image(encoded: dict, index: int, settings: DataSettings,
     where = sample_name(encoded, index)
     raw, path = encoded.get("bytes"), encoded.get("path")
     if raw is None and not path_allowed(path, folders):
-        raise BadImageError(
-            f"bad image sample #{index}: its cell holds no image bytes, only the path {excerpt(path)}, which is not a "
-            "file of the Hub dataset: a Hub dataset's images are read from the dataset, never from this machine's disk. "
-            "Fix the dataset (embed the images, as push_to_hub does), or set data.skip_bad_images=true to skip and "
-            "count such images")
+        raise BadImageError(f"bad image sample #{index}: its cell " + not_the_datasets_file(path))
     try:
         source = io.BytesIO(raw) if raw is not None else path
         if raw is not None and len(raw) == 0:
@@ -318,6 +310,13 @@ def decode_image(encoded: dict, index: int, settings: DataSettings,
             f"bad image {where}: cannot be decoded ({type(error).__name__}: {error}). "
             "Fix the file, or set data.skip_bad_images=true to skip and count such images"
         ) from None
+
+
+def not_the_datasets_file(path: str | None) -> str:
+    """Why a Hub dataset's image cell that holds only a path is refused, and the fix."""
+    return (f"holds no image bytes, only the path {excerpt(path)}, which is not a file of the Hub dataset: a Hub "
+            "dataset's images are read from the dataset, never from this machine's disk. Fix the dataset (embed the "
+            "images, as push_to_hub does), or set data.skip_bad_images=true to skip and count such images")
 
 
 def path_allowed(path: str | None, folders: tuple[Path, ...] | None, follow_links: bool = True) -> bool:
