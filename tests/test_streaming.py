@@ -327,7 +327,10 @@ def test_a_hub_repo_without_a_card_is_counted_from_its_parquet_footers(tables, h
     splits = streaming.open_streams(DataSettings(dataset="user/bare-shards", streaming=True), 0, 1)
     assert (splits.train_rows, splits.eval_rows) == (CLASSES * TRAIN_PER_CLASS, CLASSES * EVAL_PER_CLASS)
     assert splits.labels == ["blue", "green", "red"]
-    assert all("@" in shard for shard in splits.identity["train"])  # resolved at a commit
+    # Each shard named by what it holds (path in the repo, size, content hash), not by the commit it was read at.
+    sizes = {f"datasets/user/bare-shards/data/{p.name}": p.stat().st_size for p in tables["shards"].glob("train-*")}
+    assert {shard.split()[0]: int(shard.split()[1]) for shard in splits.identity["train"]} == sizes
+    assert all("@" not in shard and len(shard.split()[2]) == 64 for shard in splits.identity["train"])
 
 
 def run_expecting_error(args: list[str], capsys) -> str:

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 
 from .errors import VitFinetuneError
 from .processes import any_process
-from .recipe import RECIPE_FILE, Recipe, excerpt, flatten, write_recipe
+from .recipe import HOME_PATH_KEYS, RECIPE_FILE, Recipe, excerpt, flatten, write_recipe
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -229,6 +229,8 @@ def read_saved_state(checkpoint: Path) -> tuple[dict, dict]:
 def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
     saved = flatten(read_saved_state(checkpoint)[0])
+    # A checkpoint written before the recipe expanded `~` kept it: compare the folders, not their spellings.
+    saved.update({key: os.path.expanduser(saved[key]) for key in HOME_PATH_KEYS if isinstance(saved.get(key), str)})
     current = flatten(recipe.model_dump(mode="json"))
     # A key the checkpoint's version did not have yet ran with what is now its default.
     defaults = flatten(Recipe().model_dump(mode="json"))

@@ -53,6 +53,7 @@ class Splits:
     label_column: str
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
+    image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
 
 
 # ---------------------------------------------------------------- loading
@@ -91,6 +92,49 @@ def open_dataset(settings: DataSettings):
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({settings.train_split: loaded})
     return loaded
+
+
+def is_local(settings: DataSettings) -> bool:
+    """Whether data.dataset is on the user's own disk (a folder, or the built-in shapes), not a Hub id."""
+    return settings.dataset == BUILTIN_SHAPES or Path(settings.dataset).is_dir()
+
+
+def image_folders(settings: DataSettings) -> tuple[Path, ...] | None:
+    """Where an image cell that holds only a path (no bytes) may be read from. A local dataset is the user's: any
+    path (None). A Hub dataset's cells come from whoever wrote the repo: only the files datasets downloaded for it
+    (the repo's folder in the Hub cache, datasets' download folder), never a file the repo names on this disk."""
+    if is_local(settings):
+        return None
+    import datasets
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    downloaded = (Path(HF_HUB_CACHE) / ("datasets--" + settings.dataset.replace("/", "--")),
+                  Path(datasets.config.DOWNLOADED_DATASETS_PATH))
+    # As written (the cells spell them so) and resolved (decode_image resolves a cell's path before comparing).
+    return tuple(dict.fromkeys([*(Path(os.path.abspath(f)) for f in downloaded), *(f.resolve() for f in downloaded)]))
+
+
+def refuse_foreign_paths(split, split_name: str, image_column: str, folders: tuple[Path, ...] | None,
+                         settings: DataSettings) -> None:
+    """Before training: the first image cell of a Hub dataset's split that holds only a path outside `folders` (a
+    file on this machine) stops the run, naming its row. Only the path column is read (Arrow, no image bytes), and
+    paths are compared as written; decode_image checks each image again with links resolved."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if folders is None or settings.skip_bad_images:  # a local dataset; or such cells are skipped as they come
+        return
+    start = 0
+    for chunk in split.data.column(image_column).chunks:
+        if pa.types.is_struct(chunk.type):
+            paths, pathless = chunk.field("path"), pc.is_null(chunk.field("bytes"))
+        else:  # a column of plain strings: each one a path
+            paths, pathless = chunk, pa.array([True] * len(chunk))
+        for row, path in zip(pc.indices_nonzero(pathless).to_pylist(), pc.filter(paths, pathless).to_pylist()):
+            if not path_allowed(path, folders, follow_links=False):
+                raise DataError(f"data.dataset={excerpt(settings.dataset)}: row {start + row} of split {split_name!r} "
+                                + not_the_datasets_file(path))
+        start += len(chunk)
 
 
 def names_a_split(folder_name: str) -> bool:
@@ -169,6 +213,9 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     eval_split = settings.eval_split if settings.eval_split in loaded else None
     if eval_split is None and "test" in loaded and settings.eval_split == "validation":
         eval_split = "test"  # many image datasets ship train/test only
+    folders = image_folders(settings)
+    for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
+        refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
     if not isinstance(train.features[label_column], datasets.ClassLabel):
         train = encode_labels(train, label_column, loaded, eval_split)
     labels = train.features[label_column].names
@@ -188,7 +235,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
-    return Splits(train, evaluation, image_column, label_column, list(labels), eval_split)
+    return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, folders)
 
 
 def hold_out_eval(train, settings: DataSettings, label_column: str, classes: int, seed: int):
@@ -264,12 +311,16 @@ def subsample(dataset, limit: int | None, seed: int):
 # ---------------------------------------------------------------- decoding and transforms
 
 
-def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Image:
-    """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample."""
+def decode_image(encoded: dict, index: int, settings: DataSettings,
+                 folders: tuple[Path, ...] | None = None) -> Image.Image:
+    """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample. A cell
+    holding only a path is read only from `folders` (None: anywhere; see image_folders)."""
     where = sample_name(encoded, index)
+    raw, path = encoded.get("bytes"), encoded.get("path")
+    if raw is None and not path_allowed(path, folders):
+        raise BadImageError(f"bad image sample #{index}: its cell " + not_the_datasets_file(path))
     try:
-        raw = encoded.get("bytes")
-        source = io.BytesIO(raw) if raw is not None else encoded.get("path")
+        source = io.BytesIO(raw) if raw is not None else path
         if raw is not None and len(raw) == 0:
             raise BadImageError("the file is empty (0 bytes)")
         with warnings.catch_warnings():
@@ -289,6 +340,24 @@ def decode_image(encoded: dict, index: int, settings: DataSettings) -> Image.Ima
             f"bad image {where}: cannot be decoded ({type(error).__name__}: {error}). "
             "Fix the file, or set data.skip_bad_images=true to skip and count such images"
         ) from None
+
+
+def not_the_datasets_file(path: str | None) -> str:
+    """Why a Hub dataset's image cell that holds only a path is refused, and the fix."""
+    return (f"holds no image bytes, only the path {excerpt(path)}, which is not a file of the Hub dataset: a Hub "
+            "dataset's images are read from the dataset, never from this machine's disk. Fix the dataset (embed the "
+            "images, as push_to_hub does), or set data.skip_bad_images=true to skip and count such images")
+
+
+def path_allowed(path: str | None, folders: tuple[Path, ...] | None, follow_links: bool = True) -> bool:
+    """Whether a path-only image cell may be opened: anywhere when `folders` is None, else only inside one of them.
+    `..` never leads out; with `follow_links`, nor does a symlink (the path is resolved first: a syscall per part)."""
+    if folders is None:
+        return True
+    if not path:
+        return False
+    where = Path(path).resolve() if follow_links else Path(os.path.abspath(path))
+    return any(where.is_relative_to(folder) for folder in folders)
 
 
 # Grey deeper than 8 bits: convert("RGB") clips it at 255 (a white image) or truncates floats (a black one), so it
@@ -400,8 +469,10 @@ class ImageClassificationDataset(Dataset):
     data.skip_bad_images (placeholder, SKIPPED_LABEL, its name): the placeholder keeps the image's place."""
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
-                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor):
+                 make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor,
+                 image_folders: tuple[Path, ...] | None = None):
         self.table = table
+        self.image_folders = image_folders
         self.image_column = image_column
         self.label_column = label_column
         self.settings = settings
@@ -418,12 +489,17 @@ class ImageClassificationDataset(Dataset):
     def sample(self, row: dict, index: int, epoch: int) -> tuple[torch.Tensor, int, str | None]:
         """One row decoded and made into pixels; `index` names it and, with `epoch`, seeds its augmentation."""
         try:
-            image = decode_image(row[self.image_column], index, self.settings)
+            image = self.decode(row, index)
         except BadImageError:
             if not self.settings.skip_bad_images:
                 raise
             return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], index)
         return self.make_pixels(image, index, epoch), row[self.label_column], None
+
+
+    def decode(self, row: dict, index: int) -> Image.Image:
+        """The row's image (BadImageError naming it): a path-only cell is read only from self.image_folders."""
+        return decode_image(row[self.image_column], index, self.settings, self.image_folders)
 
 
 class EpochSampler(Sampler):
@@ -499,14 +575,14 @@ def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
     """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
     placeholder = torch.zeros(3, image_size, image_size, dtype=torch.uint8)
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
-                                      placeholder)
+                                      placeholder, splits.image_folders)
 
 
 def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
     """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
     placeholder = torch.zeros(3, image_size, image_size)
     return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
-                                      eval_pixels_from_processor(processor), placeholder)
+                                      eval_pixels_from_processor(processor), placeholder, splits.image_folders)
 
 
 def eval_pixels_from_processor(processor) -> Callable[[Image.Image, int, int], torch.Tensor]:

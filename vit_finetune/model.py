@@ -8,6 +8,8 @@ float32, the way `families.py` records for the model's family, so the saved mode
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
 from pathlib import Path
 from typing import Callable
@@ -27,6 +29,12 @@ from .recipe import ASSETS_DIR, BUILTIN_PREFIX, LoraSettings, ModelSettings
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
 # warning, and a machine with torchvision does not resize slightly differently from the one that measured.
 IMAGE_PROCESSOR_BACKEND = "pil"
+# What a base's config.json may ask for, checked before transformers parses it or builds anything: a damaged or
+# hostile config would otherwise make tables of any size (image_size 100000 at patch 4: a 240 GB position table),
+# divide by a patch size of 0, or spend minutes parsing a million labels.
+MAX_BASE_LABELS = 100_000  # ImageNet-21k's 21,843 are the most a public ViT checkpoint has
+MAX_GRID_SIDE = 256  # patches per side: 4,096 px at patch 16 (DINOv2's grid is 37 a side)
+MAX_CONFIG_BYTES = 64_000_000  # a ViT's config.json is a few KB, about 1 MB with 21,843 labels
 
 
 class ModelError(VitFinetuneError):
@@ -61,14 +69,16 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     """Fetch only config.json and check the base is a supported family the target size suits, before any weights move."""
     location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
     try:
+        check_config_file(location, settings)
         config = AutoConfig.from_pretrained(location, revision=settings.revision,
                                             trust_remote_code=settings.trust_remote_code)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:
         raise ModelError(
             f"model.base={settings.base!r} could not be loaded: {error}\n"
             "Fix: give a Hub id such as google/vit-base-patch16-224 or a folder holding config.json."
         ) from None
     family = family_of(config, settings.base)
+    check_base_geometry(config, family, settings.base)
     check_image_size(settings.image_size, family.patch_size(config))
     if settings.window_size is not None and family.set_window is None:
         raise ModelError(
@@ -77,6 +87,43 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
         )
     set_drop_path_rate(config, settings)  # a family without stochastic depth is refused before any download
     return config
+
+
+def check_config_file(location: str, settings: ModelSettings) -> None:
+    """The base's config.json as stored (fetched alone for a Hub id): its size and label count, before transformers
+    parses it (which takes about a minute per million labels)."""
+    from transformers.utils import CONFIG_NAME, cached_file
+
+    path = cached_file(location, CONFIG_NAME, revision=settings.revision)
+    size = os.path.getsize(path)
+    if size > MAX_CONFIG_BYTES:
+        raise ModelError(f"model.base={settings.base!r}: its {CONFIG_NAME} is {size:,} bytes; a ViT's is a few KB. "
+                         "It is damaged or not a model config: check the id, revision or folder")
+    raw = json.loads(Path(path).read_text())
+    labels = raw.get("id2label") if isinstance(raw, dict) else None
+    count = len(labels) if isinstance(labels, dict) else raw.get("num_labels", 0) if isinstance(raw, dict) else 0
+    if isinstance(count, int) and count > MAX_BASE_LABELS:
+        raise ModelError(f"model.base={settings.base!r}: its {CONFIG_NAME} has {count:,} labels; the most a ViT "
+                         f"checkpoint has is ImageNet-21k's 21,843 (this toolkit takes up to {MAX_BASE_LABELS:,}). "
+                         "It is damaged or not the base meant: check the id, revision or folder")
+
+
+def check_base_geometry(config: PretrainedConfig, family: Family, base: str) -> None:
+    """The base's image and patch size, from its config alone: positive whole pixels, and a patch grid of a size a
+    ViT has (the base model is built at it before its position table is resampled)."""
+    vision = family.vision_config(config)
+    for key in ("patch_size", "image_size"):
+        value = getattr(vision, key, None)
+        sides = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not sides or not all(isinstance(side, int) and not isinstance(side, bool) and side > 0 for side in sides):
+            raise ModelError(f"model.base={base!r}: its config.json has {key}={value!r}, not a positive whole number "
+                             "of pixels. It is damaged: check the id, revision or folder")
+    image_size, patch_size = family.image_size(config), family.patch_size(config)
+    grid = image_size // patch_size
+    if not 1 <= grid <= MAX_GRID_SIDE:
+        raise ModelError(f"model.base={base!r}: its config.json's image_size={image_size} at patch_size={patch_size} "
+                         f"makes a {grid}x{grid} grid of positions; a ViT's has 1 to {MAX_GRID_SIDE} a side (DINOv2's: "
+                         "37). It is damaged: check the id, revision or folder")
 
 
 def set_drop_path_rate(config: PretrainedConfig, settings: ModelSettings) -> None:

@@ -58,8 +58,34 @@ def dataset_folder(recipe: Recipe) -> Path | None:
     return source if source.is_dir() else None
 
 
+def base_folder(recipe: Recipe) -> Path | None:
+    """The local folder model.base is loaded from, if any (a Hub id or a builtin: model has none)."""
+    from .recipe import BUILTIN_PREFIX, _is_dir
+
+    base = recipe.model.base
+    return None if base.startswith(BUILTIN_PREFIX) or not _is_dir(base) else Path(base)
+
+
+def base_refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
+    """Why model.base may not be read from this output_dir: overwrite=true (and a run's own saves) replace the
+    output folder's files and the folders a run writes there, so a base among them would be gone before it loads."""
+    base = base_folder(recipe)
+    if base is None:
+        return None
+    out, source = Path(recipe.output_dir).resolve(), base.resolve()  # resolved: a symlink to output_dir is it
+    replaced = [out / name for name in run_names]
+    if source == out or any(source.is_relative_to(folder) for folder in replaced):
+        return (f"model.base={excerpt(recipe.model.base)} is output_dir={excerpt(str(recipe.output_dir))} or a folder "
+                "a run writes in it: the run would replace the weights it starts from. Fix: write into another "
+                "output_dir (e.g. output_dir=<a new folder>) and keep model.base as it is")
+    return None
+
+
 def refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
     """Why this run may not write into its output_dir (None if it may); nothing is written to find out."""
+    base_refused = base_refusal(recipe, run_names)
+    if base_refused:
+        return base_refused
     output_dir = Path(recipe.output_dir).expanduser()
     shown = excerpt(str(recipe.output_dir))
     data = dataset_folder(recipe)

@@ -131,7 +131,7 @@ def draw_misclassified(images: list, truths: list[str], guesses: list[str], path
 def draw_evaluation(predictions, dataset, labels: list[str], folder: Path) -> list[str]:
     """confusion_matrix.png and misclassified.png for one split's predictions (evaluation.SplitPredictions) over
     `dataset` (a data.ImageClassificationDataset, in the same order); returns the file names written."""
-    from .data import BadImageError, decode_image
+    from .data import BadImageError
     from .evaluation import confusion_matrix
 
     kept = predictions.kept.numpy()
@@ -141,7 +141,7 @@ def draw_evaluation(predictions, dataset, labels: list[str], folder: Path) -> li
     images, truths, guesses = [], [], []
     for position in misclassified_positions(predicted, references):
         try:
-            image = decode_image(dataset.table[position][dataset.image_column], position, dataset.settings)
+            image = dataset.decode(dataset.table[position], position)
         except BadImageError:
             continue
         image.thumbnail((160, 160))

@@ -7,13 +7,14 @@ naming the key, the value and the fix, before anything expensive starts.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
                       model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
@@ -32,6 +33,11 @@ REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0
 # expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.
 MAX_RECIPE_VALUES = 10_000
 MAX_RECIPE_BYTES = 1_000_000
+# The deepest key (model.lora.target_modules) is a list 3 levels down; YAML and pydantic recurse per level, and a
+# value nested thousands deep ends in a RecursionError. (An alias bomb is shallow: MAX_RECIPE_VALUES stops it.)
+MAX_RECIPE_DEPTH = 32
+NAME_MAX = 255  # bytes in one file or folder name: ext4, XFS, APFS and NTFS allow no more
+SEED_MAX = 2**32 - 1  # NumPy's generators take no larger seed (nor a negative one)
 EXCERPT = reprlib.Repr()
 EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
 EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
@@ -49,6 +55,29 @@ def _not_a_bool(value: Any) -> Any:
     return value
 
 
+def expand_home(value: str | None) -> str | None:
+    """`~` (or `~user`) spelled out once, when the recipe is read: every safety check and every write then sees one
+    folder (left to each consumer, a check looked in $HOME while a write went to a folder named `~`)."""
+    if value is None or not value.startswith("~"):
+        return value
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):
+        raise ValueError(f"no home folder is known for {value.split('/')[0]!r}; give the full path")
+    return expanded
+
+
+def names_fit(value: str | None) -> str | None:
+    """A path's every name within NAME_MAX bytes; a longer one fails in the file system (ENAMETOOLONG) at first use."""
+    for name in (value or "").split("/"):
+        if len(name.encode()) > NAME_MAX:
+            raise ValueError(f"holds a name of {len(name.encode())} bytes ({excerpt(name)}); file systems allow "
+                             f"{NAME_MAX}. Shorten it")
+    return value
+
+
+# A path a run reads or writes (or a Hub id); `~` is expanded here and nowhere else.
+HomePath = Annotated[str, AfterValidator(expand_home), AfterValidator(names_fit)]
+HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 # The metrics train.keep_best can follow, and whether higher or lower is better.
@@ -81,7 +110,7 @@ class LoraSettings(Strict):
 
 
 class ModelSettings(Strict):
-    base: str = Field("google/vit-base-patch16-224", description=(
+    base: HomePath = Field("google/vit-base-patch16-224", description=(
         "the pretrained ViT-family model (see the README's family table): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
@@ -103,7 +132,7 @@ class ModelSettings(Strict):
 
 
 class DataSettings(Strict):
-    dataset: str = Field("ethz/food101", description=(
+    dataset: HomePath = Field("ethz/food101", description=(
         "a Hub dataset id, a folder of class sub-folders (optionally under train/ and validation/), a folder "
         "written by save_to_disk, or builtin:shapes (the demo's generated shapes)"))
     train_split: str = Field("train", description="split to train on")
@@ -206,7 +235,7 @@ class TrainSettings(Strict):
     max_grad_norm: Float | None = Field(1.0, gt=0,
         description="clip the global gradient norm to this; null = no clipping")
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
-    seed: StrictInt = Field(0, ge=0, le=2**32 - 1, description=(  # the range numpy's generator accepts
+    seed: StrictInt = Field(0, description=(
         "seeds weights of the head, data order, augmentation and the carved eval split; 0 to 4294967295"))
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
         description="no, bf16 or fp16 autocast; weights stay float32")
@@ -217,7 +246,7 @@ class TrainSettings(Strict):
     checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
         description="save a resumable checkpoint every this many steps; null = none")
     keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
-    resume: str | None = Field(None,
+    resume: HomePath | None = Field(None,
         description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
         [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
@@ -239,6 +268,13 @@ class TrainSettings(Strict):
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
 
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int) -> int:
+        if not 0 <= value <= SEED_MAX:
+            raise ValueError(f"must be between 0 and {SEED_MAX} (the seeds NumPy's generators take), e.g. 0")
+        return value
+
     @field_validator("mixed_precision", mode="before")
     @classmethod
     def _yaml_no_is_a_string(cls, value: Any) -> Any:
@@ -254,11 +290,22 @@ class HubSettings(Strict):
     @field_validator("repo_id")
     @classmethod
     def _repo_id_is_valid(cls, value: str | None) -> str | None:
-        if value is not None and not REPO_ID_PATTERN.match(value):
-            raise ValueError(
-                f"{excerpt(value)} is not a valid Hub repo id; use 'name' or 'namespace/name' "
-                "(letters, digits, '-', '_', '.', no spaces)"
-            )
+        """huggingface_hub's own rules (no '--' or '..', no '.git' ending...), then the Hub's (the name starts with a
+        letter or digit): an id either refuses fails only at the push, after training."""
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        if value is None:
+            return value
+        try:
+            validate_repo_id(value)
+        except HFValidationError as error:
+            reason = str(error).replace(f": {value!r}", "").rstrip(".")
+        else:
+            reason = None if REPO_ID_PATTERN.match(value) else "a name must start with a letter or digit"
+        if reason:
+            raise ValueError(f"{excerpt(value)} is not a valid Hub repo id ({reason}); use 'name' or 'namespace/name' with letters, digits, "
+                             "'-', '_' and '.', e.g. your-name/vit-food101-384")
         return value
 
 
@@ -268,7 +315,7 @@ class Recipe(Strict):
     augment: AugmentSettings = AugmentSettings()
     train: TrainSettings = TrainSettings()
     hub: HubSettings = HubSettings()
-    output_dir: str = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
+    output_dir: HomePath = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
     overwrite: bool = Field(False, description="replace a finished run (or checkpoints) already in output_dir")
 
     @model_validator(mode="after")
@@ -352,6 +399,9 @@ def read_yaml(path: Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
+    except RecursionError:
+        raise RecipeError([f"{path} is nested deeper than Python can read; a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH} levels deep"], str(path)) from None
     except UnicodeDecodeError as error:
         raise RecipeError([f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"],
                           str(path)) from None
@@ -377,6 +427,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw  # let the schema decide whether a plain string is acceptable here
+        except RecursionError:
+            problems.append(f"override {key.strip()}=... is nested deeper than Python can read; a recipe value is at "
+                            f"most {MAX_RECIPE_DEPTH} levels deep")
+            continue
         node = data
         for part in parts[:-1]:
             if not isinstance(node.get(part), dict):
@@ -466,8 +520,31 @@ def count_values(data: Any, limit: int = MAX_RECIPE_VALUES) -> int:
         return limit + 1
 
 
+def deepest(data: Any, limit: int = MAX_RECIPE_DEPTH) -> tuple[int, str]:
+    """How deep `data` nests (counted up to limit + 1, without recursion) and the dotted key where it does. A node
+    shared through YAML aliases is walked once, so an alias bomb costs no more than its text."""
+    stack, found, seen = [(data, 1, "")], (0, ""), set()
+    while stack:
+        node, depth, key = stack.pop()
+        if not isinstance(node, (dict, list)) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        found = max(found, (depth, key))
+        if depth > limit:
+            break
+        children = node.items() if isinstance(node, dict) else ((None, child) for child in node)
+        stack.extend((child, depth + 1, f"{key}.{name}".lstrip(".") if name is not None else key)
+                     for name, child in children)
+    return found
+
+
 def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     """Type and check a recipe mapping; raise RecipeError listing every problem."""
+    depth, key = deepest(data)
+    if depth > MAX_RECIPE_DEPTH:
+        raise RecipeError([f"{key or 'the recipe'} is nested more than {MAX_RECIPE_DEPTH} levels deep (lists or "
+                           f"mappings inside each other, or a YAML alias that contains itself); a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH}. Write the value out flat"], source)
     if count_values(data) > MAX_RECIPE_VALUES:
         raise RecipeError([f"the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases repeated "
                            "inside each other, or a value that contains itself); a recipe has about 60. Write the "

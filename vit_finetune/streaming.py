@@ -55,6 +55,7 @@ class StreamedSplits:
     train_rows: int | None  # the whole split's, over all processes, from the dataset's metadata
     eval_rows: int | None
     identity: dict  # the labels and the shards read, as each checkpoint records them
+    image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
 
 
 @dataclass
@@ -123,6 +124,10 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
     labels = class_names(features[label_column], label_column, settings)
+    # Every shard is looked at before training: a damaged one would otherwise end in a library's traceback, or in
+    # rows silently missing, partway through a run.
+    counted = {split: check_shards(files[split], split, (image_column, label_column), settings)
+               for split in dict.fromkeys([settings.train_split, eval_split])}
 
     def share(stream):
         stream = stream.cast_column(image_column, datasets.Image(decode=False))
@@ -130,8 +135,11 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
 
     identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
                 "eval": shard_identity(files[eval_split])}
+    # A streamed Hub dataset downloads no image files: a cell holding only a path names one on this machine.
+    folders = None if data.is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
-                          split_rows(builder, settings.train_split), split_rows(builder, eval_split), identity)
+                          split_rows(builder, settings.train_split, counted[settings.train_split]),
+                          split_rows(builder, eval_split, counted[eval_split]), identity, folders)
 
 
 def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:
@@ -160,38 +168,100 @@ def check_label(label: int, classes: int, where: str) -> None:
                         f"{classes - 1}). Fix: data.label_names must name every class index the shards use")
 
 
-def split_rows(builder, split: str) -> int | None:
-    """The split's row count: from the dataset's card (datasets' split info), else from the parquet footers (a
-    small ranged read per shard); None if neither answers."""
-    import fsspec
-    import pyarrow.parquet as pq
-
+def split_rows(builder, split: str, counted: int | None) -> int | None:
+    """The split's row count: from the dataset's card (datasets' split info), else `counted` from the parquet
+    footers (check_shards); None if neither knows."""
     known = (builder.info.splits or {}).get(split)
     if known is not None and known.num_examples:
         return known.num_examples
-    if not all(file.endswith(".parquet") for file in builder.config.data_files[split]):
-        return None  # a tar shard has no row count short of reading it whole
+    return counted
+
+
+def check_shards(files: list[str], split: str, columns: tuple[str, str], settings: DataSettings) -> int | None:
+    """Stop before training at the first damaged shard of `split`, naming it and what is wrong: a parquet shard's
+    footer must open (a small ranged read on the Hub) and list rows and the image and label columns; a local tar
+    shard must hold each of its members whole. Returns the parquet shards' total rows (None for tar shards, which
+    have no count short of reading them)."""
+    total = 0
+    for file in files:
+        name = file.rsplit("/", 1)[-1]
+        where = f"data.dataset={excerpt(settings.dataset)}: the shard {name!r} of split {split!r}"
+        fix = "Fix: replace the shard with a whole copy, or remove it from the dataset"
+        if file.endswith(".parquet"):
+            rows, problem = parquet_rows(file, columns)
+            total += rows
+        else:
+            problem = tar_problem(file)
+        if problem:
+            raise DataError(f"{where} {problem}. {fix}")
+    return total if all(file.endswith(".parquet") for file in files) else None
+
+
+def parquet_rows(file: str, columns: tuple[str, str]) -> tuple[int, str | None]:
+    """(rows, None) for a usable parquet shard, else (0, what is wrong with it); only its footer is read."""
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     try:
-        with hub.hub_offline(hub.offline_by_user()):
-            total = 0
-            for file in builder.config.data_files[split]:
-                with fsspec.open(file, "rb") as handle:
-                    total += pq.ParquetFile(handle).metadata.num_rows
-            return total
-    except (OSError, ValueError):
+        with hub.hub_offline(hub.offline_by_user()), fsspec.open(file, "rb") as handle:
+            footer = pq.ParquetFile(handle)
+            rows, names = footer.metadata.num_rows, footer.schema_arrow.names
+    except pa.ArrowException as error:  # no footer: cut short, empty, or not parquet at all
+        return 0, f"is not a readable parquet file (truncated, empty or damaged: {error})"
+    except (OSError, ValueError) as error:
+        return 0, f"cannot be read ({type(error).__name__}: {error})"
+    missing = [column for column in columns if column not in names]
+    if missing:
+        return 0, f"has no column {missing[0]!r}: its columns are {excerpt(names)}, the other shards' {list(columns)}"
+    if rows == 0:
+        return 0, "holds no rows"
+    return rows, None
+
+
+def tar_problem(file: str) -> str | None:
+    """What is wrong with a local tar shard (None if nothing): its headers are read and each member's data is
+    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub tar shard is not
+    checked: that would download it whole."""
+    import tarfile
+
+    if "://" in file:
         return None
+    try:
+        size = os.path.getsize(file)
+        with tarfile.open(file) as archive:  # headers only: each member's data is seeked over, not read
+            for member in archive:
+                if member.offset_data + member.size > size:
+                    return (f"is truncated: its member {member.name!r} needs {member.offset_data + member.size:,} "
+                            f"bytes, the file has {size:,}")
+    except (tarfile.TarError, OSError) as error:
+        return f"is not a readable tar file (truncated or damaged: {error})"
+    return None
 
 
 def shard_identity(files: list[str]) -> list[str]:
-    """What a checkpoint records of a split's shards: a Hub shard's URL carries the commit it was resolved at; a
-    local one is named with its size and modification time."""
+    """What a checkpoint records of a split's shards: what each one holds, not where it was read. A Hub shard is
+    named by its path in the repo, its size and its content hash from the Hub's metadata (the commit it was
+    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and
+    modification time (datasets' own rule for local files)."""
+    import fsspec
+
     named = []
     for file in files:
-        if "://" in file:
-            named.append(file)
-        else:
+        if "://" not in file:
             stat = os.stat(file)
             named.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+            continue
+        filesystem, path = fsspec.core.url_to_fs(file)
+        try:
+            with hub.hub_offline(hub.offline_by_user()):
+                info = filesystem.info(path)
+        except (OSError, ValueError) as error:
+            raise DataError(f"the shard {excerpt(file)} cannot be described by the Hub ({type(error).__name__}: "
+                            f"{error}); check the connection, then run again") from None
+        content = (info.get("lfs") or {}).get("sha256") or info.get("blob_id")  # the git blob's hash if not in LFS
+        where = filesystem.resolve_path(path)  # HfFileSystem: the repo and the path in it, the commit apart
+        named.append(f"{where.repo_type}s/{where.repo_id}/{where.path_in_repo} {info.get('size')} {content}")
     return named
 
 
@@ -302,7 +372,8 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     """The train loader (shuffled, endless, augmented by `train_pixels`) and the eval loader (in order, one pass,
     preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
-    common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings)
+    common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
+                  image_folders=splits.image_folders)
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
                                placeholder=torch.zeros(3, image_size, image_size, dtype=torch.uint8), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),

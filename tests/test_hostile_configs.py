@@ -1,0 +1,83 @@
+"""Recipes and base configs that used to end in a Python traceback (or a huge allocation): each is refused with
+the key, the value and the fix, before any model is built or any file written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from runs import RECIPE, train
+
+SHORT = ["train.max_steps=2"]
+
+
+def refused(args: list[str], capsys, code: int) -> str:
+    assert train(args) == code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Loading weights" not in err, err[-3000:]
+    return err
+
+
+def test_a_recipe_nested_thousands_deep_is_refused(args, tmp_path, capsys):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("data:\n  image_column: " + "[" * 5000 + "]" * 5000 + "\n")
+    err = refused(["--recipe", str(deep), *args, f"output_dir={tmp_path / 'out'}"], capsys, 2)
+    assert "nested" in err and str(deep) in err
+    override = "data.image_column=" + "[" * 5000 + "]" * 5000
+    err = refused([*args, override, f"output_dir={tmp_path / 'out'}"], capsys, 2)
+    assert "data.image_column" in err and "nested" in err
+    # Deep enough to pass YAML, too deep for a recipe: refused by the schema's own depth limit.
+    err = refused([*args, "data.image_column=" + "[" * 200 + "]" * 200, f"output_dir={tmp_path / 'out'}"], capsys, 2)
+    assert "nested" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("seed", ["-5", str(2**32)])
+def test_a_seed_outside_what_the_generators_take_is_a_recipe_error(args, tmp_path, capsys, seed):
+    err = refused([*args, f"train.seed={seed}", f"output_dir={tmp_path / 'out'}"], capsys, 2)
+    assert f"train.seed={seed}" in err and "4294967295" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["output_dir", "data.dataset", "model.base"])
+def test_a_path_component_longer_than_file_systems_allow_is_a_recipe_error(args, tmp_path, capsys, key):
+    long_path = tmp_path / ("a" * 300) / "x"
+    out = [] if key == "output_dir" else [f"output_dir={tmp_path / 'out'}"]
+    err = refused([*args, *out, f"{key}={long_path}"], capsys, 2)
+    assert f"{key}=" in err and "300 bytes" in err and "255" in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("repo_id", ["user/a--b", "user/x.git", "user/a..b", "user/-x", "user/x-"])
+def test_a_repo_id_the_hub_would_refuse_is_refused_before_training(args, tmp_path, capsys, repo_id):
+    err = refused([*args, *SHORT, "hub.push=true", f"hub.repo_id={repo_id}", f"output_dir={tmp_path / 'out'}"],
+                  capsys, 2)
+    assert f"hub.repo_id={repo_id!r}" in err and "not a valid Hub repo id" in err
+    assert not (tmp_path / "out").exists()
+
+
+def base_with(base: Path, folder: Path, **changes) -> Path:
+    shutil.copytree(base, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"patch_size": 0}, "patch_size=0"),
+    ({"patch_size": -4}, "patch_size=-4"),
+    ({"image_size": 100000}, "a 25000x25000 grid"),
+    ({"id2label": {str(i): f"l{i}" for i in range(1_000_000)}}, "1,000,000 labels"),
+])
+def test_a_base_config_that_would_allocate_wildly_or_divide_by_zero_is_refused_from_config_json(
+        base, images, tmp_path, capsys, change, message):
+    damaged = base_with(base, tmp_path / "base", **change)
+    err = refused([f"model.base={damaged}", f"data.dataset={images}", *RECIPE, *SHORT,
+                   f"output_dir={tmp_path / 'out'}"], capsys, 1)
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    assert f"model.base={str(damaged)!r}" in error and message in error, error
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,115 @@
+"""Data from the Hub is the repo's own: an image cell that holds a path on this machine (no bytes) is never read
+from the user's disk, so it can neither train the model nor reach misclassified.png, which a push publishes.
+Datasets the Hub serves as image files (datasets keeps them in its cache) and local datasets keep working."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from runs import RECIPE, train
+
+SHORT = ["train.max_steps=2"]
+
+
+def png(rgb: tuple[int, int, int]) -> bytes:
+    encoded = io.BytesIO()
+    Image.fromarray(np.full((24, 24, 3), rgb, dtype=np.uint8)).save(encoded, format="PNG")
+    return encoded.getvalue()
+
+
+def parquet_split(cells: list[dict], labels: list[int], path: Path) -> Path:
+    """A split as datasets writes it (an Image and a ClassLabel feature), the cells exactly as given."""
+    import datasets
+
+    features = datasets.Features({"image": datasets.Image(decode=False),
+                                  "label": datasets.ClassLabel(names=["blue", "red"])})
+    datasets.Dataset.from_dict({"image": cells, "label": labels}, features=features).to_parquet(str(path))
+    return path
+
+
+@pytest.fixture
+def hub_dataset_with_a_local_path(hub, tmp_path) -> tuple[str, Path]:
+    """A Hub dataset whose row 3 of each split names a file on this machine (the user's) instead of holding bytes."""
+    secret = tmp_path / "private" / "passport.png"
+    secret.parent.mkdir()
+    secret.write_bytes(png((250, 250, 250)))
+    files = {}
+    for split in ("train", "validation"):
+        cells = [{"bytes": png((40, 60, 210) if i % 2 else (210, 40, 40)), "path": f"{i}.png"} for i in range(6)]
+        cells[3] = {"bytes": None, "path": str(secret)}
+        files[f"data/{split}-00000-of-00001.parquet"] = parquet_split(cells, [i % 2 for i in range(6)],
+                                                                      tmp_path / f"{split}.parquet")
+    hub.add_repo("user/local-path-cells", files, repo_type="dataset", exist_ok=True)
+    return "user/local-path-cells", secret
+
+
+def test_a_hub_image_cell_naming_a_local_file_stops_the_run_naming_the_row(base, hub_dataset_with_a_local_path,
+                                                                           tmp_path, capsys):
+    repo, secret = hub_dataset_with_a_local_path
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={repo}", *RECIPE, *SHORT, f"output_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "row 3 of split 'train'" in err and "passport.png" in err and "holds no image bytes" in err, err[-2000:]
+    assert "data.skip_bad_images=true" in err and "Loading weights" not in err  # refused before the model loads
+    assert not (out / "metrics.json").exists() and not (out / "misclassified.png").exists()
+
+
+def test_with_skip_bad_images_such_cells_are_skipped_and_counted(base, hub_dataset_with_a_local_path, tmp_path):
+    repo, _secret = hub_dataset_with_a_local_path
+    out = tmp_path / "out"
+    # batch 4 over 6 train rows: the two steps draw all six, row 3 among them, once
+    assert train([f"model.base={base}", f"data.dataset={repo}", *RECIPE, *SHORT, f"output_dir={out}",
+                  "data.skip_bad_images=true"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_images"] == 1
+    assert metrics["eval_samples"] == 5  # the validation split's row 3 is left out of the metrics too
+
+
+def test_a_hub_dataset_of_image_files_still_trains(base, images, hub, tmp_path):
+    """The Hub serves these as files: datasets downloads them into its cache and gives their paths, which are read."""
+    files = {str(path.relative_to(images)): path for path in images.rglob("*.png")}
+    hub.add_repo("user/colour-files", files, repo_type="dataset", exist_ok=True)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", "data.dataset=user/colour-files", *RECIPE, *SHORT, f"output_dir={out}"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["skipped_images"] == 0 and metrics["eval_samples"] == 9
+
+
+def test_a_local_dataset_may_name_files_by_path(base, tmp_path):
+    """A dataset the user saved on their own disk may point at their own files."""
+    import datasets
+
+    picture = tmp_path / "mine.png"
+    picture.write_bytes(png((210, 40, 40)))
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["blue", "red"])})
+    rows = {"image": [str(picture) if i % 2 else {"bytes": png((40, 60, 210)), "path": None} for i in range(8)],
+            "label": [i % 2 for i in range(8)]}
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows, features=features),
+                          "validation": datasets.Dataset.from_dict(rows, features=features)}).save_to_disk(str(saved))
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={saved}", *RECIPE, *SHORT, f"output_dir={out}"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["skipped_images"] == 0
+
+
+def test_a_streamed_hub_image_cell_naming_a_local_file_is_never_read(base, hub_dataset_with_a_local_path, tmp_path,
+                                                                      capsys):
+    from test_streaming import RECIPE as STREAMED
+
+    repo, secret = hub_dataset_with_a_local_path
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={repo}", *STREAMED, "train.max_steps=2",
+                  f"output_dir={out}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "holds no image bytes" in err and "passport.png" in err, err[-2000:]
+    assert not (out / "metrics.json").exists()
+    assert train([f"model.base={base}", f"data.dataset={repo}", *STREAMED, "train.max_steps=2", f"output_dir={out}",
+                  "data.skip_bad_images=true", "overwrite=true"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["skipped_images"] >= 1
