@@ -62,6 +62,10 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             raise
         raise sharding.could_not_set_up(engine, error) from None
     sharding.check_set_up(engine, accelerator, recipe)
+    if recipe.train.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate turns fp16 off on CPU without a word: the run would say fp16 and compute in float32.
+        raise RunError("train.mixed_precision=fp16 needs a GPU; on CPU it would train in float32. "
+                       "Fix: train.mixed_precision=bf16 (CPUs autocast to bfloat16) or train.mixed_precision=no")
     return accelerator
 
 
