@@ -25,11 +25,14 @@ install: $(STAMP)  ## install the package and its dev tools (pip install -e .[de
 demo: $(STAMP)  ## offline demo: fine-tune the shipped tiny ViT at 64 px (1 min 16 s on a 2-core CPU, see README)
 	$(PYTHON) -m vit_finetune --recipe demo overwrite=true $(ARGS)
 
-test: $(STAMP)  ## the whole test suite
-	$(PYTHON) -m pytest -q $(ARGS)
+# One pytest worker per core (pytest-xdist); each test file stays on one worker, so its module fixtures are built once.
+PYTEST_PARALLEL ?= -n auto --dist loadfile
+
+test: $(STAMP)  ## the whole test suite, one worker per core
+	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) $(ARGS)
 
 test-fast: $(STAMP)  ## the tests not marked slow
-	$(PYTHON) -m pytest -q -m "not slow" $(ARGS)
+	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(ARGS)
 
 train: $(STAMP)  ## train RECIPE with accelerate launch, e.g. make train RECIPE=food101_384 ARGS="train.epochs=1"
 	$(LAUNCH) -m vit_finetune --recipe $(RECIPE) $(ARGS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -21,6 +22,20 @@ from vit_finetune.processes import reset_accelerate_state
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
           "train.log_every_steps=1", "data.num_workers=0"]
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
+
+
+def free_port() -> int:
+    """A port nothing listens on now: tests run side by side (pytest-xdist), so no launch may count on torchrun's
+    default 29500 being free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(processes: int = 2) -> list[str]:
+    """`torchrun --nproc_per_node N` on a port of its own, as a command prefix (`-m vit_finetune ...` follows)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", str(free_port())]
 
 
 def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:

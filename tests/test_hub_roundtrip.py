@@ -18,6 +18,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from runs import torchrun_command
 from tiny import COLOURS, colour_image, make_tiny_vit, run_cli
 from vit_finetune import hub as hub_module
 from vit_finetune.cli import main
@@ -106,7 +107,7 @@ def test_only_the_main_process_talks_to_the_hub_in_a_two_process_run(pushed, see
     seeded_hub.clear_log()
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_TOKEN": HUB_TOKEN, "HF_HOME": str(tmp_path / "hf-home")}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
+        [*torchrun_command(), "-m", "vit_finetune",
          f"model.base={BASE_ID}", f"data.dataset={DATASET_ID}", f"output_dir={tmp_path / 'out'}", *ARGS,
          "hub.push=true", f"hub.repo_id={repo_id}", "hub.private=true"],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)

@@ -13,7 +13,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical
+from runs import assert_bit_identical, free_port
 from tiny import REPO, make_tiny_vit, write_colour_folder
 from vit_finetune import processes
 from vit_finetune.checkpoint import PARTIAL_PREFIX
@@ -125,12 +124,6 @@ def test_the_parent_command_line_is_read_from_the_running_system():
 
 
 # ---------------------------------------------------------------- real launches
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

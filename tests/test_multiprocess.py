@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical
+from runs import assert_bit_identical, torchrun_command
 from vit_finetune.processes import reset_accelerate_state
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
@@ -65,7 +65,7 @@ def two_process_run(tmp_path_factory) -> dict:
     spoil_one_eval_image(images)
     out, record = root / "out", root / "record"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
+        [*torchrun_command(), "-m", "vit_finetune",
          f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
          f"train.batch_size={BATCH}", f"train.epochs={EPOCHS}", "train.lr=0.005", f"train.seed={SEED}",
          "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3",

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import recorder
-from runs import RECIPE, SimulatedKill, completed, kill_at, train
+from runs import RECIPE, SimulatedKill, completed, kill_at, torchrun_command, train
 from tiny import REPO, write_colour_folder
 
 pytestmark = pytest.mark.slow
@@ -102,7 +102,7 @@ def rank_pid(rank: int, marker: str) -> int | None:
 @pytest.mark.timeout(400)
 def test_a_frozen_process_ends_a_two_process_run_with_a_message_naming_it(base, images, tmp_path):
     out, err, log = tmp_path / "out", tmp_path / "stderr.txt", tmp_path / "stdout.txt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
+    command = [*torchrun_command(), "-m", "vit_finetune",
                f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
                "train.batch_size=2", "train.epochs=100", "data.num_workers=0", "train.collective_timeout_s=10"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import torch
 
 import fsdp_on_cpu
 import recorder
-from runs import assert_bit_identical, completed, launch_and_kill, train
+from runs import assert_bit_identical, completed, free_port, launch_and_kill, torchrun_command, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -39,7 +40,8 @@ needs_two_processes = pytest.mark.skipif(
 
 
 def launcher(config: Path) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2"]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
+            "--main_process_port", str(free_port())]
 
 
 def accelerate_launch(config: Path, args: list[str]) -> list[str]:
@@ -157,7 +159,7 @@ def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to
     assert model.config.architectures == ["ViTForImageClassification"] and model.config.image_size == 32
 
     ddp = data["root"] / "ddp"
-    launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
+    launch([*torchrun_command(), "-m", "vit_finetune",
             *data["args"], f"output_dir={ddp}"], plain_env())
     sharded, replicated = load_file(str(fsdp_run / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
     assert sharded.keys() == replicated.keys()
@@ -208,6 +210,25 @@ def test_lora_under_fsdp_writes_the_adapter_and_the_merged_model(data, tmp_path)
     reference = ViTForImageClassification.from_pretrained(single).state_dict()
     # Measured: at most 9.7e-8 apart (6 of 40 tensors differ at all): float sums over shards, in another order.
     assert max((merged[k] - reference[k]).abs().max().item() for k in merged) < 1e-6
+
+
+@pytest.mark.slow
+@needs_two_processes
+@pytest.mark.timeout(600)
+def test_fsdp_with_bf16_computes_in_bf16_and_keeps_float32_weights(data, fsdp_run):
+    """FSDP2 with train.mixed_precision=bf16: Accelerate's bf16 policy (and autocast) on the sharded model."""
+    from safetensors.torch import load_file
+
+    out = data["root"] / "fsdp-bf16"
+    # One epoch, no checkpoints: three steps are enough to compare with the float32 FSDP run's first three.
+    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "train.mixed_precision=bf16",
+                                           "train.epochs=1", "train.checkpoint_every_steps=null"]), sharded_env())
+    bf16 = [e["loss"] for e in json.loads((out / "history.json").read_text()) if "loss" in e]
+    fp32 = [e["loss"] for e in json.loads((fsdp_run / "history.json").read_text()) if "loss" in e][:3]
+    assert len(bf16) == 3 and all(map(math.isfinite, bf16))
+    assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=0.05)  # bf16 rounding: near, never equal
+    assert json.loads((out / "run_info.json").read_text())["mixed_precision"] == "bf16"
+    assert {tensor.dtype for tensor in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
 
 
 # ------------------------------------------------------------------ DeepSpeed

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical, completed, exists, launch_and_kill, train
+from runs import assert_bit_identical, completed, exists, launch_and_kill, torchrun_command, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CLASSES, TRAIN_PER_CLASS, EVAL_PER_CLASS = 3, 8, 3  # 24 train rows, 9 eval rows
@@ -115,9 +115,8 @@ def rows_per_rank_and_epoch(samples: list[dict], fingerprints: dict[str, int]) -
 
 
 def torchrun(args: list[str], record: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune",
-                           *args], capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record),
-                          cwd=REPO)
+    return subprocess.run([*torchrun_command(), "-m", "vit_finetune", *args], capture_output=True, text=True,
+                          timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +213,7 @@ def torchrun_killed_when(args: list[str], record: Path, marker: Path, log: Path)
 
     with open(log, "w") as out:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "vit_finetune", *args],
+            [*torchrun_command(), "-m", "vit_finetune", *args],
             stdout=out, stderr=subprocess.STDOUT, env=recorder.subprocess_env(record), cwd=REPO)
         deadline = time.monotonic() + 300
         while launcher.poll() is None and time.monotonic() < deadline and not marker.exists():
@@ -341,7 +340,11 @@ def run_expecting_error(args: list[str], capsys) -> str:
 def test_a_source_that_is_not_parquet_shards_is_refused(tables, tmp_path, capsys):
     error = run_expecting_error([f"model.base={tables['base']}", f"data.dataset={tables['images']}", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    assert f"data.dataset={str(tables['images'])!r}" in error and "is not a folder holding .parquet or .tar shards" in error
+    from vit_finetune.recipe import excerpt
+
+    # The message quotes the path as excerpt() shortens it (a worker's temporary folder can be long enough to be cut).
+    assert f"data.dataset={excerpt(str(tables['images']))}" in error
+    assert "is not a folder holding .parquet or .tar shards" in error
     assert "data.streaming=false" in error
     assert not (tmp_path / "out" / "checkpoints").exists()
 

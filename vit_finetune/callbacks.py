@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from .parts import Parts
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch import nn
 
     from .checkpoint import TrainState
     from .recipe import Recipe
-    from .train import Parts
 
 
 @dataclass

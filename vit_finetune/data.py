@@ -573,16 +573,21 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
 def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
                   make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
     """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
-    placeholder = torch.zeros(3, image_size, image_size, dtype=torch.uint8)
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
-                                      placeholder, splits.image_folders)
+                                      blank_pixels(image_size, training=True), splits.image_folders)
 
 
 def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
     """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
-    placeholder = torch.zeros(3, image_size, image_size)
     return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
-                                      eval_pixels_from_processor(processor), placeholder, splits.image_folders)
+                                      eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
+                                      splits.image_folders)
+
+
+def blank_pixels(image_size: int, training: bool) -> torch.Tensor:
+    """What stands in for a skipped bad image: uint8 like a train crop (normalised later, on the device), float like
+    the pixels the image processor makes for evaluation."""
+    return torch.zeros(3, image_size, image_size, dtype=torch.uint8 if training else torch.float32)
 
 
 def eval_pixels_from_processor(processor) -> Callable[[Image.Image, int, int], torch.Tensor]:

@@ -12,7 +12,7 @@ import random
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -23,11 +23,9 @@ from torch.distributed.tensor import DTensor
 from . import augment, checkpoint, data, evaluation, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
+from .parts import Parts
 from .processes import any_process, sum_over_processes
 from .recipe import Recipe
-
-if TYPE_CHECKING:  # train imports this module
-    from .train import Parts
 
 
 class NonFiniteLoss(VitFinetuneError):

@@ -69,6 +69,12 @@ class Position:
 # ---------------------------------------------------------------- opening
 
 
+def online_unless_the_user_is_offline():
+    """Every process reads its own shards, so every process may talk to the Hub while opening and reading them, even
+    one the run kept offline (hub.offline_unless); only the user's HF_HUB_OFFLINE keeps them all offline."""
+    return hub.hub_offline(hub.offline_by_user())
+
+
 def unsupported(settings: DataSettings, why: str) -> DataError:
     return DataError(
         f"data.dataset={excerpt(settings.dataset)} {why}. data.streaming=true reads parquet or WebDataset shards: give "
@@ -87,8 +93,7 @@ def open_builder(settings: DataSettings):
             raise unsupported(settings, "is not a folder holding .parquet or .tar shards")
         name = str(local)
     try:
-        # Every process reads its own shards, so every process talks to the Hub here (unless the user is offline).
-        with hub.hub_offline(hub.offline_by_user()):
+        with online_unless_the_user_is_offline():
             builder = datasets.load_dataset_builder(name)
     except Exception as error:  # datasets raises many types; the user needs the id and the reason
         raise DataError(f"data.dataset={excerpt(name)} could not be opened for streaming: "
@@ -116,7 +121,7 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     if eval_split is None:
         raise DataError(f"data.eval_split={settings.eval_split!r} not in the dataset, whose splits are {names}; "
                         "a stream cannot hold out part of train for evaluation. Set data.eval_split=<one of them>")
-    with hub.hub_offline(hub.offline_by_user()):
+    with online_unless_the_user_is_offline():
         train = builder.as_streaming_dataset(split=settings.train_split)
         evaluation_stream = builder.as_streaming_dataset(split=eval_split)
     features = train.features
@@ -204,7 +209,7 @@ def parquet_rows(file: str, columns: tuple[str, str]) -> tuple[int, str | None]:
     import pyarrow.parquet as pq
 
     try:
-        with hub.hub_offline(hub.offline_by_user()), fsspec.open(file, "rb") as handle:
+        with online_unless_the_user_is_offline(), fsspec.open(file, "rb") as handle:
             footer = pq.ParquetFile(handle)
             rows, names = footer.metadata.num_rows, footer.schema_arrow.names
     except pa.ArrowException as error:  # no footer: cut short, empty, or not parquet at all
@@ -254,7 +259,7 @@ def shard_identity(files: list[str]) -> list[str]:
             continue
         filesystem, path = fsspec.core.url_to_fs(file)
         try:
-            with hub.hub_offline(hub.offline_by_user()):
+            with online_unless_the_user_is_offline():
                 info = filesystem.info(path)
         except (OSError, ValueError) as error:
             raise DataError(f"the shard {excerpt(file)} cannot be described by the Hub ({type(error).__name__}: "
@@ -375,9 +380,9 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
                   image_folders=splits.image_folders)
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
-                               placeholder=torch.zeros(3, image_size, image_size, dtype=torch.uint8), **common)
+                               placeholder=data.blank_pixels(image_size, training=True), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
-                              placeholder=torch.zeros(3, image_size, image_size), **common)
+                              placeholder=data.blank_pixels(image_size, training=False), **common)
     pin = device.type == "cuda"
 
     def check(row: dict, where: str) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -24,32 +23,13 @@ from . import augment, balance, checkpoint, data, evaluation, export, hub, loop,
 from . import pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
+from .parts import Parts
 from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal, watch_launcher
 from .recipe import Recipe, write_recipe
 
 
 class RunError(VitFinetuneError):
     """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
-
-
-@dataclass
-class Parts:
-    model: torch.nn.Module
-    processor: object
-    labels: list[str]
-    train_loader: torch.utils.data.DataLoader | streaming.StreamLoader  # the latter with data.streaming
-    eval_loader: torch.utils.data.DataLoader | streaming.StreamLoader
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    normalize: data.PixelNormalizer
-    augment: augment.BatchAugmenter  # DeiT's batch augmentations, on the device; evaluation never uses it
-    steps_per_epoch: int
-    total_steps: int
-    recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
-    eval_split: str | None = None  # None: held out from train (data.eval_fraction)
-    position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
-    data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
-    class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
 
 
 def check_output_dir(recipe: Recipe) -> None:
@@ -82,6 +62,10 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             raise
         raise sharding.could_not_set_up(engine, error) from None
     sharding.check_set_up(engine, accelerator, recipe)
+    if recipe.train.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        # Accelerate turns fp16 off on CPU without a word: the run would say fp16 and compute in float32.
+        raise RunError("train.mixed_precision=fp16 needs a GPU; on CPU it would train in float32. "
+                       "Fix: train.mixed_precision=bf16 (CPUs autocast to bfloat16) or train.mixed_precision=no")
     return accelerator
 
 

@@ -1,0 +1,35 @@
+"""What a run trains with: the model, its data loaders, optimiser and schedule, built by train.py and worked on by
+the loop (loop.py) and the callbacks (callbacks.py), which import it from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to import
+    import torch
+
+    from .augment import BatchAugmenter
+    from .data import PixelNormalizer
+    from .recipe import Recipe
+    from .streaming import StreamLoader
+
+
+@dataclass
+class Parts:
+    model: torch.nn.Module
+    processor: object
+    labels: list[str]
+    train_loader: torch.utils.data.DataLoader | StreamLoader  # the latter with data.streaming
+    eval_loader: torch.utils.data.DataLoader | StreamLoader
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    normalize: PixelNormalizer
+    augment: BatchAugmenter  # DeiT's batch augmentations, on the device; evaluation never uses it
+    steps_per_epoch: int
+    total_steps: int
+    recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
+    eval_split: str | None = None  # None: held out from train (data.eval_fraction)
+    position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
+    data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
+    class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
