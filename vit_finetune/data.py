@@ -294,7 +294,7 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: 
 
 
 # data.crop_scale=auto: the crop area's lower bound from the training images a run will see (optimiser steps x
-# images per step), log-linear between two anchors and constant beyond them. The short end was measured (README,
+# images per step), log-linear between two anchors and constant beyond them. The short end was measured (docs/training.md,
 # "Small data": at ~1.3k images seen, 40 steps on 40-250 training images, every crop range tried lost accuracy
 # against no crop on all three datasets); the long end is the reference: the ViT paper and big_vision fine-tune
 # with crops down to 5 % of the area over schedules of 250k-5M images.
