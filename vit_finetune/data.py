@@ -22,8 +22,9 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from . import hub
 from .errors import VitFinetuneError
-from .recipe import DataSettings, excerpt
+from .recipe import REPO_ID_PATTERN, DataSettings, excerpt
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
@@ -62,6 +63,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VIT_FINETUNE_CACHE", Path.home() / ".cache" / "vit_finetune"))
 
 
+def refuse_unreachable(settings: DataSettings) -> None:
+    """A Hub dataset that cannot be fetched stops here, asked once, with the offline fix (a folder is not asked)."""
+    name = settings.dataset
+    if name.startswith((BUILTIN_SHAPES, ".", "/", "~")) or Path(name).expanduser().exists():
+        return
+    problem = REPO_ID_PATTERN.match(name) and hub.unreachable_problem(name, "dataset")
+    if problem:
+        raise DataError(f"data.dataset={name!r}: {problem}")
+
+
 def open_dataset(settings: DataSettings):
     """A DatasetDict from a Hub id, a saved dataset (save_to_disk) or an image folder."""
     import datasets
@@ -80,6 +91,7 @@ def open_dataset(settings: DataSettings):
         elif source.exists() or settings.dataset.startswith((".", "/", "~")):
             raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
         else:
+            refuse_unreachable(settings)
             loaded = datasets.load_dataset(settings.dataset)
     except DataError:
         raise

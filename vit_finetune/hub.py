@@ -78,6 +78,46 @@ def offline_by_user() -> bool:
                for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
+# What to do when a Hub id cannot be fetched, per kind of repo: never "give a Hub id", which the user just did.
+UNREACHABLE_FIX = {
+    "model": "check the network (or HF_ENDPOINT) and run again; offline, give a local folder holding config.json "
+             "(what save_pretrained writes), or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache",
+    "dataset": "check the network (or HF_ENDPOINT) and run again; offline, give a local image folder or a folder "
+               "written by save_to_disk, or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache",
+}
+PROBE_TIMEOUT_S = 10
+
+
+def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | None = None) -> str | None:
+    """Why `repo_id` cannot be fetched from the Hub, asked once with no retries; None if it can, if it is cached,
+    or if the Hub is off (HF_HUB_OFFLINE, or a process that reads the main process's cache).
+
+    Left to them, transformers and datasets retry a dead connection for over a minute, then blame the id.
+    """
+    import huggingface_hub.constants
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None
+    cached_file = "config.json" if repo_type == "model" else "README.md"
+    if isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str):
+        return None
+    ask = HfApi().model_info if repo_type == "model" else HfApi().dataset_info
+    try:
+        ask(repo_id, revision=revision, timeout=PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        return f"the Hub's {repo_type} {repo_id!r} is gated: accept its terms on its page, then `hf auth login`"
+    except RevisionNotFoundError:
+        return f"the Hub's {repo_type} {repo_id!r} has no revision {revision!r}"
+    except RepositoryNotFoundError:
+        return f"the Hub has no {repo_type} {repo_id!r} (or it is private: log in with `hf auth login`)"
+    except Exception as error:  # connection errors, timeouts, a Hub answering 5xx: all mean "not reachable"
+        return (f"the Hub ({huggingface_hub.constants.ENDPOINT}) is unreachable ({type(error).__name__}: "
+                f"{str(error)[:160]}) and {repo_id!r} is not in the local cache. Fix: {UNREACHABLE_FIX[repo_type]}")
+    return None
+
+
 def is_retryable(error: Exception) -> bool:
     status = getattr(getattr(error, "response", None), "status_code", None)
     return status is None or status in (408, 429) or status >= 500

@@ -248,6 +248,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+        data.refuse_unreachable(recipe.data)  # a Hub dataset that cannot be fetched, before output_dir is touched
     # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
     too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
     if too_big:
