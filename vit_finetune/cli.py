@@ -20,6 +20,10 @@ import sys
 from pathlib import Path
 
 
+# predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
+DATASET_SPLIT = "validation"
+
+
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
@@ -52,7 +56,7 @@ def _predict_parser() -> argparse.ArgumentParser:
                                     "its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
-    parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
+    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--top-k", type=int, default=5)
     return parser
@@ -62,7 +66,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
                                     "the run's own eval split, reproducing its metrics.json.")
     parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
-    parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
+    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as predict)")
     parser.add_argument("--output-dir", type=Path,
                         help="also write metrics.json, confusion_matrix.png and misclassified.png here")
     return parser
