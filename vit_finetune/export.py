@@ -87,6 +87,15 @@ def run_info(device: str, processes: int, mixed_precision: str, history: list[di
     }
 
 
+USAGE_SNIPPET = 'classify = pipeline("image-classification", model="{}")'
+USAGE_LINE = re.compile(re.escape(USAGE_SNIPPET.split("{}")[0]) + r'[^"\n]*"\)')
+
+
+def card_loading_from(card_text: str, load_from: str) -> str:
+    """The card with its usage snippet loading `load_from`: a later push names the repo it went to."""
+    return USAGE_LINE.sub(lambda _: USAGE_SNIPPET.format(load_from), card_text)
+
+
 def usage_id(recipe: Recipe, output_dir: Path) -> str:
     """What `pipeline(model=...)` should load: the Hub repo when the run pushes there, else the folder itself."""
     return recipe.hub.repo_id if recipe.hub.push and recipe.hub.repo_id else str(output_dir)
@@ -149,7 +158,7 @@ size ({family.resized}), so the model runs at this size with no `interpolate_pos
 ## Use
 ```python
 from transformers import pipeline
-classify = pipeline("image-classification", model="{load_from or name}")
+{USAGE_SNIPPET.format(load_from or name)}
 classify("photo.jpg")
 ```
 

@@ -16,7 +16,7 @@ from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import VitFinetuneError
 from .checkpoint import CHECKPOINTS
-from .export import METRICS_FILE, STAGING
+from .export import CARD_FILE, METRICS_FILE, STAGING, card_loading_from
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
@@ -123,6 +123,20 @@ def is_retryable(error: Exception) -> bool:
     return status is None or status in (408, 429) or status >= 500
 
 
+def upload_operations(output_dir: Path, repo_id: str) -> list:
+    """One commit's files: the folder as upload_folder would send it (checkpoints, staging and hidden files left
+    out), except the model card, whose usage snippet names `repo_id`. The local card is not changed."""
+    from huggingface_hub import CommitOperationAdd
+    from huggingface_hub.hf_api import DEFAULT_IGNORE_PATTERNS
+    from huggingface_hub.utils import filter_repo_objects
+
+    files = {path.relative_to(output_dir).as_posix(): path for path in sorted(output_dir.rglob("*")) if path.is_file()}
+    ignored = [f"{CHECKPOINTS}/**", f"{STAGING}/**", ".*", *DEFAULT_IGNORE_PATTERNS]
+    return [CommitOperationAdd(path_in_repo=name, path_or_fileobj=(
+                card_loading_from(files[name].read_text(), repo_id).encode() if name == CARD_FILE else files[name]))
+            for name in filter_repo_objects(list(files), ignore_patterns=ignored)]
+
+
 def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
     """Upload a finished run (checkpoints left out) and return the commit URL."""
     output_dir = Path(output_dir)
@@ -134,12 +148,8 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
         time.sleep(delay)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
-            commit = api.upload_folder(
-                repo_id=repo_id,
-                folder_path=output_dir,
-                commit_message=f"Upload {output_dir.name} with vit_finetune",
-                ignore_patterns=[f"{CHECKPOINTS}/**", f"{STAGING}/**", ".*"],
-            )
+            commit = api.create_commit(repo_id, upload_operations(output_dir, repo_id),
+                                       commit_message=f"Upload {output_dir.name} with vit_finetune")
             return commit.commit_url
         except (HfHubHTTPError, OSError) as error:
             last_error = error
