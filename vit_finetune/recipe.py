@@ -207,6 +207,9 @@ class TrainSettings(Strict):
         description="clip the global gradient norm to this; null = no clipping")
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
     seed: StrictInt = Field(0, description="seeds weights of the head, data order, augmentation and the carved eval split")
+    cpu_threads: StrictInt | None = Field(None, gt=0, description=(
+        "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
+        "the same figures on every machine; null = torch's default (one per core)"))
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
         description="no, bf16 or fp16 autocast; weights stay float32")
     log_every_steps: StrictInt = Field(10, gt=0,

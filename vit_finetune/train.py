@@ -245,6 +245,8 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         hub.require_token()
     tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
+    if accelerator.device.type == "cpu" and recipe.train.cpu_threads:
+        torch.set_num_threads(recipe.train.cpu_threads)  # before any weight exists: every sum splits the same way
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
     with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
         config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
