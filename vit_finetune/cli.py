@@ -217,7 +217,7 @@ def push_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
-    from .errors import VitFinetuneError
+    from .errors import VitFinetuneError, report
 
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv)
     except VitFinetuneError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return error.exit_code
 
 
