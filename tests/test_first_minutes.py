@@ -104,3 +104,14 @@ def test_quiet_prints_only_the_result(base, images, tmp_path):
     assert result.stdout.splitlines()[0].startswith("eval accuracy") and len(result.stdout.splitlines()) == 1
     assert result.stderr.strip() == ""
     assert json.loads((tmp_path / "q" / "metrics.json").read_text())["eval_carved_from_train"] is False
+
+
+@pytest.mark.slow
+def test_quiet_prints_no_library_warning(base, images, tmp_path):
+    """A LoRA run meets warnings from the libraries (transformers' deprecations under peft): --quiet hides them."""
+    result = run_cli("--quiet", f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path / 'q'}",
+                     "model.image_size=32", "train.batch_size=8", "train.max_steps=2", "data.num_workers=0",
+                     "model.lora={r: 4, alpha: 8}")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stderr == ""
+    assert len(result.stdout.splitlines()) == 1 and (tmp_path / "q" / "adapter").is_dir()

@@ -210,9 +210,14 @@ def test_push_later_and_lora_layout(seeded_hub, tmp_path):
                       "train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}")
     assert trained.returncode == 0, trained.stderr[-3000:]
     repo_id = "user/vit-colours-lora"
+    local_card = (output / "README.md").read_text()
+    assert f'model="{output}")' in local_card  # trained without hub.push: the card loads the folder
     pushed = run_cli("push", str(output), "--repo-id", repo_id, env={"HF_TOKEN": HUB_TOKEN})
     assert pushed.returncode == 0, pushed.stderr[-3000:]
     files = seeded_hub.repo_files(repo_id)
+    # the pushed card's usage snippet loads the repo it was pushed to; the local card is left as it was
+    assert files["README.md"].decode() == local_card.replace(f'model="{output}")', f'model="{repo_id}")')
+    assert (output / "README.md").read_text() == local_card
     assert {"model.safetensors", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(files)
     merged = ViTForImageClassification.from_pretrained(repo_id, token=HUB_TOKEN).eval()
     base = build_model(ModelSettings(base=BASE_ID, image_size=64), CLASSES)
@@ -287,7 +292,8 @@ def test_pushing_the_same_folder_twice_gives_a_clean_repo(pushed, seeded_hub):
         result = run_cli("push", str(pushed["output"]), "--repo-id", "user/twice", env={"HF_TOKEN": HUB_TOKEN})
         assert result.returncode == 0, result.stderr[-2000:]
     files = seeded_hub.repo_files("user/twice")
-    local = {name: (pushed["output"] / name).read_bytes() for name in files if name != ".gitattributes"}
+    local = {name: (pushed["output"] / name).read_bytes() for name in files if name not in (".gitattributes", "README.md")}
     assert all(files[name] == data for name, data in local.items())
+    assert 'pipeline("image-classification", model="user/twice")' in files["README.md"].decode()
     assert len(seeded_hub.commits("user/twice")) in (2, 3)  # initial + first push (+ an identical second)
     ViTForImageClassification.from_pretrained("user/twice", token=HUB_TOKEN)

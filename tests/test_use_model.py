@@ -123,6 +123,17 @@ def test_predict_a_dataset_split(trained, images, tmp_path):
     assert sum(Path(r["image"]).parent.name == r["predictions"][0]["label"] for r in records) == 9
 
 
+def test_predict_and_evaluate_read_the_same_split_by_default(trained, images, tmp_path, capsys):
+    """With --dataset and no --split, both commands read the validation split (3 images of each of 3 classes)."""
+    assert main(["predict", str(trained), "--dataset", str(images), "--output", str(tmp_path / "d.jsonl")]) == 0
+    predicted = [json.loads(line)["image"] for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert len(predicted) == 9 and all(Path(image).parts[-3] == "validation" for image in predicted)
+    capsys.readouterr()
+    assert main(["evaluate", str(trained), "--dataset", str(images)]) == 0
+    evaluated = json.loads(capsys.readouterr().out)
+    assert evaluated["eval_split"] == "validation" and evaluated["eval_samples"] == len(predicted)
+
+
 @pytest.mark.parametrize("model", ["outputs/nonexist", "./nonexist", "/no/such/run"])
 def test_a_missing_model_folder_fails_at_once(model, photos):
     start = time.perf_counter()

@@ -20,6 +20,10 @@ import sys
 from pathlib import Path
 
 
+# predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
+DATASET_SPLIT = "validation"
+
+
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
@@ -63,7 +67,7 @@ def _predict_parser() -> argparse.ArgumentParser:
                                     "its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
-    parser.add_argument("--split", default="test", help="the split of --dataset (default: test)")
+    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=5)
@@ -74,7 +78,7 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
                                     "the run's own eval split, reproducing its metrics.json.")
     parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
-    parser.add_argument("--split", default="validation", help="the split of --dataset (default: validation)")
+    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as predict)")
     parser.add_argument("--output-dir", type=Path,
                         help="also write metrics.json, confusion_matrix.png and misclassified.png here")
     parser.add_argument("--overwrite", action="store_true", help="replace those files if --output-dir holds them")
@@ -230,7 +234,7 @@ def push_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
-    from .errors import VitFinetuneError
+    from .errors import VitFinetuneError, report
 
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv)
     except VitFinetuneError as error:
-        print(f"error: {error}", file=sys.stderr)
+        report(error)
         return error.exit_code
 
 

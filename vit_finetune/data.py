@@ -22,8 +22,9 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from . import hub
 from .errors import VitFinetuneError
-from .recipe import DataSettings, excerpt
+from .recipe import REPO_ID_PATTERN, DataSettings, excerpt
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
@@ -63,6 +64,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("VIT_FINETUNE_CACHE", Path.home() / ".cache" / "vit_finetune"))
 
 
+def refuse_unreachable(settings: DataSettings) -> None:
+    """A Hub dataset that cannot be fetched stops here, asked once, with the offline fix (a folder is not asked)."""
+    name = settings.dataset
+    if name.startswith((BUILTIN_SHAPES, ".", "/", "~")) or Path(name).expanduser().exists():
+        return
+    problem = REPO_ID_PATTERN.match(name) and hub.unreachable_problem(name, "dataset")
+    if problem:
+        raise DataError(f"data.dataset={name!r}: {problem}")
+
+
 def open_dataset(settings: DataSettings):
     """A DatasetDict from a Hub id, a saved dataset (save_to_disk) or an image folder."""
     import datasets
@@ -81,6 +92,7 @@ def open_dataset(settings: DataSettings):
         elif source.exists() or settings.dataset.startswith((".", "/", "~")):
             raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
         else:
+            refuse_unreachable(settings)
             loaded = datasets.load_dataset(settings.dataset)
     except DataError:
         raise
@@ -415,7 +427,7 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: 
 
 
 # data.crop_scale=auto: the crop area's lower bound from the training images a run will see (optimiser steps x
-# images per step), log-linear between two anchors and constant beyond them. The short end was measured (README,
+# images per step), log-linear between two anchors and constant beyond them. The short end was measured (docs/training.md,
 # "Small data": at ~1.3k images seen, 40 steps on 40-250 training images, every crop range tried lost accuracy
 # against no crop on all three datasets); the long end is the reference: the ViT paper and big_vision fine-tune
 # with crops down to 5 % of the area over schedules of 250k-5M images.

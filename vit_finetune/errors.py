@@ -14,3 +14,31 @@ class VitFinetuneError(Exception):
     """Base of every error meant for the user: the message says what was wrong and how to fix it."""
 
     exit_code = EXIT_FAILURE
+    said_elsewhere = False  # another process printed the message
+
+
+class StoppedByAnotherProcess(VitFinetuneError):
+    """Another process of the launch met a user's error first and said it; this one stops with it, silently."""
+
+    said_elsewhere = True
+
+
+# torchrun and Accelerate set RANK in each process of a launch; the first prints a user's error at once.
+PRINTING_RANK = "0"
+# The others wait this long before printing theirs: when the error is the same everywhere (a recipe's, a
+# refused base), the launcher stops them meanwhile, as it stops every process once one has failed, and the
+# message appears once, not once per process. An error of theirs alone is still printed.
+OTHER_RANKS_WAIT_S = 3.0
+
+
+def report(error: VitFinetuneError) -> None:
+    """Print a user's error on stderr, once per launch of several processes."""
+    import os
+    import sys
+    import time
+
+    if error.said_elsewhere:
+        return
+    if os.environ.get("RANK", PRINTING_RANK) != PRINTING_RANK:
+        time.sleep(OTHER_RANKS_WAIT_S)
+    print(f"error: {error}", file=sys.stderr)

@@ -47,18 +47,23 @@ class TopKAccuracy(evaluate.Metric):
 
 
 class MacroF1(evaluate.Metric):
-    """F1 per class averaged with equal weight; a class never predicted nor present counts as 0."""
+    """F1 per class averaged with equal weight over the classes present in the evaluated references.
+
+    A class with no image in the split has no F1 to measure; counting it as 0 would make a split that lacks a
+    class look worse for a reason that has nothing to do with the model. Images predicted as such a class still
+    cost their own class's recall. `macro_f1_classes` says how many classes the average covers.
+    """
 
     def _info(self):
-        return _info("Macro-averaged F1 over all classes.", datasets.Value("int64"))
+        return _info("Macro-averaged F1 over the classes present in the references.", datasets.Value("int64"))
 
     def _compute(self, predictions, references, num_classes: int):
         matrix = confusion_matrix(np.asarray(predictions), np.asarray(references), num_classes)
         true_positive = np.diag(matrix).astype(float)
         predicted, actual = matrix.sum(axis=0), matrix.sum(axis=1)
-        denominator = predicted + actual
-        f1 = np.divide(2 * true_positive, denominator, out=np.zeros_like(true_positive), where=denominator > 0)
-        return {"macro_f1": float(f1.mean())}
+        present = actual > 0
+        f1 = 2 * true_positive[present] / (predicted[present] + actual[present])
+        return {"macro_f1": float(f1.mean()) if present.any() else 0.0, "macro_f1_classes": int(present.sum())}
 
 
 def confusion_matrix(predictions: np.ndarray, references: np.ndarray, num_classes: int) -> np.ndarray:
@@ -166,6 +171,8 @@ def label_report(matrix: list[list[int]], labels: list[str]) -> dict:
     recall = np.divide(hits, actual, out=np.zeros_like(hits), where=actual > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(hits), where=precision + recall > 0)
     return {
+        # the classes macro_f1 leaves out: no image of theirs was evaluated (their rows of the matrix are empty)
+        "macro_f1_absent_classes": [label for label, n in zip(labels, actual) if n == 0],
         "confusion_matrix_labels": list(labels),
         "confusion_matrix_axes": "rows: true label, columns: predicted label (both in confusion_matrix_labels order)",
         "per_class": {label: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}

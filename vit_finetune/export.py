@@ -87,6 +87,21 @@ def run_info(device: str, processes: int, mixed_precision: str, history: list[di
     }
 
 
+# The model goes in as a Python string literal (json.dumps writes one), so no folder name can break out of it.
+USAGE_SNIPPET = 'classify = pipeline("image-classification", model={})'
+USAGE_LINE = re.compile(re.escape(USAGE_SNIPPET.split("{}")[0]) + r'"(?:[^"\\\n]|\\.)*"\)')
+
+
+def usage_snippet(load_from: str) -> str:
+    """The card's pipeline line loading `load_from`."""
+    return USAGE_SNIPPET.format(json.dumps(load_from, ensure_ascii=False))
+
+
+def card_loading_from(card_text: str, load_from: str) -> str:
+    """The card with its usage snippet loading `load_from`: a later push names the repo it went to."""
+    return USAGE_LINE.sub(lambda _: usage_snippet(load_from), card_text)
+
+
 def usage_id(recipe: Recipe, output_dir: Path) -> str:
     """What `pipeline(model=...)` should load: the Hub repo when the run pushes there, else the folder itself."""
     return recipe.hub.repo_id if recipe.hub.push and recipe.hub.repo_id else str(output_dir)
@@ -162,7 +177,7 @@ size ({family.resized}), so the model runs at this size with no `interpolate_pos
 ## Use
 ```python
 from transformers import pipeline
-classify = pipeline("image-classification", model={json.dumps(load_from or name, ensure_ascii=False)})
+{usage_snippet(load_from or name)}
 classify("photo.jpg")
 ```
 

@@ -131,7 +131,7 @@ class Family:
     classification_class: str  # the transformers class that is fine-tuned and saved
     backbone: str  # attribute of that class holding the encoder (its last_hidden_state is the invariant's subject)
     position: tuple[Callable[[State, Geometry], None], ...]  # each resizes the tensors it knows, in place
-    resized: str  # what moves at a new resolution, in words (README, errors)
+    resized: str  # what moves at a new resolution, in words (docs/families.md, errors)
     roles: dict[str, tuple[str, ...]] = field(default_factory=lambda: TRANSFORMERS5_ROLES)
     block_index: Callable[[str, PretrainedConfig], int | None] = sequential_block_index
     vision_config_key: str | None = None  # CLIP/SigLIP: image and patch size live in config.vision_config

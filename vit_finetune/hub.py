@@ -17,7 +17,7 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import VitFinetuneError
-from .export import METRICS_FILE, STAGING
+from .export import CARD_FILE, METRICS_FILE, STAGING, card_loading_from
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
@@ -113,6 +113,46 @@ def requests_time_out(seconds: float):
         session.timeout = saved
 
 
+# What to do when a Hub id cannot be fetched, per kind of repo: never "give a Hub id", which the user just did.
+UNREACHABLE_FIX = {
+    "model": "check the network (or HF_ENDPOINT) and run again; offline, give a local folder holding config.json "
+             "(what save_pretrained writes), or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache",
+    "dataset": "check the network (or HF_ENDPOINT) and run again; offline, give a local image folder or a folder "
+               "written by save_to_disk, or set HF_HUB_OFFLINE=1 to use a copy already in the Hugging Face cache",
+}
+PROBE_TIMEOUT_S = 10
+
+
+def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | None = None) -> str | None:
+    """Why `repo_id` cannot be fetched from the Hub, asked once with no retries; None if it can, if it is cached,
+    or if the Hub is off (HF_HUB_OFFLINE, or a process that reads the main process's cache).
+
+    Left to them, transformers and datasets retry a dead connection for over a minute, then blame the id.
+    """
+    import huggingface_hub.constants
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    if huggingface_hub.constants.HF_HUB_OFFLINE:
+        return None
+    cached_file = "config.json" if repo_type == "model" else "README.md"
+    if isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str):
+        return None
+    ask = HfApi().model_info if repo_type == "model" else HfApi().dataset_info
+    try:
+        ask(repo_id, revision=revision, timeout=PROBE_TIMEOUT_S)
+    except GatedRepoError:
+        return f"the Hub's {repo_type} {repo_id!r} is gated: accept its terms on its page, then `hf auth login`"
+    except RevisionNotFoundError:
+        return f"the Hub's {repo_type} {repo_id!r} has no revision {revision!r}"
+    except RepositoryNotFoundError:
+        return f"the Hub has no {repo_type} {repo_id!r} (or it is private: log in with `hf auth login`)"
+    except Exception as error:  # connection errors, timeouts, a Hub answering 5xx: all mean "not reachable"
+        return (f"the Hub ({huggingface_hub.constants.ENDPOINT}) is unreachable ({type(error).__name__}: "
+                f"{str(error)[:160]}) and {repo_id!r} is not in the local cache. Fix: {UNREACHABLE_FIX[repo_type]}")
+    return None
+
+
 def is_retryable(error: Exception) -> bool:
     """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card) will not."""
     status = getattr(getattr(error, "response", None), "status_code", None)
@@ -146,6 +186,20 @@ def published_files(output_dir: Path) -> list[str]:
     return names
 
 
+def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
+    """One commit's files: every file under the published `names`, the model card's usage snippet naming `repo_id`
+    (the local card is not changed)."""
+    from huggingface_hub import CommitOperationAdd
+
+    files = sorted(path for name in names for path in ([output_dir / name] if (output_dir / name).is_file()
+                                                          else (output_dir / name).rglob("*"))
+                   if path.is_file() and not any(part.startswith(".") for part in path.relative_to(output_dir).parts))
+    return [CommitOperationAdd(path_in_repo=path.relative_to(output_dir).as_posix(), path_or_fileobj=(
+                card_loading_from(path.read_text(), repo_id).encode() if path.name == CARD_FILE and path.parent == output_dir
+                else path))
+            for path in files]
+
+
 def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
     """Upload what the run wrote (its manifest, checkpoints left out) in one commit and return the commit URL.
 
@@ -174,13 +228,8 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
             time.sleep(delay)
             try:
                 api.create_repo(repo_id, private=private, exist_ok=True)
-                commit = api.upload_folder(
-                    repo_id=repo_id,
-                    folder_path=output_dir,
-                    commit_message=f"Upload {output_dir.name} with vit_finetune",
-                    allow_patterns=[pattern for name in names for pattern in (name, f"{name}/**")],
-                    ignore_patterns=[".*", "**/.*"],
-                )
+                commit = api.create_commit(repo_id, upload_operations(output_dir, names, repo_id),
+                                           commit_message=f"Upload {output_dir.name} with vit_finetune")
                 return commit.commit_url
             except (HfHubHTTPError, httpx2.TransportError, OSError) as error:
                 reason = " ".join(failure_reason(error, timeout).split())[:300]

@@ -51,26 +51,12 @@ def model_location(name: str) -> str:
     if looks_local:
         raise InputError(f"{not_found}. Give an existing output folder, or a Hub model id such as "
                                 "google/vit-base-patch16-224")
-    problem = _hub_problem(name)
+    from .hub import unreachable_problem  # here: inference's module stays light to import (the CLI's --help)
+
+    problem = unreachable_problem(name)
     if problem:
-        raise InputError(f"{not_found}, and {problem}. Give an existing output folder or a Hub model id")
+        raise InputError(f"{not_found}, and {problem}")
     return name
-
-
-def _hub_problem(repo_id: str) -> str | None:
-    """Why `repo_id` cannot be loaded from the Hub, asked once with no retries; None if it can (or is cached)."""
-    from huggingface_hub import HfApi, try_to_load_from_cache
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return None
-    try:
-        HfApi().model_info(repo_id, timeout=10)
-    except RepositoryNotFoundError:
-        return f"the Hub has no model {repo_id!r} (or it is private: log in with `hf auth login`)"
-    except Exception as error:  # HTTP errors, httpx connection errors, offline mode: all mean "not reachable"
-        return f"the Hub could not be asked for a model {repo_id!r} ({type(error).__name__}: {str(error)[:200]})"
-    return None
 
 
 def load_classifier(name: str, device: str = "cpu", eager_attention: bool = False):

@@ -20,10 +20,11 @@ from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTr
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
+from . import hub
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, LoraSettings, ModelSettings
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, LoraSettings, ModelSettings
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
@@ -68,6 +69,10 @@ def family_of(config: PretrainedConfig, base: str = "") -> Family:
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     """Fetch only config.json and check the base is a supported family the target size suits, before any weights move."""
     location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
+    if not Path(location).expanduser().is_dir() and REPO_ID_PATTERN.match(location):
+        problem = hub.unreachable_problem(location, "model", settings.revision)
+        if problem:
+            raise ModelError(f"model.base={settings.base!r}: {problem}")
     try:
         check_config_file(location, settings)
         config = AutoConfig.from_pretrained(location, revision=settings.revision,

@@ -20,9 +20,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping, TypeVar
 
 import torch
+
+from .errors import StoppedByAnotherProcess, VitFinetuneError
+
+T = TypeVar("T")
 
 
 def any_process(accelerator, flag: bool | torch.Tensor) -> bool:
@@ -31,6 +35,26 @@ def any_process(accelerator, flag: bool | torch.Tensor) -> bool:
         return bool(flag)
     raised = torch.as_tensor(flag, device=accelerator.device).float()
     return accelerator.reduce(raised, reduction="sum").item() > 0
+
+
+def local_main_first(accelerator, work: Callable[[], T]) -> T:
+    """`work()` on each machine's first process, then on the others (which then read its downloads).
+
+    Accelerate's local_main_process_first would leave the others waiting at a barrier when the first process
+    stops on a user's error, to fail there on a closed connection with a traceback each. Here every process
+    learns of it (a collective) and stops with the error's exit code, the first one alone saying why.
+    """
+    first = accelerator.is_local_main_process
+    failure: VitFinetuneError | None = None
+    result = None
+    if first:
+        try:
+            result = work()
+        except VitFinetuneError as error:
+            failure = error
+    if any_process(accelerator, failure is not None):
+        raise failure or StoppedByAnotherProcess("another process stopped the run: its message is above")
+    return result if first else work()
 
 
 def sum_over_processes(accelerator, count: int) -> int:

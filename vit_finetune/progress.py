@@ -7,9 +7,11 @@ logged step instead.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+import warnings
 
 _quiet = False
 
@@ -23,7 +25,12 @@ def configure(quiet: bool = False) -> None:
         os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if quiet:
+        # Only the result and errors: the libraries' warnings (deprecations, notices) and log records below
+        # ERROR go too, in this process and in the processes it starts (DataLoader workers, a launcher's).
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("PYTHONWARNINGS", "ignore")
+        warnings.simplefilter("ignore")
+        logging.disable(logging.WARNING)
 
 
 def is_quiet() -> bool:

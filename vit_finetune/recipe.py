@@ -111,7 +111,7 @@ class LoraSettings(Strict):
 
 class ModelSettings(Strict):
     base: HomePath = Field("google/vit-base-patch16-224", description=(
-        "the pretrained ViT-family model (see the README's family table): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
+        "the pretrained ViT-family model (see docs/families.md): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
     lora: LoraSettings | None = Field(None,
@@ -166,7 +166,7 @@ class DataSettings(Strict):
     streaming: bool = Field(False, description=(
         "read data.dataset as a stream of parquet or WebDataset .tar shards (a Hub dataset id or a local folder) "
         "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column (or "
-        "data.label_names) and an eval split; each process reads its own shards (README, 'Streaming')"))
+        "data.label_names) and an eval split; each process reads its own shards (docs/data.md, 'Streaming')"))
     label_names: list[str] | None = Field(None, description=(
         "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
         "null = the label column's ClassLabel names"))
@@ -237,6 +237,9 @@ class TrainSettings(Strict):
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
     seed: StrictInt = Field(0, description=(
         "seeds weights of the head, data order, augmentation and the carved eval split; 0 to 4294967295"))
+    cpu_threads: StrictInt | None = Field(None, gt=0, description=(
+        "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
+        "the same figures on every machine; null = torch's default (one per core)"))
     mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
         description="no, bf16 or fp16 autocast; weights stay float32")
     log_every_steps: StrictInt = Field(10, gt=0,

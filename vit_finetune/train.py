@@ -24,7 +24,8 @@ from . import pictures, progress as display, selection, sharding, streaming, tra
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
-from .processes import SHARED_FOLDER_PATIENCE_S, any_process, check_launch, unshared_folder_refusal, watch_launcher
+from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, local_main_first, unshared_folder_refusal,
+                        watch_launcher)
 from .recipe import Recipe, write_recipe
 
 
@@ -231,9 +232,16 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         hub.request_timeout()  # a malformed VIT_FINETUNE_HUB_TIMEOUT fails now, not after the training
     tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
+    if accelerator.device.type == "cpu" and recipe.train.cpu_threads:
+        torch.set_num_threads(recipe.train.cpu_threads)  # before any weight exists: every sum splits the same way
+    def check_base_and_data():  # the base config
+        with hub.offline_unless(accelerator.is_local_main_process):
+            config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+            data.refuse_unreachable(recipe.data)  # a Hub dataset that cannot be fetched, before output_dir is touched
+        return config
+
     # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
-    with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
-        config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
+    config = local_main_first(accelerator, check_base_and_data)
     # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
     too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
     if too_big:
@@ -281,15 +289,18 @@ def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
 def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
     """run() once output_dir is held: data, model, the loop, evaluation, export and push."""
     output_dir = Path(recipe.output_dir)
+    def load_data_and_model() -> tuple[Path | None, Parts]:
+        with hub.offline_unless(accelerator.is_local_main_process):
+            set_seed(recipe.train.seed)
+            if accelerator.is_main_process and recipe.overwrite:
+                export.clear_previous_run(output_dir)
+            resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
+            if resume_from:
+                checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
+            return resume_from, build_parts(recipe, accelerator)
+
     # As in run(): one process per machine downloads, the others then read its cache.
-    with accelerator.local_main_process_first(), hub.offline_unless(accelerator.is_local_main_process):
-        set_seed(recipe.train.seed)
-        if accelerator.is_main_process and recipe.overwrite:
-            export.clear_previous_run(output_dir)
-        resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
-        if resume_from:
-            checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
-        parts = build_parts(recipe, accelerator)
+    resume_from, parts = local_main_first(accelerator, load_data_and_model)
     prepare(accelerator, parts, recipe)
     state = checkpoint.TrainState()
     if resume_from:

@@ -1,6 +1,6 @@
 """Arithmetic for runs this machine cannot make: epoch time, decode cores, shards and checkpoints at N GPUs.
 
-`python -m vit_finetune.bench.scale --gpus 8 64 --rate 1050` prints the README's "Beyond one machine" table.
+`python -m vit_finetune.bench.scale --gpus 8 64 --rate 1050` prints the table of docs/distributed.md.
 Every input is a flag, so a measured per-GPU rate (`make bench` on the GPU) replaces the goal figure. The
 parameter count comes from the model's config; the rest is multiplication, not measurement.
 """
@@ -16,7 +16,7 @@ IMAGENET_21K_IMAGES = 14_197_122  # reference: ImageNet-21k (fall11) image count
 IMAGENET_21K_BYTES = 1.31e12  # reference: the fall11 tar, ~92 KB per JPEG on average
 IMAGENET_21K_CLASSES = 21_841  # reference
 GOAL_RATE = 1_050  # images/s per H100, the model-step goal of the GPU issue (~35 % MFU); not measured
-DECODE_RATE_PER_CORE = 404  # measured: 808.0 img/s with 2 workers on 2 cores (README "Performance")
+DECODE_RATE_PER_CORE = 404  # measured: 808.0 img/s with 2 workers on 2 cores (docs/performance.md)
 ADAMW_BYTES_PER_PARAMETER = 4 + 8  # fp32 weights, then AdamW's two fp32 moments (Accelerate's save_state)
 
 

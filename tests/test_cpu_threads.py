@@ -1,0 +1,47 @@
+"""train.cpu_threads: a CPU run's figures depend in their last bits on torch's thread count (one per core by
+default), so the demo fixes it and prints the same accuracy on every machine."""
+
+from __future__ import annotations
+
+import torch
+
+from runs import RECIPE, assert_bit_identical, train
+from tiny import run_cli
+
+
+def test_the_run_uses_the_recipes_thread_count(args, tmp_path):
+    from vit_finetune.callbacks import Callback
+
+    class ThreadCount(Callback):
+        seen: list[int] = []
+
+        def on_step_end(self, run):
+            self.seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # what torch picks on a 2-core machine
+    try:
+        observer = ThreadCount()
+        assert train([*args, "train.cpu_threads=1", "train.max_steps=2", f"output_dir={tmp_path / 'run'}"],
+                     callbacks=[observer]) == 0
+    finally:
+        torch.set_num_threads(before)
+    assert observer.seen == [1, 1]
+
+
+def test_a_fixed_thread_count_gives_the_same_model_whatever_the_machines_default(base, images, tmp_path):
+    """Two machines, one that defaults to 1 thread and one to 2 (OMP_NUM_THREADS stands for the core count)."""
+    outputs = []
+    for default_threads in ("1", "2"):
+        output = tmp_path / f"threads-{default_threads}"
+        result = run_cli(f"model.base={base}", f"data.dataset={images}", *RECIPE, "train.cpu_threads=1",
+                         f"output_dir={output}", env={"OMP_NUM_THREADS": default_threads})
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(output / "model.safetensors")
+    assert_bit_identical(*outputs)
+
+
+def test_the_demo_fixes_its_thread_count():
+    from vit_finetune.recipe import load_recipe
+
+    assert load_recipe("demo").train.cpu_threads == 1

@@ -1,0 +1,75 @@
+"""The manual's commands run as written right after `make demo`: the front page's block of commands on the demo's
+model runs for real, and no documented demo run writes into the folder `make demo` has just finished
+(it would be refused: outputs/demo holds a finished run)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from test_docs import PAGES, command_lines
+from tiny import REPO
+
+INFO_FLAGS = {"--keys", "--print", "--list-recipes", "--help"}  # they print and run nothing
+DEMO_OUTPUT = "outputs/demo"  # recipes/demo.yaml's output_dir, which `make demo` fills (overwrite=true)
+
+
+def demo_runs() -> list[tuple[str, list[str]]]:
+    """Every documented `python -m vit_finetune --recipe demo ...` training command: (page, its arguments)."""
+    runs = []
+    for page in PAGES:
+        for line in command_lines(page):
+            tokens = shlex.split(line, comments=True)
+            arguments = tokens[tokens.index("vit_finetune") + 1:] if "vit_finetune" in tokens else []
+            if arguments[:2] == ["--recipe", "demo"] and not INFO_FLAGS & set(arguments):
+                runs.append((page.name, arguments))
+    return runs
+
+
+def test_no_documented_demo_run_is_refused_after_make_demo(capsys):
+    """Each command's recipe, resolved by the CLI's own --print: a run into outputs/demo needs overwrite=true."""
+    from vit_finetune.cli import main
+
+    refused = []
+    for page, arguments in demo_runs():
+        assert main([*arguments, "--print"]) == 0, (page, arguments)
+        printed = capsys.readouterr().out
+        output_dir = re.search(r"^output_dir: (.*)$", printed, re.M).group(1).strip()
+        overwrite = re.search(r"^overwrite: (.*)$", printed, re.M).group(1).strip() == "true"
+        if os.path.normpath(output_dir) == DEMO_OUTPUT and not overwrite:
+            refused.append(f"{page}: {shlex.join(arguments)}")
+    assert demo_runs(), "the pages show no demo run: the parsing above is broken"
+    assert refused == []
+
+
+def after_make_demo_block() -> list[str]:
+    """The commands of the front page's block that follows "Right after `make demo`"."""
+    text = (REPO / "README.md").read_text()
+    marker = text.index("Right after `make demo`")
+    following = text[marker:].split("```")[1]
+    commands = [line.split("#")[0].strip() for line in following.splitlines()[1:]]
+    return [command for command in commands if command]
+
+
+@pytest.mark.slow
+def test_the_front_pages_commands_run_on_the_demos_model(tmp_path):
+    """A shortened `make demo` (same recipe, one epoch on a few images) in a fresh home, then the block as written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    env.pop("VIT_FINETUNE_CACHE", None)
+    demo = subprocess.run(
+        ["python", "-m", "vit_finetune", "--recipe", "demo", "overwrite=true", "train.epochs=1", "train.warmup_steps=0",
+         "data.max_train_samples=64", "data.max_eval_samples=16", "data.num_workers=0"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    commands = after_make_demo_block()
+    assert [command.split()[3] for command in commands] == ["evaluate", "predict", "explain"]
+    for command in commands:
+        result = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=600)
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        assert "error" not in result.stderr.lower(), (command, result.stderr[-2000:])
+    assert list((tmp_path / "explain").glob("*.png"))

@@ -1,0 +1,53 @@
+"""A Hub id that cannot be fetched fails at once, saying the Hub is unreachable and what to do offline, instead of
+a minute of the clients' retries ending in a fix that names the very id given."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from tiny import run_cli
+
+OFFLINE_FIX = "set HF_HUB_OFFLINE=1"
+
+
+@pytest.fixture
+def dead_endpoint():
+    """A loopback port with nothing listening: connections are refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("key, value, local_fix", [
+    ("model.base", "someone/vit-base", "give a local folder holding config.json"),
+    ("data.dataset", "someone/photos", "give a local image folder"),
+])
+def test_a_hub_that_refuses_connections_is_named_with_the_offline_fix(dead_endpoint, tmp_path, key, value, local_fix):
+    output = tmp_path / "run"
+    result = run_cli("--recipe", "demo", f"{key}={value}", f"output_dir={output}", env={"HF_ENDPOINT": dead_endpoint})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: {key}={value!r}: the Hub ({dead_endpoint}) is unreachable"), error
+    assert OFFLINE_FIX in error and local_fix in error
+    assert "Retrying" not in result.stderr  # huggingface_hub's back-off (1+2+4+8+8 s) was never entered
+    assert not output.exists()
+
+
+def test_a_hub_answering_503_is_asked_once(hub, tmp_path):
+    """The loopback Hub refuses every request: one request, no retries, the same message."""
+    hub.inject_faults(status=503, times=None)
+    result = run_cli("--recipe", "demo", "model.base=user/vit-base", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "the Hub (" in result.stderr and "is unreachable (HfHubHTTPError" in result.stderr
+    assert OFFLINE_FIX in result.stderr
+    assert len(hub.requests()) == 1, [(r.method, r.path) for r in hub.requests()]
+
+
+def test_a_missing_repo_is_not_called_unreachable(hub, tmp_path):
+    result = run_cli("--recipe", "demo", "model.base=user/no-such-model", f"output_dir={tmp_path / 'run'}")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "error: model.base='user/no-such-model': the Hub has no model 'user/no-such-model'" in result.stderr
+    assert "unreachable" not in result.stderr
