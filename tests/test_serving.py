@@ -59,7 +59,6 @@ def test_the_export_is_at_the_trained_resolution_with_a_dynamic_batch_axis(expor
     for name in ("config.json", "preprocessor_config.json", "model_quantized.onnx"):
         assert (exported / name).is_file()
     assert not [p.name for p in demo_run.iterdir() if ".partial-" in p.name or ".old-" in p.name]
-    assert "onnx" in json.loads((demo_run / ".vit_finetune_manifest.json").read_text())["written"]
 
 
 def test_int8_figures_are_measured_on_the_runs_own_eval_split(exported, demo_run):
@@ -129,16 +128,112 @@ def test_predict_onnx_without_an_export_names_the_command_that_makes_it(args, tm
     assert f"python -m vit_finetune export {output} --onnx" in capsys.readouterr().err
 
 
-def test_a_lora_run_exports_its_merged_model(args, tmp_path, images):
+def test_a_lora_run_exports_its_merged_model_which_a_new_run_in_the_folder_removes(args, tmp_path, images):
     import onnx
 
     output = tmp_path / "lora"
-    assert train([*args, f"output_dir={output}", "train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}"]) == 0
+    lora = ["train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}"]
+    assert train([*args, f"output_dir={output}", *lora]) == 0
     assert (output / "adapter" / "adapter_config.json").is_file()
-    assert main(["export", str(output), "--onnx", "--output", str(tmp_path / "served")]) == 0
-    initializers = [i.name for i in onnx.load(str(tmp_path / "served" / "model.onnx")).graph.initializer]
+    assert main(["export", str(output), "--onnx"]) == 0
+    initializers = [i.name for i in onnx.load(str(output / "onnx" / "model.onnx")).graph.initializer]
     assert initializers and not [name for name in initializers if "lora" in name.lower()]
     picked = sorted(str(p) for p in (images / "validation").rglob("*.png"))
     assert main(["predict", str(output), *picked, "--output", str(tmp_path / "t.csv")]) == 0
-    assert main(["predict", str(tmp_path / "served"), *picked, "--runtime", "onnx", "--output", str(tmp_path / "o.csv")]) == 0
+    assert main(["predict", str(output), *picked, "--runtime", "onnx", "--output", str(tmp_path / "o.csv")]) == 0
     assert [r["label_1"] for r in read_csv(tmp_path / "o.csv")] == [r["label_1"] for r in read_csv(tmp_path / "t.csv")]
+    # New weights in the folder: the graph of the old ones must not stay beside them.
+    assert train([*args, f"output_dir={output}", *lora, "overwrite=true", "train.seed=2"]) == 0
+    assert (output / "metrics.json").is_file() and not (output / "onnx").exists()
+
+
+# --- the page a person tries, driven in a real headless browser ---
+
+@pytest.fixture
+def browser() -> tuple[str, str]:
+    """(chromium, chromedriver). Skipped only where they cannot be installed; where apt-get and root are there,
+    `make install` installs them, so their absence is a failure."""
+    import os
+    import shutil
+
+    found = shutil.which("chromium"), shutil.which("chromedriver")
+    if all(found):
+        return found
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        pytest.fail("chromium and chromium-driver are missing but installable here: run `make install`")
+    pytest.skip("chromium and chromium-driver are not installed and cannot be here (no apt-get, or not root)")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def served(demo_run, tmp_path):
+    """`python -m vit_finetune app RUN --port P` as a user starts it; its URL once it answers."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tiny import REPO
+
+    port = free_port()
+    log = tmp_path / "app.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "vit_finetune", "app", str(demo_run), "--port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 400  # gradio's import alone takes 30 s on a loaded 2-core machine
+        while True:
+            assert process.poll() is None, f"the app exited: {log.read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the app did not answer: {log.read_text()[-3000:]}"
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture(browser, served, demo_run, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium, chromedriver = browser
+    image = sorted(_demo_validation_folder().rglob("*.png"))[0]
+    assert main(["predict", str(demo_run), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
+    expected = json.loads((tmp_path / "p.jsonl").read_text())["predictions"]
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1300"):
+        options.add_argument(argument)
+    browser = webdriver.Chrome(options=options, service=Service(chromedriver))  # no driver download
+    try:
+        browser.get(served)
+        wait = WebDriverWait(browser, 180)
+        upload = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#image input[type=file]"))[0]
+        upload.send_keys(str(image))
+        names = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#labels dt") or None)
+        shown = [(n.text, n.find_element(By.XPATH, "following-sibling::dd").text) for n in names]
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rollout img"))
+        positions = [img.get_attribute("src") for img in browser.find_elements(By.CSS_SELECTOR, "#positions img")]
+        screenshot = tmp_path / "app.png"
+        browser.save_screenshot(str(screenshot))
+    finally:
+        browser.quit()
+    assert shown == [(guess["label"], f"{round(guess['score'] * 100)}%") for guess in expected]
+    assert positions and positions[0]  # the demo moved the model from 32 to 64 px: its picture is shown
+    assert screenshot.read_bytes()[:4] == b"\x89PNG"

@@ -8,6 +8,7 @@
     python -m vit_finetune predict outputs/food101_384 img1.jpg img2.png
     python -m vit_finetune push outputs/food101_384 --repo-id you/vit-food101-384
     python -m vit_finetune export outputs/food101_384 --onnx --quantize int8
+    python -m vit_finetune app outputs/food101_384 --port 7860
 
 A user's mistake exits non-zero with a one-paragraph message, never a traceback. Nothing heavy (torch,
 transformers, datasets) is imported until a command needs it, so the help and the listings answer at once.
@@ -27,7 +28,7 @@ def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
         description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
-                    "predict, evaluate, explain, export, push.",
+                    "predict, evaluate, explain, export, app, push.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
@@ -81,6 +82,16 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--images", nargs="+", help="images for the parity check (default: the run's eval split)")
     parser.add_argument("--eval-images", type=int, default=None,
                         help="--quantize: measure on at most this many eval images (default: the whole split)")
+    return parser
+
+
+def _app_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vit_finetune app",
+                                     description="Serve a page on 127.0.0.1 where one drops an image and sees the model's "
+                                                 "top labels and where it looked (needs gradio).")
+    parser.add_argument("model", help="a trained output folder or a Hub model id")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--top-k", type=int, default=5)
     return parser
 
 
@@ -238,6 +249,19 @@ def export_command(argv: list[str]) -> int:
     return 0
 
 
+def app_command(argv: list[str]) -> int:
+    args = _app_parser().parse_args(argv)
+    from . import inference
+    from .app import AppError, require_gradio, serve
+
+    if not 0 < args.port < 65536:
+        raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
+    inference.model_location(args.model)  # a wrong path fails before gradio's imports
+    require_gradio()
+    serve(args.model, args.port, args.top_k)
+    return 0
+
+
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from .hub import PushError, push_folder, require_token
@@ -265,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
-                "export": export_command, "push": push_command}
+                "export": export_command, "app": app_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
