@@ -237,3 +237,29 @@ def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture
     assert shown == [(guess["label"], f"{round(guess['score'] * 100)}%") for guess in expected]
     assert positions and positions[0]  # the demo moved the model from 32 to 64 px: its picture is shown
     assert screenshot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_env, hub_repo_id,
+                                                                           tmp_path):
+    import runpy
+
+    from huggingface_hub import HfApi, hf_hub_download
+    from PIL import Image
+
+    pushed = run_cli("push", str(demo_run), "--repo-id", hub_repo_id, "--space-app", env=hub_env)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    files = set(HfApi().list_repo_files(hub_repo_id))
+    assert {"space/app.py", "space/requirements.txt", "space/README.md", "model.safetensors"} <= files
+    readme = Path(hf_hub_download(hub_repo_id, "space/README.md")).read_text()
+    assert "sdk: gradio" in readme and "app_file: app.py" in readme
+    requirements = Path(hf_hub_download(hub_repo_id, "space/requirements.txt")).read_text().split()
+    assert {line.split(">")[0] for line in requirements} >= {"gradio", "transformers", "torch"}
+    # The app as a Space runs it (built, not launched: launching is under __main__), against the pushed model.
+    app = runpy.run_path(hf_hub_download(hub_repo_id, "space/app.py"), run_name="space_app")
+    image = sorted(_demo_validation_folder().rglob("*.png"))[-1]
+    assert main(["predict", str(demo_run), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
+    expected = json.loads((tmp_path / "p.jsonl").read_text())["predictions"]
+    shown = app["classify"](Image.open(image))
+    assert list(shown) == [guess["label"] for guess in expected]
+    assert list(shown.values()) == pytest.approx([guess["score"] for guess in expected], abs=1e-5)
+    assert Path(app["position_picture"]()).read_bytes() == (demo_run / "position_embeddings.png").read_bytes()

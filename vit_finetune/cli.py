@@ -128,6 +128,9 @@ def _push_parser() -> argparse.ArgumentParser:
     parser.add_argument("output_dir")
     parser.add_argument("--repo-id", help="namespace/name; default: hub.repo_id from the folder's recipe.yaml")
     parser.add_argument("--private", action="store_true", default=None)
+    parser.add_argument("--space-app", action="store_true",
+                        help="also add space/ (app.py, requirements.txt, README.md): a Gradio app to try the model, "
+                             "ready to copy into a Space; the model files are pushed as without it")
     return parser
 
 
@@ -280,6 +283,10 @@ def push_command(argv: list[str]) -> int:
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
     print(f"pushed to {push_folder(output_dir, repo_id, private)}")
+    if args.space_app:
+        from .app import push_space_app
+
+        print(f"app added: {push_space_app(repo_id)}")
     return 0
 
 
