@@ -175,7 +175,7 @@ def compare_runtimes(float_runner, quantized_runner, eval_set, batch_size: int, 
 
     batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
                make_loader(eval_set, batch_size, False, 0, 0, False))
-    seconds, correct, agree, counted = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0
+    seconds, correct, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0, 0
     for batch in batches:
         pixels, labels = batch["pixel_values"], batch["labels"]
         if limit is not None and counted >= limit:
@@ -193,16 +193,17 @@ def compare_runtimes(float_runner, quantized_runner, eval_set, batch_size: int, 
         agree += int((top["float"] == top["int8"]).sum())
         counted += len(pixels)
         if labels is not None:
-            kept = labels != SKIPPED_LABEL
+            kept = labels != SKIPPED_LABEL  # images skipped as unreadable are not counted, as in evaluate
+            labelled += int(kept.sum())
             for name in top:
                 correct[name] += int((top[name][kept] == labels[kept]).sum())
     result = {"images": counted, "top1_agreement": agree / counted,
               "float_images_per_s": round(counted / seconds["float"], 2),
               "int8_images_per_s": round(counted / seconds["int8"], 2),
               "speedup": round(seconds["float"] / seconds["int8"], 3)}
-    if eval_set is not None:
-        result.update(float_accuracy=correct["float"] / counted, int8_accuracy=correct["int8"] / counted,
-                      accuracy_change=(correct["int8"] - correct["float"]) / counted)
+    if eval_set is not None and labelled:
+        result.update(float_accuracy=correct["float"] / labelled, int8_accuracy=correct["int8"] / labelled,
+                      accuracy_change=(correct["int8"] - correct["float"]) / labelled)
     return result
 
 
