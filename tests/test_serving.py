@@ -58,6 +58,7 @@ def test_the_export_is_at_the_trained_resolution_with_a_dynamic_batch_axis(expor
     assert report["image_size"] == 64 and 0 <= report["parity"]["max_abs_logit_difference"] <= 1e-3
     for name in ("config.json", "preprocessor_config.json", "model_quantized.onnx"):
         assert (exported / name).is_file()
+    assert exported.stat().st_mode & 0o055 == demo_run.stat().st_mode & 0o055  # as readable as the run's folder
     assert not [p.name for p in demo_run.iterdir() if ".partial-" in p.name or ".old-" in p.name]
 
 

@@ -90,8 +90,8 @@ def _app_parser() -> argparse.ArgumentParser:
                                      description="Serve a page on 127.0.0.1 where one drops an image and sees the model's "
                                                  "top labels and where it looked (needs gradio).")
     parser.add_argument("model", help="a trained output folder or a Hub model id")
-    parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--top-k", type=int, default=5)
+    parser.add_argument("--port", type=int, default=7860, help="the port on 127.0.0.1 (default: 7860)")
+    parser.add_argument("--top-k", type=int, default=5, help="labels shown per image (default: 5)")
     return parser
 
 

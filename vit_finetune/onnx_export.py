@@ -221,6 +221,12 @@ def own_eval_split(name: str, model, processor):
         return None
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def publish(staging: Path, target: Path) -> None:
     """Rename the finished staging folder into place; an earlier export is swapped out, then removed."""
     if target.exists():
@@ -264,6 +270,7 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
     try:
         print(f"exporting {name} at {image_size}x{image_size} px (torch.onnx dynamo exporter) ...")
         export_graph(model, image_size, staging / MODEL_FILE)
