@@ -18,6 +18,9 @@ help:  ## list the targets (this text)
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
+	@# the app's browser test drives Debian's chromium; installed only where it is missing and apt-get can (root)
+	@if ! (command -v chromium && command -v chromedriver) >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 install: $(STAMP)  ## install the package and its dev tools (pip install -e .[dev])

@@ -7,6 +7,8 @@
     python -m vit_finetune --recipe food101_384 --keys       # every key, its value and its meaning
     python -m vit_finetune predict outputs/food101_384 img1.jpg img2.png
     python -m vit_finetune push outputs/food101_384 --repo-id you/vit-food101-384
+    python -m vit_finetune export outputs/food101_384 --onnx --quantize int8
+    python -m vit_finetune app outputs/food101_384 --port 7860
 
 A user's mistake exits non-zero with a one-paragraph message, never a traceback. Nothing heavy (torch,
 transformers, datasets) is imported until a command needs it, so the help and the listings answer at once.
@@ -19,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from .onnx_export import QUANTIZATIONS, RUNTIMES
+
 
 # predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
 DATASET_SPLIT = "validation"
@@ -28,7 +32,7 @@ def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
         description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
-                    "predict, evaluate, explain, push.",
+                    "predict, evaluate, explain, export, app, push.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
@@ -71,6 +75,39 @@ def _predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
+                        help="onnx / onnx-int8: the graph `export --onnx [--quantize int8]` wrote (MODEL may be the "
+                             "export folder itself), run by onnxruntime on the CPU")
+    return parser
+
+
+def _export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit_finetune export",
+        description="Export a trained model for serving: an ONNX graph at its trained resolution with a dynamic batch "
+                    "axis, checked against PyTorch before it is written.")
+    parser.add_argument("model", help="a trained output folder or a Hub model id")
+    parser.add_argument("--onnx", action="store_true", help="export to ONNX (the one format for now; required)")
+    parser.add_argument("--output", type=Path, help="the folder to write (default: MODEL/onnx, or ./NAME-onnx for a "
+                                                    "Hub id); an earlier export there is replaced, nothing else")
+    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+                        help="also write model_quantized.onnx (dynamic int8) and measure its CPU speed-up and accuracy "
+                             "change on the run's eval split")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="the largest max abs logit difference from PyTorch accepted (default: 1e-3)")
+    parser.add_argument("--images", nargs="+", help="images for the parity check (default: the run's eval split)")
+    parser.add_argument("--eval-images", type=int, default=None,
+                        help="--quantize: measure on at most this many eval images (default: the whole split)")
+    return parser
+
+
+def _app_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m vit_finetune app",
+                                     description="Serve a page on 127.0.0.1 where one drops an image and sees the model's "
+                                                 "top labels and where it looked (needs gradio).")
+    parser.add_argument("model", help="a trained output folder or a Hub model id")
+    parser.add_argument("--port", type=int, default=7860, help="the port on 127.0.0.1 (default: 7860)")
+    parser.add_argument("--top-k", type=at_least_one, default=5, help="labels shown per image (default: 5)")
     return parser
 
 
@@ -108,6 +145,9 @@ def _push_parser() -> argparse.ArgumentParser:
     parser.add_argument("output_dir")
     parser.add_argument("--repo-id", help="namespace/name; default: hub.repo_id from the folder's recipe.yaml")
     parser.add_argument("--private", action="store_true", default=None)
+    parser.add_argument("--space-app", action="store_true",
+                        help="also add space/ (app.py, requirements.txt, README.md): a Gradio app to try the model, "
+                             "ready to copy into a Space; the model files are pushed as without it")
     return parser
 
 
@@ -163,7 +203,12 @@ def predict_command(argv: list[str]) -> int:
     sources = None if args.dataset else inference.collect_images(args.images)
     inference.model_location(args.model)
     sources = sources or inference.dataset_images(args.dataset, args.split)
-    model, processor = inference.load_classifier(args.model, _device(args.device))
+    if args.runtime == "torch":
+        model, processor = inference.load_classifier(args.model, _device(args.device))
+    else:
+        from .onnx_export import load_onnx_classifier
+
+        model, processor = load_onnx_classifier(args.model, args.runtime)
     unreadable: list[str] = []
 
     def noting_errors(rows):
@@ -211,6 +256,36 @@ def explain_command(argv: list[str]) -> int:
     return 0
 
 
+def export_command(argv: list[str]) -> int:
+    args = _export_parser().parse_args(argv)
+    from .onnx_export import DEFAULT_TOLERANCE, ExportError, export_onnx
+
+    if not args.onnx:
+        raise ExportError("export needs a format: pass --onnx (the one format for now)")
+    if args.eval_images is not None and args.eval_images < 1:
+        raise ExportError(f"--eval-images {args.eval_images}: give a positive count, or leave it out for the whole split")
+    from . import inference
+
+    images = inference.collect_images(args.images) if args.images else None
+    written = export_onnx(args.model, args.output, args.quantize,
+                          DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance, images, args.eval_images)
+    print(f"exported to {written}")
+    return 0
+
+
+def app_command(argv: list[str]) -> int:
+    args = _app_parser().parse_args(argv)
+    from . import inference
+    from .app import AppError, require_gradio, serve
+
+    if not 0 < args.port < 65536:
+        raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
+    inference.model_location(args.model)  # a wrong path fails before gradio's imports
+    require_gradio()
+    serve(args.model, args.port, args.top_k)
+    return 0
+
+
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from .hub import PushError, push_folder, require_token
@@ -229,6 +304,10 @@ def push_command(argv: list[str]) -> int:
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
     print(f"pushed to {push_folder(output_dir, repo_id, private)}")
+    if args.space_app:
+        from .app import push_space_app
+
+        print(f"app added: {push_space_app(repo_id)}")
     return 0
 
 
@@ -238,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
-                "push": push_command}
+                "export": export_command, "app": app_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]

@@ -322,12 +322,13 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
 def run_names() -> tuple[str, ...]:
     """Every name a run writes directly in output_dir (files and folders), claimed in its manifest first."""
     from .checkpoint import CHECKPOINTS
+    from .onnx_export import ONNX_DIR
     from .selection import BEST_DIR
     from .tracking import TRACKER_DIR
 
     return (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
             CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR,
-            STAGING)
+            STAGING, ONNX_DIR)  # ONNX_DIR: `export --onnx` of these weights, stale once they are replaced
 
 
 def clear_previous_run(output_dir: Path) -> None:

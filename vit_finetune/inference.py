@@ -165,7 +165,7 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
     from .progress import progress
 
     settings = DataSettings()
-    device = next(model.parameters()).device
+    device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
     k = min(top_k, model.config.num_labels)
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
@@ -312,18 +312,24 @@ def to_model_labels(table, label_column: str, labels: list[str]):
     return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
-def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
-                   device: str = "cpu", output_dir: Path | None = None) -> dict:
-    """Metrics of a saved model on a split; with no dataset, the run's own eval split rebuilt from its recipe.yaml
-    exactly as training built it (same rows, order, batch size and precision), so metrics.json is reproduced."""
-    import torch
-    from accelerate import Accelerator
+@dataclass
+class EvalSplit:
+    """A split ready to evaluate: its images preprocessed by the saved processor, and how to batch them."""
+    dataset: object  # data.ImageClassificationDataset
+    batch_size: int
+    precision: str  # the run's mixed precision ("no" for another dataset)
+    fields: dict  # eval_split and eval_carved_from_train, as metrics.json records them
 
-    from . import data, evaluation, pictures
+
+def eval_split_of(name: str, model, processor, dataset: str | None = None, split: str | None = None,
+                  batch_size: int | None = None) -> EvalSplit:
+    """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
+    rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
+    import torch
+
+    from . import data, evaluation
     from .recipe import load_recipe
 
-    model_location(name)  # a wrong path fails before the imports below
-    model, processor = load_classifier(name, device)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     precision = "no"
     if dataset is None:
@@ -345,17 +351,32 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
                                                data.eval_pixels_from_processor(processor),
-                                               torch.zeros(3, size, size))
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
-    loader = accelerator.prepare(data.make_loader(eval_set, batch_size or 32, False, 0, 0, device.startswith("cuda")))
+                                               data.blank_pixels(size, training=False), data.image_folders(settings))
+    return EvalSplit(eval_set, batch_size or 32, precision, split_fields)
+
+
+def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
+                   device: str = "cpu", output_dir: Path | None = None) -> dict:
+    """Metrics of a saved model on a split (eval_split_of says which), so metrics.json is reproduced on the run's own."""
+    from accelerate import Accelerator
+
+    from . import data, evaluation, pictures
+
+    model_location(name)  # a wrong path fails before the imports below
+    model, processor = load_classifier(name, device)
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    chosen = eval_split_of(name, model, processor, dataset, split, batch_size)
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=chosen.precision)
+    loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,
+                                                  device.startswith("cuda")))
     predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
                                            len(labels))
     metrics = evaluation.summarise(predictions, len(labels))
     metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
-    metrics.update(split_fields)
+    metrics.update(chosen.fields)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        pictures.draw_evaluation(predictions, eval_set, labels, output_dir)
+        pictures.draw_evaluation(predictions, chosen.dataset, labels, output_dir)
         from .checkpoint import replace_atomically
 
         replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))

@@ -1,0 +1,266 @@
+"""Serving: `export --onnx` on a short fine-tune of the shipped demo model (moved from 32 to 64 px), the parity check
+that refuses a graph and leaves nothing half-written, int8 quantisation measured on the run's eval split, LoRA runs
+exported merged, and `predict --runtime onnx` giving the torch path's labels."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from runs import train
+from tiny import run_cli
+from vit_finetune import synthetic
+from vit_finetune.cli import main
+
+pytestmark = pytest.mark.slow  # a short demo run and three exports (~1-3 min on 2 shared cores)
+pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+pytest.importorskip("onnxscript", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+
+# The demo recipe, cut to a few steps: the model is the shipped tiny ViT resampled to 64 px.
+SHORT_DEMO = ["--recipe", "demo", "--quiet", "train.epochs=1", "train.warmup_steps=0", "data.max_train_samples=96",
+              "data.max_eval_samples=24", "data.num_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    output = tmp_path_factory.mktemp("serving") / "demo"
+    assert train([*SHORT_DEMO, f"output_dir={output}"]) == 0
+    return output
+
+
+@pytest.fixture(scope="module")
+def exported(demo_run) -> Path:
+    """The demo run exported through the real command line, with int8 weights."""
+    result = run_cli("export", str(demo_run), "--onnx", "--quantize", "int8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parity: max abs logit difference" in result.stdout
+    return demo_run / "onnx"
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_the_export_is_at_the_trained_resolution_with_a_dynamic_batch_axis(exported, demo_run):
+    import onnx
+
+    graph = onnx.load(str(exported / "model.onnx")).graph
+    (pixels,), (logits,) = graph.input, graph.output
+    dims = [d.dim_param or d.dim_value for d in pixels.type.tensor_type.shape.dim]
+    assert pixels.name == "pixel_values" and dims[1:] == [3, 64, 64] and isinstance(dims[0], str)
+    classes = len(synthetic.TASKS["demo"]["classes"])
+    assert logits.name == "logits" and logits.type.tensor_type.shape.dim[1].dim_value == classes
+    report = json.loads((exported / "export.json").read_text())
+    assert report["image_size"] == 64 and 0 <= report["parity"]["max_abs_logit_difference"] <= 1e-3
+    for name in ("config.json", "preprocessor_config.json", "model_quantized.onnx"):
+        assert (exported / name).is_file()
+    assert exported.stat().st_mode & 0o055 == demo_run.stat().st_mode & 0o055  # as readable as the run's folder
+    assert not [p.name for p in demo_run.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_int8_figures_are_measured_on_the_runs_own_eval_split(exported, demo_run):
+    quantized = json.loads((exported / "export.json").read_text())["quantized"]
+    metrics = json.loads((demo_run / "metrics.json").read_text())
+    assert quantized["images"] == metrics["eval_samples"] == 24
+    # The float graph equals PyTorch (parity), so on the same split it scores the run's own accuracy.
+    assert quantized["float_accuracy"] == pytest.approx(metrics["accuracy"])
+    assert quantized["accuracy_change"] == pytest.approx(quantized["int8_accuracy"] - quantized["float_accuracy"])
+    assert quantized["speedup"] > 0 and quantized["float_images_per_s"] > 0
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "onnx-int8"])
+def test_predict_with_the_onnx_runtime_gives_the_torch_labels(exported, demo_run, runtime, tmp_path):
+    every = sorted(str(p) for p in _demo_validation_folder().rglob("*.png"))
+    images = every[::len(every) // 24][:24]  # spread over the classes, which come folder by folder
+    assert main(["predict", str(demo_run), *images, "--output", str(tmp_path / "torch.csv")]) == 0
+    assert main(["predict", str(demo_run), *images, "--runtime", runtime, "--output", str(tmp_path / "onnx.csv")]) == 0
+    torch_rows, onnx_rows = read_csv(tmp_path / "torch.csv"), read_csv(tmp_path / "onnx.csv")
+    assert len(onnx_rows) == 24 and [r["image"] for r in onnx_rows] == [r["image"] for r in torch_rows]
+    assert [r["label_1"] for r in onnx_rows] == [r["label_1"] for r in torch_rows]
+    if runtime == "onnx":
+        assert all(float(o["score_1"]) == pytest.approx(float(t["score_1"]), abs=1e-5)
+                   for o, t in zip(onnx_rows, torch_rows))
+    # The export folder itself is a model one can name.
+    assert main(["predict", str(exported), images[0], "--runtime", runtime, "--output", str(tmp_path / "e.csv")]) == 0
+    assert read_csv(tmp_path / "e.csv")[0]["label_1"] == torch_rows[0]["label_1"]
+
+
+def _demo_validation_folder() -> Path:
+    from vit_finetune.data import cache_dir
+
+    return synthetic.ensure_demo_dataset(cache_dir() / "shapes") / "validation"  # where builtin:shapes lives
+
+
+def test_a_graph_outside_the_tolerance_is_refused_and_the_earlier_export_kept(exported, demo_run, capsys):
+    before = {p.name: p.read_bytes() for p in exported.iterdir()}
+    # fp32 export and PyTorch differ by rounding (~1e-7 here, see export.json), never by less than 1e-15.
+    assert main(["export", str(demo_run), "--onnx", "--tolerance", "1e-15"]) == 1
+    error = capsys.readouterr().err
+    assert "differ from PyTorch's by" in error and "more than the tolerance 1e-15" in error
+    assert {p.name: p.read_bytes() for p in exported.iterdir()} == before  # quantised file and all: untouched
+    assert not [p.name for p in demo_run.iterdir() if ".partial-" in p.name or ".old-" in p.name]
+
+
+def test_a_folder_of_the_users_is_never_an_export_target(demo_run, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(["export", str(demo_run), "--onnx", "--output", str(mine)]) == 1
+    assert "not an ONNX export of this toolkit" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_export_requests_fail_before_work(demo_run, tmp_path, capsys):
+    assert main(["export", str(demo_run)]) == 1
+    assert "pass --onnx" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "no-such-run"), "--onnx"]) == 1
+    assert "folder not found" in capsys.readouterr().err
+
+
+def test_predict_onnx_without_an_export_names_the_command_that_makes_it(args, tmp_path, images, capsys):
+    output = tmp_path / "plain"
+    assert train([*args, f"output_dir={output}", "train.epochs=1"]) == 0
+    image = next((images / "validation").rglob("*.png"))
+    assert main(["predict", str(output), str(image), "--runtime", "onnx"]) == 1
+    assert f"python -m vit_finetune export {output} --onnx" in capsys.readouterr().err
+
+
+def test_a_lora_run_exports_its_merged_model_which_a_new_run_in_the_folder_removes(args, tmp_path, images):
+    import onnx
+
+    output = tmp_path / "lora"
+    lora = ["train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}"]
+    assert train([*args, f"output_dir={output}", *lora]) == 0
+    assert (output / "adapter" / "adapter_config.json").is_file()
+    assert main(["export", str(output), "--onnx"]) == 0
+    initializers = [i.name for i in onnx.load(str(output / "onnx" / "model.onnx")).graph.initializer]
+    assert initializers and not [name for name in initializers if "lora" in name.lower()]
+    picked = sorted(str(p) for p in (images / "validation").rglob("*.png"))
+    assert main(["predict", str(output), *picked, "--output", str(tmp_path / "t.csv")]) == 0
+    assert main(["predict", str(output), *picked, "--runtime", "onnx", "--output", str(tmp_path / "o.csv")]) == 0
+    assert [r["label_1"] for r in read_csv(tmp_path / "o.csv")] == [r["label_1"] for r in read_csv(tmp_path / "t.csv")]
+    # New weights in the folder: the graph of the old ones must not stay beside them.
+    assert train([*args, f"output_dir={output}", *lora, "overwrite=true", "train.seed=2"]) == 0
+    assert (output / "metrics.json").is_file() and not (output / "onnx").exists()
+
+
+# --- the page a person tries, driven in a real headless browser ---
+
+@pytest.fixture
+def browser() -> tuple[str, str]:
+    """(chromium, chromedriver). Skipped only where they cannot be installed; where apt-get and root are there,
+    `make install` installs them, so their absence is a failure."""
+    import os
+    import shutil
+
+    found = shutil.which("chromium"), shutil.which("chromedriver")
+    if all(found):
+        return found
+    if shutil.which("apt-get") and os.geteuid() == 0:
+        pytest.fail("chromium and chromium-driver are missing but installable here: run `make install`")
+    pytest.skip("chromium and chromium-driver are not installed and cannot be here (no apt-get, or not root)")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def served(demo_run, tmp_path):
+    """`python -m vit_finetune app RUN --port P` as a user starts it; its URL once it answers."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tiny import REPO
+
+    port = free_port()
+    log = tmp_path / "app.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "vit_finetune", "app", str(demo_run), "--port", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 400  # gradio's import alone takes 30 s on a loaded 2-core machine
+        while True:
+            assert process.poll() is None, f"the app exited: {log.read_text()[-3000:]}"
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"the app did not answer: {log.read_text()[-3000:]}"
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture(browser, served, demo_run, tmp_path):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    chromium, chromedriver = browser
+    image = sorted(_demo_validation_folder().rglob("*.png"))[0]
+    assert main(["predict", str(demo_run), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
+    expected = json.loads((tmp_path / "p.jsonl").read_text())["predictions"]
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,1300"):
+        options.add_argument(argument)
+    browser = webdriver.Chrome(options=options, service=Service(chromedriver))  # no driver download
+    try:
+        browser.get(served)
+        wait = WebDriverWait(browser, 180)
+        upload = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#image input[type=file]"))[0]
+        upload.send_keys(str(image))
+        names = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#labels dt") or None)
+        shown = [(n.text, n.find_element(By.XPATH, "following-sibling::dd").text) for n in names]
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rollout img"))
+        positions = [img.get_attribute("src") for img in browser.find_elements(By.CSS_SELECTOR, "#positions img")]
+        screenshot = tmp_path / "app.png"
+        browser.save_screenshot(str(screenshot))
+    finally:
+        browser.quit()
+    assert shown == [(guess["label"], f"{round(guess['score'] * 100)}%") for guess in expected]
+    assert positions and positions[0]  # the demo moved the model from 32 to 64 px: its picture is shown
+    assert screenshot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_env, hub_repo_id,
+                                                                           tmp_path):
+    import runpy
+
+    from huggingface_hub import HfApi, hf_hub_download
+    from PIL import Image
+
+    pushed = run_cli("push", str(demo_run), "--repo-id", hub_repo_id, "--space-app", env=hub_env)
+    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    files = set(HfApi().list_repo_files(hub_repo_id))
+    assert {"space/app.py", "space/requirements.txt", "space/README.md", "model.safetensors"} <= files
+    readme = Path(hf_hub_download(hub_repo_id, "space/README.md")).read_text()
+    assert "sdk: gradio" in readme and "app_file: app.py" in readme
+    requirements = Path(hf_hub_download(hub_repo_id, "space/requirements.txt")).read_text().split()
+    assert {line.split(">")[0] for line in requirements} >= {"gradio", "transformers", "torch"}
+    # The app as a Space runs it (built, not launched: launching is under __main__), against the pushed model.
+    app = runpy.run_path(hf_hub_download(hub_repo_id, "space/app.py"), run_name="space_app")
+    image = sorted(_demo_validation_folder().rglob("*.png"))[-1]
+    assert main(["predict", str(demo_run), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
+    expected = json.loads((tmp_path / "p.jsonl").read_text())["predictions"]
+    shown = app["classify"](Image.open(image))
+    assert list(shown) == [guess["label"] for guess in expected]
+    assert list(shown.values()) == pytest.approx([guess["score"] for guess in expected], abs=1e-5)
+    assert Path(app["position_picture"]()).read_bytes() == (demo_run / "position_embeddings.png").read_bytes()

@@ -1,0 +1,361 @@
+"""Serving: a trained classifier exported to ONNX at its trained resolution, checked against PyTorch on real
+pixels, optionally with dynamic int8 weights; and the ONNX Runtime classifier `predict --runtime onnx` uses.
+
+The graph comes from torch's maintained exporter, `torch.onnx.export(dynamo=True)` (it needs onnxscript): the
+TorchScript exporter is deprecated since torch 2.9 and warns at every call. Measured on torch 2.13 with
+transformers 5.23, the dynamo exporter exports every family with a dynamic batch axis once the model uses eager
+attention; with SDPA attention it fails for BEiT, Data2Vec-vision and Swin (its decomposition views a
+non-contiguous tensor), and the TorchScript exporter cannot export DINOv2-with-registers (antialiased bicubic).
+
+The export is written into a staging folder beside its target and renamed into place only once the parity
+check has passed, so a refused or failed export leaves no half-written folder and an earlier export intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from types import SimpleNamespace
+
+from .errors import VitFinetuneError
+
+# torch is imported where it is used: the command line reads RUNTIMES and QUANTIZATIONS for its help.
+
+ONNX_DIR = "onnx"  # inside a run's folder, as Hub repos hold their ONNX files
+MODEL_FILE = "model.onnx"
+REPORT_FILE = "export.json"
+DEFAULT_TOLERANCE = 1e-3  # max abs logit difference; fp32 exports measure ~1e-7 to 1e-5
+PARITY_IMAGES = 8
+EXTERNAL_DATA_BYTES = 1_800_000_000  # above this, weights go to model.onnx.data (protobuf caps a file at 2 GiB)
+# --quantize KIND -> (file, onnxruntime QuantType name): weights stored as int8, activations quantised per batch.
+QUANTIZATIONS = {"int8": ("model_quantized.onnx", "QInt8")}
+# predict --runtime NAME -> the file it runs (None: the PyTorch model itself).
+RUNTIMES = {"torch": None, "onnx": MODEL_FILE, **{f"onnx-{kind}": file for kind, (file, _) in QUANTIZATIONS.items()}}
+VERSIONED_PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+
+
+class ExportError(VitFinetuneError):
+    """An export that cannot be written or failed its parity check; the message says why and what to do."""
+
+
+def require_onnx_packages() -> None:
+    """A clear error (not an ImportError deep in torch.onnx) when the optional extra is missing."""
+    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if _absent(name)]
+    if missing:
+        raise ExportError(f"ONNX export and the onnx runtime need {', '.join(missing)}: "
+                          "pip install 'vit_finetune[onnx]' (or pip install onnx onnxscript onnxruntime)")
+
+
+def _absent(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
+
+
+def default_output(name: str, location: str) -> Path:
+    """A run's folder: its onnx/ subfolder (pushed with it, where the Hub's ONNX files live); a Hub id: ./NAME-onnx."""
+    folder = Path(location)
+    return folder / ONNX_DIR if folder.is_dir() else Path(f"{name.split('/')[-1]}-{ONNX_DIR}")
+
+
+def check_target(target: Path) -> None:
+    """Only an earlier export (it holds export.json) may be replaced; anything else there is the user's."""
+    if target.is_file():
+        raise ExportError(f"--output {target} is a file; give a folder (it is created)")
+    if target.is_dir() and any(target.iterdir()) and not (target / REPORT_FILE).is_file():
+        raise ExportError(f"--output {target} holds files that are not an ONNX export of this toolkit; choose "
+                          "another --output or empty that folder")
+
+
+def export_graph(model, image_size: int, path: Path) -> None:
+    """The model's logits as an ONNX graph: input pixel_values (batch, 3, size, size), output logits (batch, classes)."""
+    import torch
+
+    example = torch.zeros(2, 3, image_size, image_size)  # 2, not 1: a batch of 1 would be specialised as constant
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)  # "torchvision is not installed. Skipping torchvision::nms" and kin
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch.export's own deprecations, not the user's
+            torch.onnx.export(model, (), str(path), kwargs={"pixel_values": example}, input_names=["pixel_values"],
+                              output_names=["logits"], dynamo=True, verbose=False,
+                              dynamic_shapes={"pixel_values": {0: torch.export.Dim("batch", min=1, max=4096)}},
+                              external_data=parameters > EXTERNAL_DATA_BYTES)
+    finally:
+        registration.setLevel(level)
+
+
+def session(path: Path):
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3  # errors only: its graph-optimisation notices are not the user's concern
+    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run_session(runner, pixels: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.from_numpy(runner.run(["logits"], {"pixel_values": pixels.float().numpy()})[0])
+
+
+def logit_difference(model, runner, pixels: torch.Tensor) -> float:
+    """Max abs difference of the logits, PyTorch vs ONNX Runtime, over the batch and over its first image alone
+    (both ends of the dynamic batch axis)."""
+    import torch
+
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).logits.float()
+    batch = (run_session(runner, pixels) - expected).abs().max()
+    single = (run_session(runner, pixels[:1]) - expected[:1]).abs().max()
+    return float(max(batch, single))
+
+
+@dataclass
+class ParityImages:
+    pixels: torch.Tensor  # (N, 3, size, size), preprocessed by the saved processor
+    source: str  # where they came from, in words
+
+
+def parity_images(images: list | None, eval_set, processor, image_size: int) -> ParityImages:
+    """Real pixels for the check: the user's images, else the first eval images of the run, else rendered shapes."""
+    import torch
+
+    from .data import decode_image
+    from .recipe import DataSettings
+
+    if images:
+        decoded = [decode_image(source.encoded, index, DataSettings()) for index, source in enumerate(images)]
+        source = f"{len(decoded)} image(s) given with --images"
+    elif eval_set is not None and len(eval_set):
+        count = min(PARITY_IMAGES, len(eval_set))
+        pixels = torch.stack([eval_set[(index, 0)][0] for index in range(count)])
+        return ParityImages(pixels, f"the first {count} images of the run's eval split")
+    else:
+        from PIL import Image
+
+        from .synthetic import generate_arrays
+
+        arrays, _, _ = generate_arrays(2, split="validation", task="demo", image_size=image_size)
+        decoded = [Image.fromarray(array) for array in arrays[:PARITY_IMAGES]]
+        source = f"{len(decoded)} rendered demo shapes (no eval split known: pass --images for your own)"
+    return ParityImages(processor(images=decoded[:PARITY_IMAGES], return_tensors="pt")["pixel_values"], source)
+
+
+def quantize(staging: Path, kind: str) -> Path:
+    """Dynamic quantisation: MatMul weights stored as int8, activations quantised per batch at run time; after
+    onnxruntime's recommended pre-processing (shape inference, graph optimisation)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    file, weight_type = QUANTIZATIONS[kind]
+    prepared = staging / f"prepared-{MODEL_FILE}"
+    quant_pre_process(str(staging / MODEL_FILE), str(prepared))
+    quantize_dynamic(str(prepared), str(staging / file), weight_type=getattr(QuantType, weight_type))
+    prepared.unlink()
+    return staging / file
+
+
+def compare_runtimes(float_runner, quantized_runner, eval_set, batch_size: int, limit: int | None,
+                     fallback: torch.Tensor) -> dict:
+    """Accuracy and CPU speed of the float and the quantised graph, batch by batch on the same pixels (interleaved,
+    so a busy machine slows both alike); only session.run is timed, not the image decoding. Without a labelled
+    eval split, top-1 agreement on the parity pixels."""
+    from .data import SKIPPED_LABEL, make_loader
+
+    batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
+               make_loader(eval_set, batch_size, False, 0, 0, False))
+    seconds, correct, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0, 0
+    for batch in batches:
+        pixels, labels = batch["pixel_values"], batch["labels"]
+        if limit is not None and counted >= limit:
+            break
+        if limit is not None:
+            pixels, labels = pixels[:limit - counted], None if labels is None else labels[:limit - counted]
+        top = {}
+        for name, runner in (("float", float_runner), ("int8", quantized_runner)):
+            if counted == 0:
+                run_session(runner, pixels)  # a first run at a batch size allocates: not timed
+            start = time.perf_counter()
+            logits = run_session(runner, pixels)
+            seconds[name] += time.perf_counter() - start
+            top[name] = logits.argmax(-1)
+        agree += int((top["float"] == top["int8"]).sum())
+        counted += len(pixels)
+        if labels is not None:
+            kept = labels != SKIPPED_LABEL  # images skipped as unreadable are not counted, as in evaluate
+            labelled += int(kept.sum())
+            for name in top:
+                correct[name] += int((top[name][kept] == labels[kept]).sum())
+    result = {"images": counted, "top1_agreement": agree / counted,
+              "float_images_per_s": round(counted / seconds["float"], 2),
+              "int8_images_per_s": round(counted / seconds["int8"], 2),
+              "speedup": round(seconds["float"] / seconds["int8"], 3)}
+    if eval_set is not None and labelled:
+        result.update(float_accuracy=correct["float"] / labelled, int8_accuracy=correct["int8"] / labelled,
+                      accuracy_change=(correct["int8"] - correct["float"]) / labelled)
+    return result
+
+
+def own_eval_split(name: str, model, processor):
+    """The run's own eval split (the one `evaluate` uses), or None for a model with no recipe.yaml or whose
+    dataset is not here (a pushed run trained on a local folder), said in a line."""
+    from .inference import eval_split_of, model_location
+
+    if not (Path(model_location(name)) / "recipe.yaml").is_file():
+        return None
+    try:
+        return eval_split_of(name, model, processor)
+    except VitFinetuneError as error:
+        print(f"the run's eval split cannot be loaded here ({str(error)[:300]}); checking on other images")
+        return None
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def publish(staging: Path, target: Path) -> None:
+    """Rename the finished staging folder into place; an earlier export is swapped out, then removed."""
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, target)
+
+
+def claim_in_run_folder(location: str, target: Path) -> None:
+    """An export in a run's own onnx/ is named in the run's manifest, so a later run with overwrite=true removes
+    it with the weights it was made from instead of leaving a stale graph beside new weights."""
+    from .outputs import MANIFEST, claim
+
+    folder = Path(location)
+    if target.resolve() == (folder / ONNX_DIR).resolve() and (folder / MANIFEST).is_file():
+        claim(folder, (ONNX_DIR,))
+
+
+def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None = None,
+                tolerance: float = DEFAULT_TOLERANCE, images: list | None = None,
+                eval_limit: int | None = None) -> Path:
+    """Export `name` (a run's folder or a Hub id) to `output`; returns the folder written. See the module doc."""
+    from .export import save_image_processor
+    from .families import FAMILIES
+    from .inference import load_classifier, model_location
+
+    require_onnx_packages()
+    if not tolerance > 0:
+        raise ExportError(f"--tolerance {tolerance}: give a positive max abs logit difference, e.g. {DEFAULT_TOLERANCE}")
+    location = model_location(name)
+    target = Path(output) if output is not None else default_output(name, location)
+    check_target(target)
+    model, processor = load_classifier(name, "cpu", eager_attention=True)
+    image_size = FAMILIES[model.config.model_type].image_size(model.config)
+    chosen = own_eval_split(name, model, processor)
+    eval_set = chosen.dataset if chosen is not None else None
+    parity = parity_images(images, eval_set, processor, image_size)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
+    try:
+        print(f"exporting {name} at {image_size}x{image_size} px (torch.onnx dynamo exporter) ...")
+        export_graph(model, image_size, staging / MODEL_FILE)
+        float_runner = session(staging / MODEL_FILE)
+        difference = logit_difference(model, float_runner, parity.pixels)
+        print(f"parity: max abs logit difference PyTorch vs ONNX Runtime = {difference:.3g} on {parity.source} "
+              f"(tolerance {tolerance:g})")
+        if difference > tolerance:
+            raise ExportError(f"the ONNX graph's logits differ from PyTorch's by {difference:.3g}, more than the "
+                              f"tolerance {tolerance:g}; nothing was written to {target}. Report the model type "
+                              f"({model.config.model_type}), or pass a larger --tolerance if the difference is acceptable")
+        model.config.save_pretrained(staging)
+        save_image_processor(processor, staging)
+        report = {"source": name, "image_size": image_size, "model_type": model.config.model_type,
+                  "exporter": "torch.onnx.export(dynamo=True)", "input": "pixel_values (batch, 3, H, W)",
+                  "parity": {"max_abs_logit_difference": difference, "tolerance": tolerance, "images": parity.source},
+                  "versions": {package: metadata.version(package) for package in VERSIONED_PACKAGES}}
+        if quantize_kind is not None:
+            quantized = quantize(staging, quantize_kind)
+            figures = compare_runtimes(float_runner, session(quantized), eval_set,
+                                       chosen.batch_size if chosen else PARITY_IMAGES, eval_limit, parity.pixels)
+            report["quantized"] = {"kind": quantize_kind, "file": quantized.name, **figures,
+                                   "measured_on": "the run's eval split" if eval_set is not None else parity.source}
+            print(quantization_summary(report["quantized"]))
+        (staging / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    claim_in_run_folder(location, target)
+    return target
+
+
+def quantization_summary(figures: dict) -> str:
+    accuracy = (f"accuracy {figures['float_accuracy']:.4f} -> {figures['int8_accuracy']:.4f} "
+                f"({figures['accuracy_change']:+.4f})" if "float_accuracy" in figures else "no labelled eval split")
+    return (f"{figures['kind']}: {figures['speedup']:.2f}x the float graph's CPU speed "
+            f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {accuracy}, "
+            f"top-1 agreement {figures['top1_agreement']:.4f} over {figures['images']} images")
+
+
+class OnnxClassifier:
+    """An exported graph behind what inference.predict_rows uses of a model: .config, .device, and a call that
+    returns an object with .logits."""
+
+    def __init__(self, folder: Path, file: str):
+        from transformers import AutoConfig
+        import torch
+
+
+        self.config = AutoConfig.from_pretrained(folder)
+        self.runner = session(folder / file)
+        self.device = torch.device("cpu")  # onnxruntime's CPU provider: the installed onnxruntime is CPU-only
+
+    def __call__(self, pixel_values: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=run_session(self.runner, pixel_values.cpu()))
+
+
+def export_folder(name: str) -> Path:
+    """Where a model's export is: the folder itself if it is one, its onnx/ subfolder, or a Hub repo's onnx/."""
+    from .inference import InputError, model_location
+
+    location = model_location(name)
+    folder = Path(location)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(location, allow_patterns=[f"{ONNX_DIR}/*"]))
+    for candidate in (folder, folder / ONNX_DIR):
+        if (candidate / MODEL_FILE).is_file():
+            return candidate
+    raise InputError(f"{name} holds no ONNX export ({MODEL_FILE} or {ONNX_DIR}/{MODEL_FILE}); make one with "
+                     f"`python -m vit_finetune export {name} --onnx`")
+
+
+def load_onnx_classifier(name: str, runtime: str):
+    """(OnnxClassifier, its image processor) for predict --runtime onnx / onnx-int8."""
+    from transformers import AutoImageProcessor
+
+    from .inference import InputError
+
+    require_onnx_packages()
+    folder = export_folder(name)
+    if not (folder / RUNTIMES[runtime]).is_file():
+        kind = runtime.removeprefix("onnx-")
+        raise InputError(f"{folder} holds no {RUNTIMES[runtime]}; make it with "
+                         f"`python -m vit_finetune export {name} --onnx --quantize {kind}`")
+    return OnnxClassifier(folder, RUNTIMES[runtime]), AutoImageProcessor.from_pretrained(folder)
