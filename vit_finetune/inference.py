@@ -325,8 +325,6 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
                   batch_size: int | None = None) -> EvalSplit:
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
-    import torch
-
     from . import data, evaluation
     from .recipe import load_recipe
 
