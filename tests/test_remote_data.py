@@ -113,3 +113,19 @@ def test_a_streamed_hub_image_cell_naming_a_local_file_is_never_read(base, hub_d
     assert train([f"model.base={base}", f"data.dataset={repo}", *STREAMED, "train.max_steps=2", f"output_dir={out}",
                   "data.skip_bad_images=true", "overwrite=true"]) == 0
     assert json.loads((out / "metrics.json").read_text())["skipped_images"] >= 1
+
+
+def test_predict_over_a_hub_dataset_never_reads_a_cell_naming_a_local_file(base, hub_dataset_with_a_local_path,
+                                                                            tmp_path):
+    """predict --dataset reads the same cells as training: the row naming a local file gets an error, not a label."""
+    from vit_finetune.cli import main
+
+    repo, _secret = hub_dataset_with_a_local_path
+    out = tmp_path / "preds.jsonl"
+    assert main(["predict", str(base), "--dataset", repo, "--split", "validation", "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6
+    refused = [row for row in rows if "passport.png" in row["image"]]
+    assert len(refused) == 1 and "holds no image bytes" in (refused[0]["error"] or ""), refused
+    assert refused[0]["predictions"] == []
+    assert all(row["error"] is None and row["predictions"] for row in rows if row is not refused[0])

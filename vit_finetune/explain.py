@@ -182,7 +182,7 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
     written = []
     for source, name in zip(sources, output_names([s.name for s in sources], method)):
         try:
-            image = decode_image(source.encoded, 0, DataSettings())
+            image = decode_image(source.encoded, 0, DataSettings(), source.folders)
         except BadImageError as error:
             print(f"skipped: {error}")
             continue

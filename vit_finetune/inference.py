@@ -26,9 +26,11 @@ class InputError(VitFinetuneError):
 
 @dataclass
 class ImageSource:
-    """One image to classify: a name for the output row and the encoded cell decode_image reads."""
+    """One image to classify: a name for the output row, the encoded cell decode_image reads, and where a cell
+    holding only a path may be read from (data.image_folders: None for the user's own files)."""
     name: str
     encoded: dict
+    folders: tuple[Path, ...] | None = None
 
 
 def model_location(name: str) -> str:
@@ -151,8 +153,11 @@ def dataset_split(dataset: str, split: str) -> tuple[object, str, str | None]:
 
 
 def dataset_images(dataset: str, split: str) -> list[ImageSource]:
+    from .data import image_folders
+
     table, image_column, _ = dataset_split(dataset, split)
-    return [ImageSource(cell.get("path") or f"{dataset}[{split}]#{index}", cell)
+    folders = image_folders(DataSettings(dataset=dataset))
+    return [ImageSource(cell.get("path") or f"{dataset}[{split}]#{index}", cell, folders)
             for index, cell in enumerate(table[image_column])]
 
 
@@ -173,7 +178,7 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
         images, errors = [], {}
         for position, source in enumerate(batch):
             try:
-                images.append(decode_image(source.encoded, start + position, settings))
+                images.append(decode_image(source.encoded, start + position, settings, source.folders))
             except BadImageError as error:
                 errors[position] = str(error)
         scores = iter(())

@@ -135,7 +135,7 @@ def parity_images(images: list | None, eval_set, processor, image_size: int) -> 
     from .recipe import DataSettings
 
     if images:
-        decoded = [decode_image(source.encoded, index, DataSettings()) for index, source in enumerate(images)]
+        decoded = [decode_image(source.encoded, index, DataSettings(), source.folders) for index, source in enumerate(images)]
         source = f"{len(decoded)} image(s) given with --images"
     elif eval_set is not None and len(eval_set):
         count = min(PARITY_IMAGES, len(eval_set))
