@@ -147,6 +147,7 @@ def predict_command(argv: list[str]) -> int:
     inference.model_location(args.model)
     sources = sources or inference.dataset_images(args.dataset, args.split)
     model, processor = inference.load_classifier(args.model, _device(args.device))
+    write = inference.writer_for_model(write, model.config)
     unreadable: list[str] = []
 
     def noting_errors(rows):

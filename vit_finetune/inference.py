@@ -135,15 +135,20 @@ def dataset_images(dataset: str, split: str) -> list[ImageSource]:
 
 def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch_size: int,
                  show_progress: bool = True) -> Iterator[dict]:
-    """One row per image, in order: its top-k labels and scores, or the reason it could not be read."""
+    """One row per image, in order: its top-k labels and scores, or the reason it could not be read. A multi-label
+    model's row holds every label whose sigmoid score reaches its saved threshold, highest first."""
     import torch
 
+    from . import multilabel
     from .data import BadImageError, decode_image
     from .progress import progress
 
     settings = DataSettings()
     device = next(model.parameters()).device
-    k = min(top_k, model.config.num_labels)
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    multi = multilabel.is_multi_label(model.config)
+    thresholds = torch.tensor(multilabel.saved_thresholds(model.config, labels)) if multi else None
+    k = model.config.num_labels if multi else min(top_k, model.config.num_labels)
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
         batch = sources[start:start + batch_size]
@@ -157,15 +162,18 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
         if images:
             pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
             with torch.no_grad():
-                probabilities = model(pixel_values=pixels).logits.float().softmax(-1)
-            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)]))
+                logits = model(pixel_values=pixels).logits.float()
+            probabilities = logits.sigmoid() if multi else logits.softmax(-1)
+            over = probabilities.cpu() >= thresholds if multi else torch.ones_like(probabilities, dtype=torch.bool)
+            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)], over.tolist()))
         for position, source in enumerate(batch):
             if position in errors:
                 yield {"image": source.name, "error": errors[position], "predictions": []}
                 continue
-            values, indices = next(scores)
+            values, indices, chosen = next(scores)
             yield {"image": source.name, "error": None,
-                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)]}
+                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)
+                                   if chosen[i]]}
         bar.update(len(batch))
         bar.set_postfix(unreadable=len(errors))
     bar.close()
@@ -176,6 +184,19 @@ def write_jsonl(rows: Iterator[dict], path: Path, top_k: int) -> int:
     with open(path, "w") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")
+            count += 1
+    return count
+
+
+def write_label_sets_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
+    """A multi-label model's CSV: each image's labels over their thresholds and their scores, ';'-joined."""
+    count = 0
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["image", "error", "labels", "scores"])
+        for row in rows:
+            writer.writerow([row["image"], row["error"] or "", ";".join(guess["label"] for guess in row["predictions"]),
+                             ";".join(f"{guess['score']:.6f}" for guess in row["predictions"])])
             count += 1
     return count
 
@@ -208,6 +229,13 @@ def write_text(rows: Iterator[dict], stream=None) -> int:
 
 
 WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
+
+
+def writer_for_model(write, config):
+    """The writer for a model: a multi-label model's CSV lists label sets, not ranks."""
+    from .multilabel import is_multi_label
+
+    return write_label_sets_csv if write is write_csv and is_multi_label(config) else write
 
 
 def writer_for(output: str | None):
@@ -249,7 +277,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     import torch
     from accelerate import Accelerator
 
-    from . import data, evaluation, pictures
+    from . import data, evaluation, multilabel, pictures
     from .recipe import load_recipe
 
     model_location(name)  # a wrong path fails before the imports below
@@ -266,25 +294,28 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
         table, image_column, label_column = splits.eval, splits.image_column, splits.label_column
         settings, batch_size = recipe.data, batch_size or recipe.train.batch_size
         precision, split_fields = recipe.train.mixed_precision, evaluation.eval_split_fields(splits.eval_split)
+        # The run's own split: thresholds chosen exactly as training chose them, so metrics.json is reproduced.
+        rule = evaluation.threshold_rule(recipe)
     else:
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
         table = to_model_labels(table, label_column, labels)
+        rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings, split_fields = DataSettings(dataset=dataset), {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
+    multi = multilabel.is_multi_label(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
                                                data.eval_pixels_from_processor(processor),
-                                               torch.zeros(3, size, size))
+                                               torch.zeros(3, size, size), len(labels) if multi else None)
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
     loader = accelerator.prepare(data.make_loader(eval_set, batch_size or 32, False, 0, 0, device.startswith("cuda")))
     predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
                                            len(labels))
-    metrics = evaluation.summarise(predictions, len(labels))
-    metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
+    metrics = evaluation.report(predictions, labels, rule)
     metrics.update(split_fields)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        pictures.draw_evaluation(predictions, eval_set, labels, output_dir)
+        pictures.draw_evaluation(predictions, eval_set, labels, output_dir, thresholds=metrics.get("thresholds"))
         (output_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     return metrics
