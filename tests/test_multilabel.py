@@ -212,3 +212,15 @@ def test_two_processes_count_each_eval_image_once_and_match_one_process_evaluati
     assert main(["evaluate", str(out), "--output-dir", str(tmp_path / "eval")]) == 0
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert {k: v for k, v in metrics.items() if k not in {"steps", "skipped_images"}} == again
+
+
+@pytest.mark.slow
+def test_evaluate_on_a_label_file_uses_the_saved_thresholds(trained, label_sets, tmp_path, capsys):
+    assert main(["evaluate", str(trained), "--dataset", str(label_sets["csv"]), "--split", "validation",
+                 "--output-dir", str(tmp_path / "eval")]) == 0
+    saved = json.loads((trained / "metrics.json").read_text())
+    again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert again["thresholds_chosen_on"] == "saved with the model" and again["thresholds"] == saved["thresholds"]
+    # the same split at the same thresholds: the same numbers
+    for key in ("eval_samples", "accuracy", "map", "micro_f1", "macro_f1", "eval_loss", "per_class"):
+        assert again[key] == saved[key], key

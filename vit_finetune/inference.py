@@ -249,24 +249,38 @@ def writer_for(output: str | None):
     return WRITERS[suffix]
 
 
-def to_model_labels(table, label_column: str, labels: list[str]):
-    """The split's labels re-numbered by the model's own label order, matched by name."""
+def to_model_labels(table, label_column: str, labels: list[str], label_sets: bool = False):
+    """The split's labels re-numbered by the model's own label order, matched by name; with `label_sets` (a
+    multi-label model) each row's labels as a list (a single label becomes a list of one)."""
     import datasets
 
-    from .data import DataError
+    from .data import DataError, is_label_set
 
     feature = table.features[label_column]
-    names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+    inner = getattr(feature, "feature", feature)
+    names = inner.names if isinstance(inner, datasets.ClassLabel) else None
+    rows_are_sets = is_label_set(feature)
+    if rows_are_sets and not label_sets:
+        raise DataError(f"the dataset's {label_column!r} column holds label sets, but the model is single-label; "
+                        "evaluate a multi-label model on it")
 
     def name_of(value) -> str:
         return names[value] if names is not None else str(value)
 
-    unknown = sorted({name_of(value) for value in table.unique(label_column)} - set(labels))
+    def values_of(cell) -> list:
+        return list(cell) if rows_are_sets else [cell]
+
+    found = {name_of(value) for cell in table[label_column] for value in values_of(cell)}
+    unknown = sorted(found - set(labels))
     if unknown:
         raise DataError(f"labels {unknown[:10]} of the dataset are not labels of the model ({labels[:10]}"
                         f"{' ...' if len(labels) > 10 else ''}); evaluate on a dataset with the model's classes")
     index = {label: position for position, label in enumerate(labels)}
-    features = datasets.Features({**table.features, label_column: datasets.ClassLabel(names=labels)})
+    classes = datasets.ClassLabel(names=labels)
+    features = datasets.Features({**table.features, label_column: datasets.List(classes) if label_sets else classes})
+    if label_sets:
+        return table.map(lambda row: {label_column: [index[name_of(v)] for v in values_of(row[label_column])]},
+                         features=features)
     return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
@@ -300,7 +314,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-        table = to_model_labels(table, label_column, labels)
+        table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings, split_fields = DataSettings(dataset=dataset), {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224

@@ -157,7 +157,7 @@ def summarise(scores: np.ndarray, rows: np.ndarray, losses: np.ndarray, labels: 
         "accuracy": float(np.mean((predicted == (rows == 1)).all(axis=1))),  # exact match: every label right
         "map": float(ap[present].mean()) if present.any() else 0.0,
         "micro_f1": float(f_beta(hits.sum(), predicted_count.sum(), actual.sum(), 1.0)),
-        "macro_f1": float(f1.mean()),
+        "macro_f1": float(f1[actual > 0].mean()) if (actual > 0).any() else 0.0,  # over labels the split holds
         "eval_loss": float(losses.astype(np.float64).mean()),
         "multi_label": True,
         "threshold_metric": rule.metric,
