@@ -224,3 +224,44 @@ def test_evaluate_on_a_label_file_uses_the_saved_thresholds(trained, label_sets,
     # the same split at the same thresholds: the same numbers
     for key in ("eval_samples", "accuracy", "map", "micro_f1", "macro_f1", "eval_loss", "per_class"):
         assert again[key] == saved[key], key
+
+
+@pytest.mark.slow
+def test_keep_best_follows_map_and_refuses_a_metric_multi_label_runs_do_not_measure(label_sets, capsys):
+    out = label_sets["root"] / "best"
+    args = [*RECIPE, "train.epochs=2", f"model.base={label_sets['base']}", f"data.dataset={label_sets['jsonl']}",
+            "data.eval_fraction=0.4"]
+    assert train([*args, f"output_dir={out}-refused", "train.keep_best=eval_top5_accuracy"]) == 1
+    assert "eval_top5_accuracy is measured for single-label runs only" in capsys.readouterr().err
+    assert not (Path(f"{out}-refused") / "metrics.json").exists()
+    assert train([*args, f"output_dir={out}", "train.keep_best=eval_map", "train.ema_decay=0.5"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    history = json.loads((out / "history.json").read_text())
+    best = max((entry for entry in history if "eval_map" in entry), key=lambda entry: max(
+        entry["eval_map"], entry.get("ema_eval_map", 0)))
+    assert metrics["best_metric"] == "eval_map" and metrics["best_step"] == best["step"]
+
+
+def test_a_saved_dataset_with_a_list_of_classlabel_column_is_multi_label(tmp_path):
+    import datasets
+
+    from tiny import colour_image
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    rng = np.random.default_rng(0)
+    images = []
+    for i in range(8):
+        path = tmp_path / f"{i}.png"
+        colour_image((200, 40, 40), rng).save(path)
+        images.append(str(path))
+    features = datasets.Features({"image": datasets.Image(),
+                                  "tags": datasets.Sequence(datasets.ClassLabel(names=["sky", "sea", "sand"]))})
+    table = datasets.Dataset.from_dict({"image": images, "tags": [[0], [1, 2], [0, 2], [1]] * 2}, features=features)
+    datasets.DatasetDict({"train": table.select(range(6)), "validation": table.select(range(6, 8))}).save_to_disk(
+        tmp_path / "saved")
+    splits = data.load_splits(DataSettings(dataset=str(tmp_path / "saved")), seed=0)
+    assert splits.multi_label and splits.label_column == "tags" and splits.labels == ["sky", "sea", "sand"]
+    dataset = data.eval_dataset(splits, DataSettings(), lambda images, return_tensors: {
+        "pixel_values": torch.zeros(1, 3, 8, 8)}, 8)
+    assert dataset[(0, 0)][1] == [1, 0, 1] and dataset[(1, 0)][1] == [0, 1, 0]  # [sky, sand] and [sea] as 0/1 rows
