@@ -178,6 +178,9 @@ def report(predictions: SplitPredictions, labels: list[str], rule: multilabel.Th
     kept = predictions.kept
     if not kept.any():
         raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+    if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
+        raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
+                        f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")
     metrics = multilabel.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
                                    predictions.losses[kept].numpy(), labels, rule)
     metrics["eval_skipped_images"] = int((~kept).sum())
