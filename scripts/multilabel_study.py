@@ -152,7 +152,7 @@ def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: float
     common = ["--quiet", f"model.base={base}", f"model.image_size={size}", "data.crop_scale=[1.0, 1.0]", "data.num_workers=0",
               f"train.epochs={epochs}", "train.batch_size=32", f"train.lr={lr}", "train.weight_decay=0.05",
               "train.warmup_steps=10", f"train.seed={seed}", "train.log_every_steps=20"]
-    tag = f"{Path(base).name.replace(':', '-')}-s{seed}"
+    tag = f"{Path(base).name.replace(':', '-')}-{size}px-{epochs}ep-s{seed}"
     multi_dir, single_dir = runs / f"multi-{tag}", runs / f"single-{tag}"
     if not (multi_dir / "metrics.json").is_file():
         train([*common, f"data.dataset={root / 'labels.csv'}", f"output_dir={multi_dir}", "overwrite=true",
@@ -178,9 +178,10 @@ def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: float
 
 def table(results: Path) -> None:
     records = [json.loads(line) for line in results.read_text().splitlines()]
-    for base in dict.fromkeys(r["base"] for r in records):
-        chosen = [r for r in records if r["base"] == base]
-        print(f"\n{base}: {len(chosen)} seed(s) {[r['seed'] for r in chosen]}, {chosen[0]['scored_images']} scored images")
+    for setting in dict.fromkeys((r["base"], r["size"], r["epochs"]) for r in records):
+        chosen = [r for r in records if (r["base"], r["size"], r["epochs"]) == setting]
+        print(f"\n{setting[0]} at {setting[1]} px, {setting[2]} epochs: {len(chosen)} seed(s) "
+              f"{[r['seed'] for r in chosen]}, {chosen[0]['scored_images']} scored images (mean ± sd over seeds)")
         print(f"{'method':16s} {'micro F1':>14s} {'macro F1':>14s} {'mAP':>14s} {'exact match':>14s}")
         for method in ("multi_label", "frequent_labels", "single_top_k"):
             cells = []
