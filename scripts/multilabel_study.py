@@ -1,6 +1,7 @@
 """Multi-label study on real images: does multi-label training beat the obvious baselines, over seeds?
 
     python scripts/multilabel_study.py --seeds 0,1,2                      # the shipped builtin:tiny-vit-32
+    python scripts/multilabel_study.py --seeds 0,1,2 --size 32 --epochs 4 --lr 0.002   # a shorter schedule
     python scripts/multilabel_study.py --base outputs/real_base/dinov2-s14-saliency --seeds 0 --train 300
     python scripts/multilabel_study.py --table                            # every result recorded so far
 
@@ -199,9 +200,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--train", type=int, default=1200, help="training mosaics")
     parser.add_argument("--eval", type=int, default=400, help="eval mosaics (half choose thresholds, half are scored)")
-    parser.add_argument("--size", type=int, default=56)
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--size", type=int, default=32, help="px; the 56 px mosaics are resized by the processor")
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=0.005)
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     results = args.root / "results.jsonl"
