@@ -154,3 +154,43 @@ def make_tiny_family(model_type: str, folder: Path, image_size: int = 32, seed: 
     model.save_pretrained(folder)
     processor_builder(image_size).save_pretrained(folder)
     return Path(folder)
+
+
+def stripes_image(colours: list[str], rng: np.random.Generator, size: tuple[int, int] = (48, 40)) -> Image.Image:
+    """Vertical stripes, one per colour (in a seeded order), with noise: its label set is its colours."""
+    width, height = size
+    pixels = np.zeros((height, width, 3))
+    order = rng.permutation(len(colours))
+    edges = np.linspace(0, width, len(colours) + 1).round().astype(int)
+    for stripe, index in enumerate(order):
+        pixels[:, edges[stripe]:edges[stripe + 1]] = COLOURS[colours[index]]
+    return Image.fromarray(np.clip(pixels + rng.normal(0, 25, pixels.shape), 0, 255).astype(np.uint8))
+
+
+def write_label_sets(root: Path, images: int = 24, classes: int = 4, seed: int = 0, kind: str = "csv",
+                     split_column: bool = False) -> Path:
+    """root/images/i.png striped with 1-3 colours, and a label file root/labels.{csv,jsonl} naming each image's
+    colours (CSV: 'red;blue'; JSONL: a list). With `split_column`, every third image is in split 'validation'."""
+    import csv
+    import json
+
+    rng = np.random.default_rng(seed)
+    names = list(COLOURS)[:classes]
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(images):
+        chosen = sorted(rng.choice(names, size=int(rng.integers(1, 4)), replace=False).tolist())
+        stripes_image(chosen, rng).save(root / "images" / f"{i}.png")
+        row = {"file_name": f"images/{i}.png", "labels": chosen}
+        if split_column:
+            row["split"] = "validation" if i % 3 == 0 else "train"
+        rows.append(row)
+    path = root / f"labels.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    else:
+        with open(path, "w", newline="") as out:
+            writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows({**row, "labels": ";".join(row["labels"])} for row in rows)
+    return path

@@ -72,7 +72,8 @@ class BatchAugmenter:
 
     def __call__(self, pixels: torch.Tensor, labels: torch.Tensor, epoch: int, batch: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`batch` counts the batches of the epoch (accumulation micro-batches included), so each key is drawn once."""
+        """`batch` counts the batches of the epoch (accumulation micro-batches included), so each key is drawn once.
+        `labels`: (B,) class ids, or (B, C) 0/1 rows for label sets (multi-label), mixed as rows."""
         if not self.active or labels.numel() == 0:
             return pixels, None
         devices = [pixels.device] if pixels.device.type != "cpu" else []
@@ -86,7 +87,14 @@ class BatchAugmenter:
             mix = self.choose_mix(epoch)
             if mix is None:
                 return pixels, None
-            pixels, mixed = self.mixes[mix](pixels, labels)
+            label_sets = labels.dim() == 2
+            # Label sets go through kornia as the images' positions, so its pairs can be looked up in the rows.
+            pixels, mixed = self.mixes[mix](pixels, torch.arange(len(labels), device=labels.device)
+                                            if label_sets else labels)
+        if label_sets:
+            from .multilabel import mixed_rows
+
+            return pixels, mixed_rows(labels, mixed.view(-1, 3), MIXES[mix].partner_weight)
         return pixels, self.soft_targets(mixed.view(-1, 3), MIXES[mix].partner_weight)
 
     def choose_mix(self, epoch: int) -> str | None:

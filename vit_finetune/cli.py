@@ -209,6 +209,7 @@ def predict_command(argv: list[str]) -> int:
         from .onnx_export import load_onnx_classifier
 
         model, processor = load_onnx_classifier(args.model, args.runtime)
+    write = inference.writer_for_model(write, model.config)
     unreadable: list[str] = []
 
     def noting_errors(rows):

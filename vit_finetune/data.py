@@ -55,6 +55,7 @@ class Splits:
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
+    multi_label: bool = False  # each row's label is a list of class ids (a set of labels)
 
 
 # ---------------------------------------------------------------- loading
@@ -75,8 +76,10 @@ def refuse_unreachable(settings: DataSettings) -> None:
 
 
 def open_dataset(settings: DataSettings):
-    """A DatasetDict from a Hub id, a saved dataset (save_to_disk) or an image folder."""
+    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder."""
     import datasets
+
+    from . import labels
 
     source = Path(settings.dataset).expanduser()
     if settings.dataset == BUILTIN_SHAPES:
@@ -84,18 +87,24 @@ def open_dataset(settings: DataSettings):
 
         source = ensure_demo_dataset(cache_dir() / "shapes")
     try:
-        if source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
+        label_file = labels.label_file_of(source)
+        if label_file is not None:
+            loaded = labels.load_label_file(label_file, settings)
+        elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
         elif source.is_dir():
             check_image_folder_layout(source, settings.dataset)
             loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
         elif source.exists() or settings.dataset.startswith((".", "/", "~")):
-            raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder or a Hub id")
+            raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder, a label file "
+                        "(.csv or .jsonl) or a Hub id")
         else:
             refuse_unreachable(settings)
             loaded = datasets.load_dataset(settings.dataset)
     except DataError:
         raise
+    except labels.LabelFileError as error:
+        raise DataError(f"data.dataset={excerpt(settings.dataset)}: {error}") from None
     except Exception as error:  # datasets raises many types; the user needs the id and the reason
         raise DataError(
             f"data.dataset={settings.dataset!r} could not be loaded: {type(error).__name__}: {error}\n"
@@ -196,7 +205,8 @@ def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[st
         if wanted not in features:
             raise DataError(f"{key}={wanted!r} is not a column of the dataset; its columns are {columns}")
         return wanted
-    typed = [name for name, feature in features.items() if isinstance(feature, feature_type)]
+    typed = [name for name, feature in features.items()
+             if isinstance(feature, feature_type) or isinstance(getattr(feature, "feature", None), feature_type)]
     named = [name for name in names if name in features]
     found = typed or named
     if not found and kind == "label":  # a lone string/int column beside the image is the label
@@ -228,30 +238,64 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     folders = image_folders(settings)
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
-    if not isinstance(train.features[label_column], datasets.ClassLabel):
+    multi_label = is_label_set(train.features[label_column]) if settings.multi_label is None else settings.multi_label
+    if multi_label:
+        train = as_label_sets(train, label_column, settings.dataset)
+    elif not isinstance(train.features[label_column], datasets.ClassLabel):
         train = encode_labels(train, label_column, loaded, eval_split)
-    labels = train.features[label_column].names
+    labels = class_names(train.features[label_column])
     if len(labels) < 2:
         raise DataError(
             f"the label column {label_column!r} holds a single class {labels}; a classifier needs at least two. "
             "Check data.label_column or the dataset's class folders."
         )
     if eval_split is None:
-        train, evaluation = hold_out_eval(train, settings, label_column, len(labels), seed)
+        train, evaluation = hold_out_eval(train, settings, None if multi_label else label_column, len(labels), seed)
     else:
         evaluation = loaded[eval_split]
-        if not isinstance(evaluation.features[label_column], datasets.ClassLabel):
+        if multi_label:
+            evaluation = as_label_sets(evaluation, label_column, settings.dataset)
+        if evaluation.features[label_column] != train.features[label_column]:
             evaluation = evaluation.cast_column(label_column, train.features[label_column])
     train = subsample(train, settings.max_train_samples, seed)
     evaluation = subsample(evaluation, settings.max_eval_samples, seed)
     # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
-    return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, folders)
+    return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
+                  multi_label=multi_label)
 
 
-def hold_out_eval(train, settings: DataSettings, label_column: str, classes: int, seed: int):
-    """(train, eval): data.eval_fraction of train held out, stratified so every class is in both parts."""
+def is_label_set(feature) -> bool:
+    """Whether a label column holds a list of labels per row (a Sequence/List of ClassLabel or of strings)."""
+    import datasets
+
+    return isinstance(feature, (datasets.List, datasets.LargeList)) or isinstance(feature, datasets.Sequence)
+
+
+def class_names(feature) -> list[str]:
+    """The class names of a ClassLabel column, or of a list-of-ClassLabel column."""
+    return list(getattr(feature, "feature", feature).names)
+
+
+def as_label_sets(table, label_column: str, name: str):
+    """A multi-label table: the column as a list of ClassLabel (a single ClassLabel becomes one-element lists)."""
+    import datasets
+
+    feature = table.features[label_column]
+    inner = getattr(feature, "feature", feature)
+    if not isinstance(inner, datasets.ClassLabel):
+        raise DataError(f"data.dataset={excerpt(name)}: the label column {label_column!r} is {feature}; a multi-label "
+                        "dataset needs a list of ClassLabel there (or a label file, whose labels are read as names)")
+    if is_label_set(feature):
+        return table
+    features = datasets.Features({**table.features, label_column: datasets.List(inner)})
+    return table.map(lambda row: {label_column: [row[label_column]]}, features=features)
+
+
+def hold_out_eval(train, settings: DataSettings, label_column: str | None, classes: int, seed: int):
+    """(train, eval): data.eval_fraction of train held out, stratified by `label_column` so every class is in both
+    parts (None: a plain seeded split, as for label sets, which have no single class to stratify by)."""
     try:
         carved = train.train_test_split(test_size=settings.eval_fraction, stratify_by_column=label_column, seed=seed)
     except ValueError as error:  # too few images for a part to hold every class, or a class of one image
@@ -482,7 +526,7 @@ class ImageClassificationDataset(Dataset):
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor,
-                 image_folders: tuple[Path, ...] | None = None):
+                 image_folders: tuple[Path, ...] | None = None, label_sets_of: int | None = None):
         self.table = table
         self.image_folders = image_folders
         self.image_column = image_column
@@ -490,6 +534,19 @@ class ImageClassificationDataset(Dataset):
         self.settings = settings
         self.make_pixels = make_pixels
         self.placeholder = placeholder
+        self.label_sets_of = label_sets_of  # multi-label: labels become 0/1 rows over this many classes
+
+    def target(self, label) -> int | list[int]:
+        """The label as the loss reads it: a class id, or (multi-label) a 0/1 row; SKIPPED_LABEL stays -1 (a row
+        of -1 for label sets)."""
+        if self.label_sets_of is None:
+            return label
+        if label == SKIPPED_LABEL:
+            return [SKIPPED_LABEL] * self.label_sets_of
+        row = [0] * self.label_sets_of
+        for class_id in label:
+            row[class_id] = 1
+        return row
 
     def __len__(self) -> int:
         return len(self.table)
@@ -505,8 +562,8 @@ class ImageClassificationDataset(Dataset):
         except BadImageError:
             if not self.settings.skip_bad_images:
                 raise
-            return self.placeholder, SKIPPED_LABEL, sample_name(row[self.image_column], index)
-        return self.make_pixels(image, index, epoch), row[self.label_column], None
+            return self.placeholder, self.target(SKIPPED_LABEL), sample_name(row[self.image_column], index)
+        return self.make_pixels(image, index, epoch), self.target(row[self.label_column]), None
 
 
     def decode(self, row: dict, index: int) -> Image.Image:
@@ -541,6 +598,7 @@ class EpochSampler(Sampler):
 
 
 def collate(samples: list) -> dict:
+    """(B, 3, H, W) pixels and labels: (B,) class ids, or (B, C) 0/1 rows for label sets."""
     pixels = torch.stack([pixels for pixels, _label, _skipped in samples])
     labels = torch.tensor([label for _pixels, label, _skipped in samples], dtype=torch.long)
     # `skipped` (the names of the bad images in the batch) stays on the host: Accelerate moves tensors to the
@@ -586,14 +644,15 @@ def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
                   make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
     """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
-                                      blank_pixels(image_size, training=True), splits.image_folders)
+                                      blank_pixels(image_size, training=True), splits.image_folders,
+                                      label_sets_of=len(splits.labels) if splits.multi_label else None)
 
 
 def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
     """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
                                       eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders)
+                                      splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
 
 
 def blank_pixels(image_size: int, training: bool) -> torch.Tensor:

@@ -14,6 +14,7 @@ import evaluate
 import numpy as np
 import torch
 
+from . import multilabel
 from .data import SKIPPED_LABEL, DataError
 
 TOP_K = 5
@@ -92,6 +93,14 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
     return metrics
 
 
+def headline(metrics: dict) -> str:
+    """The console's few words on an evaluation: accuracy, or for a multi-label run mAP, micro F1 and exact match."""
+    if metrics.get("multi_label"):
+        return (f"mAP {metrics['map']:.4f}, micro F1 {metrics['micro_f1']:.4f}, exact match {metrics['accuracy']:.4f}, "
+                f"loss {metrics['eval_loss']:.4f}")
+    return f"accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
+
+
 def eval_split_fields(eval_split: str | None) -> dict:
     """metrics.json's record of what was evaluated: a named split of the dataset, or a part held out from train."""
     return {"eval_split": eval_split or "held out from train", "eval_carved_from_train": eval_split is None}
@@ -110,12 +119,13 @@ def describe_eval_split(eval_split: str | None, size: int, settings) -> str:
 class SplitPredictions:
     """Per-image results over a split, in the split's order; skipped bad images keep their place (SKIPPED_LABEL)."""
     ranked: torch.Tensor  # (N, k) class ids, best first
-    references: torch.Tensor  # (N,) true class ids
-    losses: torch.Tensor  # (N,) cross-entropy per image
+    references: torch.Tensor  # (N,) true class ids; multi-label: (N, C) rows of 0/1 (a skipped image's: -1)
+    losses: torch.Tensor  # (N,) cross-entropy per image (multi-label: binary cross-entropy, mean over classes)
+    scores: torch.Tensor | None = None  # multi-label: (N, C) sigmoid scores
 
     @property
     def kept(self) -> torch.Tensor:
-        return self.references != SKIPPED_LABEL
+        return self.references.reshape(len(self.references), -1)[:, 0] != SKIPPED_LABEL
 
 
 @torch.no_grad()
@@ -132,9 +142,12 @@ def predict_split(model, loader, accelerator, normalize: Callable, num_classes: 
 
 
 def batch_predictions(model, batch: dict, accelerator, normalize: Callable, k: int) -> tuple[torch.Tensor, ...]:
-    """(top-k class ids, labels, per-image loss) of one batch, on the device."""
+    """(top-k class ids, labels, per-image loss) of one batch, on the device; for label sets (multi-label),
+    (sigmoid scores, 0/1 rows, per-image loss)."""
     with accelerator.autocast():
         logits = model(pixel_values=normalize(batch["pixel_values"])).logits.float()
+    if batch["labels"].dim() == 2:
+        return logits.sigmoid(), batch["labels"], multilabel.per_image_loss(logits, batch["labels"])
     losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none", ignore_index=SKIPPED_LABEL)
     return logits.topk(k, dim=-1).indices, batch["labels"], losses
 
@@ -144,6 +157,8 @@ def joined(batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
     if not batches:
         return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
     ranked, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
+    if references.dim() == 2:  # multi-label: the first part holds every class's score
+        return SplitPredictions(ranked.topk(k, dim=-1).indices, references, losses, scores=ranked)
     return SplitPredictions(ranked, references, losses)
 
 
@@ -156,6 +171,30 @@ def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())
     return metrics
+
+
+def report(predictions: SplitPredictions, labels: list[str], rule: multilabel.ThresholdRule) -> dict:
+    """Everything metrics.json says of a split's predictions: summarise and label_report, or, for label sets, the
+    multi-label metrics at thresholds chosen (or given) by `rule`."""
+    if predictions.scores is None:
+        metrics = summarise(predictions, len(labels))
+        metrics.update(label_report(metrics["confusion_matrix"], labels))
+        return metrics
+    kept = predictions.kept
+    if not kept.any():
+        raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+    if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
+        raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
+                        f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")
+    metrics = multilabel.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+                                   predictions.losses[kept].numpy(), labels, rule)
+    metrics["eval_skipped_images"] = int((~kept).sum())
+    return metrics
+
+
+def threshold_rule(recipe) -> multilabel.ThresholdRule:
+    """How a run's recipe chooses multi-label thresholds (unused for single-label runs)."""
+    return multilabel.ThresholdRule(recipe.train.threshold_metric, recipe.train.threshold_holdout, recipe.train.seed)
 
 
 def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:

@@ -28,14 +28,21 @@ METRICS_FILE = "metrics.json"
 CURVES_FILE = "training_curves.png"
 HISTORY_FILE = "history.json"
 RUN_INFO_FILE = "run_info.json"
-PICTURE_FILES = ("position_embeddings.png", "confusion_matrix.png", "misclassified.png")  # see pictures.py
+PICTURE_FILES = ("position_embeddings.png", "confusion_matrix.png", "misclassified.png",
+                 "precision_recall.png")  # see pictures.py
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 CARD_FILE = "README.md"
 ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
-METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
+METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1",
+                "map": "mAP", "micro_f1": "Micro F1"}  # the last two: multi-label runs (accuracy: exact match)
+
+
+def metric_names(metrics: dict) -> dict[str, str]:
+    """The card's name of each metric; a multi-label run's accuracy is exact match (every label of an image right)."""
+    return {**METRIC_NAMES, "accuracy": "Exact-match accuracy"} if metrics.get("multi_label") else METRIC_NAMES
 
 
 def is_finished(output_dir: Path) -> bool:
@@ -114,6 +121,16 @@ def per_class_rows(metrics: dict) -> str:
                      for label, s in metrics.get("per_class", {}).items())
 
 
+def per_class_text(metrics: dict) -> str:
+    """The card's per-class section: the single-label table, or the multi-label one with AP and thresholds."""
+    if metrics.get("multi_label"):
+        from .multilabel import card_section
+
+        return card_section(metrics, markdown_text)
+    return ("### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n"
+            f"{per_class_rows(metrics)}\n")
+
+
 def markdown_text(value: str) -> str:
     """A label as inert Markdown text on one line: HTML and Markdown's marks escaped, line breaks made spaces."""
     one_line = " ".join(str(value).split())
@@ -145,7 +162,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
             metric_name=label,
             metric_value=round(float(metrics[key]), 6),
         )
-        for key, label in METRIC_NAMES.items()
+        for key, label in metric_names(metrics).items()
         if key in metrics
     ]
     data = ModelCardData(
@@ -158,7 +175,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
         eval_results=eval_results,
     )
     t = recipe.train
-    rows = "\n".join(f"| {METRIC_NAMES[k]} | {metrics[k]:.4f} |" for k in METRIC_NAMES if k in metrics)
+    rows = "\n".join(f"| {label} | {metrics[k]:.4f} |" for k, label in metric_names(metrics).items() if k in metrics)
     lora_text = (
         f"LoRA (r={recipe.model.lora.r}, alpha={recipe.model.lora.alpha}, targets "
         f"{markdown_text(recipe.model.lora.target_modules)}); "
@@ -190,11 +207,7 @@ classify("photo.jpg")
 
 ![training curves]({CURVES_FILE})
 {picture_text(pictures)}
-### Per class
-| class | precision | recall | F1 | eval images |
-|---|---|---|---|---|
-{per_class_rows(metrics)}
-
+{per_class_text(metrics)}
 ## Training
 {info_text(info)}- Method: {lora_text}
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
@@ -236,6 +249,7 @@ def weights_text(recipe: Recipe, metrics: dict) -> str:
 PICTURE_CAPTIONS = {
     "confusion_matrix.png": "Confusion matrix, each row (true label) normalised to 1",
     "misclassified.png": "Eval images the model got wrong, with true and predicted labels",
+    "precision_recall.png": "Precision-recall curve of each label, its chosen threshold marked",
     "position_embeddings.png": "Cosine similarity of each patch's position embedding to every other, before and after "
                                "the resample to the new grid",
 }

@@ -163,15 +163,20 @@ def dataset_images(dataset: str, split: str) -> list[ImageSource]:
 
 def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch_size: int,
                  show_progress: bool = True) -> Iterator[dict]:
-    """One row per image, in order: its top-k labels and scores, or the reason it could not be read."""
+    """One row per image, in order: its top-k labels and scores, or the reason it could not be read. A multi-label
+    model's row holds every label whose sigmoid score reaches its saved threshold, highest first."""
     import torch
 
+    from . import multilabel
     from .data import BadImageError, decode_image
     from .progress import progress
 
     settings = DataSettings()
     device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
-    k = min(top_k, model.config.num_labels)
+    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+    multi = multilabel.is_multi_label(model.config)
+    thresholds = torch.tensor(multilabel.saved_thresholds(model.config, labels)) if multi else None
+    k = model.config.num_labels if multi else min(top_k, model.config.num_labels)
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
         batch = sources[start:start + batch_size]
@@ -185,15 +190,18 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
         if images:
             pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
             with torch.no_grad():
-                probabilities = model(pixel_values=pixels).logits.float().softmax(-1)
-            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)]))
+                logits = model(pixel_values=pixels).logits.float()
+            probabilities = logits.sigmoid() if multi else logits.softmax(-1)
+            over = probabilities.cpu() >= thresholds if multi else torch.ones_like(probabilities, dtype=torch.bool)
+            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)], over.tolist()))
         for position, source in enumerate(batch):
             if position in errors:
                 yield {"image": source.name, "error": errors[position], "predictions": []}
                 continue
-            values, indices = next(scores)
+            values, indices, chosen = next(scores)
             yield {"image": source.name, "error": None,
-                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)]}
+                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)
+                                   if chosen[i]]}
         bar.update(len(batch))
         bar.set_postfix(unreadable=len(errors))
     bar.close()
@@ -204,6 +212,19 @@ def write_jsonl(rows: Iterator[dict], path: Path, top_k: int) -> int:
     with open(path, "w") as out:
         for row in rows:
             out.write(json.dumps(row) + "\n")
+            count += 1
+    return count
+
+
+def write_label_sets_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
+    """A multi-label model's CSV: each image's labels over their thresholds and their scores, ';'-joined."""
+    count = 0
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["image", "error", "labels", "scores"])
+        for row in rows:
+            writer.writerow([row["image"], row["error"] or "", ";".join(guess["label"] for guess in row["predictions"]),
+                             ";".join(f"{guess['score']:.6f}" for guess in row["predictions"])])
             count += 1
     return count
 
@@ -242,6 +263,13 @@ def write_text(rows: Iterator[dict], stream=None) -> int:
 
 
 WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
+
+
+def writer_for_model(write, config):
+    """The writer for a model: a multi-label model's CSV lists label sets, not ranks."""
+    from .multilabel import is_multi_label
+
+    return write_label_sets_csv if write is write_csv and is_multi_label(config) else write
 
 
 def writer_for(output: str | None, overwrite: bool = False):
@@ -296,24 +324,38 @@ def check_evaluation_folder(output_dir: Path, overwrite: bool) -> None:
                          "or choose a new --output-dir")
 
 
-def to_model_labels(table, label_column: str, labels: list[str]):
-    """The split's labels re-numbered by the model's own label order, matched by name."""
+def to_model_labels(table, label_column: str, labels: list[str], label_sets: bool = False):
+    """The split's labels re-numbered by the model's own label order, matched by name; with `label_sets` (a
+    multi-label model) each row's labels as a list (a single label becomes a list of one)."""
     import datasets
 
-    from .data import DataError
+    from .data import DataError, is_label_set
 
     feature = table.features[label_column]
-    names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+    inner = getattr(feature, "feature", feature)
+    names = inner.names if isinstance(inner, datasets.ClassLabel) else None
+    rows_are_sets = is_label_set(feature)
+    if rows_are_sets and not label_sets:
+        raise DataError(f"the dataset's {label_column!r} column holds label sets, but the model is single-label; "
+                        "evaluate a multi-label model on it")
 
     def name_of(value) -> str:
         return names[value] if names is not None else str(value)
 
-    unknown = sorted({name_of(value) for value in table.unique(label_column)} - set(labels))
+    def values_of(cell) -> list:
+        return list(cell) if rows_are_sets else [cell]
+
+    found = {name_of(value) for cell in table[label_column] for value in values_of(cell)}
+    unknown = sorted(found - set(labels))
     if unknown:
         raise DataError(f"labels {unknown[:10]} of the dataset are not labels of the model ({labels[:10]}"
                         f"{' ...' if len(labels) > 10 else ''}); evaluate on a dataset with the model's classes")
     index = {label: position for position, label in enumerate(labels)}
-    features = datasets.Features({**table.features, label_column: datasets.ClassLabel(names=labels)})
+    classes = datasets.ClassLabel(names=labels)
+    features = datasets.Features({**table.features, label_column: datasets.List(classes) if label_sets else classes})
+    if label_sets:
+        return table.map(lambda row: {label_column: [index[name_of(v)] for v in values_of(row[label_column])]},
+                         features=features)
     return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
@@ -324,13 +366,14 @@ class EvalSplit:
     batch_size: int
     precision: str  # the run's mixed precision ("no" for another dataset)
     fields: dict  # eval_split and eval_carved_from_train, as metrics.json records them
+    rule: object  # multilabel.ThresholdRule: how a multi-label model's thresholds are chosen (or fixed) here
 
 
 def eval_split_of(name: str, model, processor, dataset: str | None = None, split: str | None = None,
                   batch_size: int | None = None) -> EvalSplit:
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
-    from . import data, evaluation
+    from . import data, evaluation, multilabel
     from .recipe import load_recipe
 
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
@@ -345,17 +388,22 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
         table, image_column, label_column = splits.eval, splits.image_column, splits.label_column
         settings, batch_size = recipe.data, batch_size or recipe.train.batch_size
         precision, split_fields = recipe.train.mixed_precision, evaluation.eval_split_fields(splits.eval_split)
+        # The run's own split: thresholds chosen exactly as training chose them, so metrics.json is reproduced.
+        rule = evaluation.threshold_rule(recipe)
     else:
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-        table = to_model_labels(table, label_column, labels)
+        table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
+        rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings, split_fields = DataSettings(dataset=dataset), {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
+    multi = multilabel.is_multi_label(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
                                                data.eval_pixels_from_processor(processor),
-                                               data.blank_pixels(size, training=False), data.image_folders(settings))
-    return EvalSplit(eval_set, batch_size or 32, precision, split_fields)
+                                               data.blank_pixels(size, training=False), data.image_folders(settings),
+                                               label_sets_of=len(labels) if multi else None)
+    return EvalSplit(eval_set, batch_size or 32, precision, split_fields, rule)
 
 
 def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
@@ -374,12 +422,11 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
                                                   device.startswith("cuda")))
     predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
                                            len(labels))
-    metrics = evaluation.summarise(predictions, len(labels))
-    metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
+    metrics = evaluation.report(predictions, labels, chosen.rule)
     metrics.update(chosen.fields)
     if output_dir is not None:
         output_dir.mkdir(parents=True, exist_ok=True)
-        pictures.draw_evaluation(predictions, chosen.dataset, labels, output_dir)
+        pictures.draw_evaluation(predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds"))
         from .checkpoint import replace_atomically
 
         replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))

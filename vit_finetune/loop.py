@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import augment, checkpoint, data, evaluation, progress as display, streaming
+from . import augment, checkpoint, data, evaluation, multilabel, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -126,6 +126,9 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
     labels = batch["labels"]
     pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
     logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
+    if labels.dim() == 2:  # label sets (multi-label): (B, C) rows, blended by Mixup/CutMix when mixed
+        return multilabel.loss(logits, labels if soft_targets is None else soft_targets, parts.class_weights,
+                               recipe.train.label_smoothing)
     if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
         return augment.soft_target_loss(logits, soft_targets, parts.class_weights)
     per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
@@ -161,7 +164,7 @@ class TrainLog:
     def add_batch(self, loss: torch.Tensor, batch: dict) -> None:
         self.skipped_here += len(batch["skipped"])
         self.skipped_this_epoch += batch["skipped"]
-        images = batch["labels"].numel() - len(batch["skipped"])  # the real ones: a bad image's place is blank
+        images = len(batch["labels"]) - len(batch["skipped"])  # the real ones: a bad image's place is blank
         if images:  # a batch of skipped images only has no loss to report
             self.loss_total += loss
             self.loss_batches += 1
@@ -371,8 +374,7 @@ def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
     parts = run.parts
     predict = streaming.predict_stream if run.recipe.data.streaming else evaluation.predict_split
     predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, len(parts.labels))
-    metrics = evaluation.summarise(predictions, len(parts.labels))
-    metrics.update(evaluation.label_report(metrics["confusion_matrix"], parts.labels))
+    metrics = evaluation.report(predictions, parts.labels, evaluation.threshold_rule(run.recipe))
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
     return metrics, predictions
 
@@ -388,4 +390,4 @@ def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.Sp
 def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
     metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
-        display.say(f"step {run.state.step}: eval accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}")
+        display.say(f"step {run.state.step}: eval {evaluation.headline(metrics)}")

@@ -13,6 +13,7 @@ import torch
 POSITION_FILE = "position_embeddings.png"
 CONFUSION_FILE = "confusion_matrix.png"
 MISCLASSIFIED_FILE = "misclassified.png"
+PRECISION_RECALL_FILE = "precision_recall.png"  # multi-label runs, instead of the two above
 MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
 MAX_MISCLASSIFIED = 24
 
@@ -128,13 +129,20 @@ def draw_misclassified(images: list, truths: list[str], guesses: list[str], path
     plt.close(figure)
 
 
-def draw_evaluation(predictions, dataset, labels: list[str], folder: Path) -> list[str]:
+def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thresholds: dict | None = None) -> list[str]:
     """confusion_matrix.png and misclassified.png for one split's predictions (evaluation.SplitPredictions) over
-    `dataset` (a data.ImageClassificationDataset, in the same order); returns the file names written."""
+    `dataset` (a data.ImageClassificationDataset, in the same order); for a multi-label split, precision_recall.png
+    with each label's `thresholds` marked. Returns the file names written."""
     from .data import BadImageError
     from .evaluation import confusion_matrix
 
     kept = predictions.kept.numpy()
+    if predictions.scores is not None:
+        from .multilabel import draw_precision_recall
+
+        draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(), labels,
+                              thresholds, Path(folder) / PRECISION_RECALL_FILE)
+        return [PRECISION_RECALL_FILE]
     predicted, references = predictions.ranked[:, 0].numpy(), predictions.references.numpy()
     draw_confusion_matrix(confusion_matrix(predicted[kept], references[kept], len(labels)).tolist(), labels,
                           Path(folder) / CONFUSION_FILE)

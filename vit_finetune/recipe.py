@@ -81,7 +81,8 @@ HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 # The metrics train.keep_best can follow, and whether higher or lower is better.
-KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
+KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min",
+                   "eval_map": "max", "eval_micro_f1": "max"}  # the last two: multi-label runs
 
 
 class RecipeError(VitFinetuneError):
@@ -134,7 +135,8 @@ class ModelSettings(Strict):
 class DataSettings(Strict):
     dataset: HomePath = Field("ethz/food101", description=(
         "a Hub dataset id, a folder of class sub-folders (optionally under train/ and validation/), a folder "
-        "written by save_to_disk, or builtin:shapes (the demo's generated shapes)"))
+        "written by save_to_disk, a label file (.csv or .jsonl naming each image's relative path and its label or "
+        "labels, or a folder holding metadata.csv / metadata.jsonl), or builtin:shapes (the demo's generated shapes)"))
     train_split: str = Field("train", description="split to train on")
     eval_split: str | None = Field("validation", description=(
         "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
@@ -170,6 +172,11 @@ class DataSettings(Strict):
     label_names: list[str] | None = Field(None, description=(
         "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
         "null = the label column's ClassLabel names"))
+    multi_label: bool | None = Field(None, description=(
+        "each image has a set of labels (sigmoid scores, binary cross-entropy, per-class thresholds); null = "
+        "detect: a label file whose cells hold lists, or a dataset whose label column is a list of ClassLabel"))
+    label_separator: str = Field(";", description=(
+        "label files: the character joining several labels in one cell, e.g. 'cat;dog'; '' = never split"))
     shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
         "data.streaming: rows each process holds to shuffle its stream (shard order is shuffled too, per pass); "
         "more = better mixed, more memory (rows x encoded image size)"))
@@ -194,6 +201,12 @@ class DataSettings(Strict):
         if self.streaming and given:
             raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
                              "whole before training); set them to null, or data.streaming=false")
+        if self.streaming and self.multi_label:
+            raise ValueError("data.multi_label=true cannot be combined with data.streaming=true (a stream's labels "
+                             "are single class ids); set data.streaming=false")
+        if self.multi_label and self.class_balance == "sampler":
+            raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
+                             "use class_balance=weights (a positive weight per class) or null")
         if self.label_names is not None and not self.streaming:
             raise ValueError("data.label_names names the classes of a stream's integer labels; it applies with "
                              "data.streaming=true only (a dataset loaded whole finds its classes itself)")
@@ -270,6 +283,14 @@ class TrainSettings(Strict):
     layer_decay: Float | None = Field(None, gt=0, le=1, description=(
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
+
+    threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
+        "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
+        "precision); saved with the model and used by predict"))
+    threshold_holdout: Float | None = Field(None, gt=0, lt=1, description=(
+        "multi-label: share of the eval split (seeded) on which the thresholds are chosen; the metrics are then "
+        "measured on the rest. null = chosen on the same images they are scored on (optimistic; metrics.json "
+        "says so)"))
 
     @field_validator("seed")
     @classmethod

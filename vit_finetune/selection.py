@@ -25,6 +25,7 @@ from .checkpoint import WRITE_ERRORS, describe_write_error, replace_atomically
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
+from .multilabel import is_multi_label
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 
@@ -33,6 +34,9 @@ BEST_FILE = "weights.safetensors"
 CHECKPOINT_EMA = "ema.safetensors"
 CHECKPOINT_BEST = "best.safetensors"
 SELECTION_METRIC = "eval_accuracy"  # decides raw against EMA when train.keep_best is not set
+MULTI_LABEL_SELECTION_METRIC = "eval_map"  # the same for label sets (exact match is too coarse to rank by)
+# What each kind of run measures that the other does not: train.keep_best must name a metric the run has.
+ONLY_MEASURED_BY = {"multi-label": {"eval_map", "eval_micro_f1"}, "single-label": {"eval_top5_accuracy"}}
 
 
 class SelectionError(VitFinetuneError):
@@ -55,6 +59,12 @@ class WeightSelection(Callback):
     def __init__(self, recipe: Recipe, model: torch.nn.Module, labels: list[str],
                  measure: Callable[[], tuple[dict, object]]):
         t = recipe.train
+        kind = "multi-label" if is_multi_label(getattr(model, "config", None)) else "single-label"
+        other = next(k for k in ONLY_MEASURED_BY if k != kind)
+        if t.keep_best in ONLY_MEASURED_BY[other]:
+            raise SelectionError(f"train.keep_best={t.keep_best} is measured for {other} runs only; this run is "
+                                 f"{kind}. Use one of {sorted(set(KEEP_BEST_GOALS) - ONLY_MEASURED_BY[other])}")
+        self.selection_metric = MULTI_LABEL_SELECTION_METRIC if kind == "multi-label" else SELECTION_METRIC
         if t.keep_best == "eval_top5_accuracy" and len(labels) < 5:
             raise SelectionError(f"train.keep_best=eval_top5_accuracy needs at least 5 classes; this dataset has "
                                  f"{len(labels)}. Use train.keep_best=eval_accuracy")
@@ -79,7 +89,7 @@ class WeightSelection(Callback):
                 candidates["ema"] = self.measure()[0]
             run.state.history[-1].update({f"ema_{k}": v for k, v in as_eval_entry(candidates["ema"]).items()})
             self.raw_and_ema = {f"{kind}_accuracy": m["accuracy"] for kind, m in candidates.items()}
-        rule = self.keep_best or SELECTION_METRIC
+        rule = self.keep_best or self.selection_metric
         kind = "ema" if "ema" in candidates and is_better(
             rule, metric_value(candidates["ema"], rule), metric_value(metrics, rule)) else "raw"
         self.latest = (kind, candidates[kind])

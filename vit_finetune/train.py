@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import pictures, progress as display, selection, sharding, streaming, tracking
+from . import multilabel, pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -143,6 +143,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
                             on_resample=lambda before, after: tables.update(before=before, after=after))
+    if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
+        model.config.problem_type = multilabel.PROBLEM_TYPE
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
@@ -345,10 +347,11 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                                state.history, training_seconds, resume_from, metrics)
         # The pictures show eval images by their place in the split, which a stream cannot look up.
         draw = None if recipe.data.streaming else partial(pictures.draw_evaluation, predictions,
-                                                          parts.eval_loader.dataset, parts.labels)
+                                                          parts.eval_loader.dataset, parts.labels,
+                                                          thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
-        print(f"eval accuracy {metrics['accuracy']:.4f} on {metrics['eval_samples']} images; outputs in {output_dir}")
+        print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
             print(f"pushed to {url}")
@@ -372,6 +375,8 @@ def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: 
     if gathered is not None:
         trained = sharding.unsharded_model(trained, recipe, gathered)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
+    if "thresholds" in metrics:  # multi-label: the chosen thresholds travel with the model (predict reads them)
+        setattr(model.config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                              adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)

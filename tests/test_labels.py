@@ -1,0 +1,122 @@
+"""Label files (CSV, JSON Lines, a folder's metadata file): rows become splits and labels, and every bad row is
+reported with its line, all at once, before anything trains."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+
+from tiny import colour_image, write_label_sets
+from vit_finetune import data
+from vit_finetune.recipe import DataSettings
+
+
+def images(folder: Path, count: int) -> list[str]:
+    rng = np.random.default_rng(0)
+    (folder / "pics").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        colour_image((40 * i % 255, 90, 200), rng).save(folder / "pics" / f"{i}.png")
+    return [f"pics/{i}.png" for i in range(count)]
+
+
+def write_csv(path: Path, header: str, rows: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join([header, *rows]) + "\n")
+    return path
+
+
+def problems_of(path: Path, **settings) -> str:
+    with pytest.raises(data.DataError) as refused:
+        data.load_splits(DataSettings(dataset=str(path), **settings), seed=0)
+    return str(refused.value)
+
+
+def test_a_csv_of_single_labels_trains_with_its_split_column(tmp_path):
+    paths = images(tmp_path, 8)
+    rows = [f"{p},{'cat' if i % 2 else 'dog'},{'validation' if i < 4 else 'train'}" for i, p in enumerate(paths)]
+    splits = data.load_splits(DataSettings(dataset=str(write_csv(tmp_path / "labels.csv", "file_name,label,split",
+                                                                  rows))), seed=0)
+    assert splits.labels == ["cat", "dog"] and not splits.multi_label
+    assert (len(splits.train), len(splits.eval), splits.eval_split) == (4, 4, "validation")
+    assert (splits.image_column, splits.label_column) == ("file_name", "label")
+    assert isinstance(splits.train.features["label"], datasets.ClassLabel)
+    first = splits.eval[0]
+    assert Path(first["file_name"]["path"]) == (tmp_path / "pics" / "0.png").resolve() and first["label"] == 1  # dog
+
+
+def test_a_jsonl_of_label_lists_is_multi_label_and_a_split_is_carved_without_strata(tmp_path):
+    path = write_label_sets(tmp_path, images=20, kind="jsonl")
+    splits = data.load_splits(DataSettings(dataset=str(path), eval_fraction=0.25), seed=0)
+    assert splits.multi_label and splits.labels == ["blue", "green", "red", "yellow"]
+    assert (len(splits.train), len(splits.eval)) == (15, 5)
+    written = {json.loads(line)["file_name"]: sorted(json.loads(line)["labels"]) for line in path.read_text().splitlines()}
+    row = splits.train[0]
+    name = Path(row["file_name"]["path"]).relative_to(tmp_path.resolve()).as_posix()
+    assert sorted(splits.labels[i] for i in row["labels"]) == written[name]
+
+
+def test_a_folder_with_metadata_csv_is_read_as_the_label_file(tmp_path):
+    path = write_label_sets(tmp_path / "set", images=12, split_column=True)
+    path.rename(path.parent / "metadata.csv")
+    splits = data.load_splits(DataSettings(dataset=str(tmp_path / "set")), seed=0)
+    assert splits.multi_label and (len(splits.train), len(splits.eval)) == (8, 4)
+
+
+def test_multi_label_false_refuses_rows_that_hold_several_labels(tmp_path):
+    path = write_label_sets(tmp_path, images=6)
+    assert "data.multi_label=false" in problems_of(path, multi_label=False)
+
+
+def test_every_bad_row_is_reported_at_once_with_its_line(tmp_path):
+    paths = images(tmp_path / "set", 6)
+    (tmp_path / "outside.png").write_bytes((tmp_path / "set" / paths[0]).read_bytes())
+    rows = [f"{paths[0]},Cat",         # line 2: fine
+            f"{paths[1]},cat ",        # line 3: the same label written another way
+            "/etc/passwd,Cat",         # line 4: absolute
+            "../outside.png,dog",      # line 5: leaves the folder
+            "pics/missing.png,dog",    # line 6: no such file
+            f"{paths[2]},",            # line 7: empty label
+            f"{paths[0]},dog",         # line 8: listed twice
+            f"{paths[3]},dog,extra"]   # line 9: a cell too many
+    message = problems_of(write_csv(tmp_path / "set" / "labels.csv", "file_name,label", rows))
+    expected = {3: "written 2 ways", 4: "absolute path", 5: "leaves the label file's folder", 6: "not found",
+                7: "empty label", 8: "already listed on line 2", 9: "3 cells"}
+    lines = {int(line.split("line ")[1].split(":")[0]): line for line in message.splitlines() if "- line" in line}
+    assert set(lines) == set(expected), message
+    for line, words in expected.items():
+        assert words in lines[line], (line, lines[line])
+    assert "'Cat' (line 2)" in lines[3] and "7 problem(s)" in message and "/etc/passwd" in lines[4]
+
+
+def test_jsonl_rows_that_are_not_objects_or_lists_with_an_empty_label_name_their_lines(tmp_path):
+    paths = images(tmp_path, 3)
+    path = tmp_path / "labels.jsonl"
+    path.write_text("\n".join([json.dumps({"file_name": paths[0], "labels": ["a", "b"]}),
+                               "not json",
+                               json.dumps(["a list"]),
+                               json.dumps({"file_name": paths[1], "labels": ["a", " "]}),
+                               json.dumps({"file_name": paths[2], "labels": []})]) + "\n")
+    message = problems_of(path)
+    for line, words in {2: "not JSON", 3: "a JSON list, not an object", 4: "empty label", 5: "empty label"}.items():
+        assert f"line {line}: {words}" in message, message
+
+
+def test_a_label_file_without_a_path_column_says_which_to_name(tmp_path):
+    paths = images(tmp_path, 4)
+    rows = [f"{p},{'ab'[i % 2]}" for i, p in enumerate(paths)]
+    message = problems_of(write_csv(tmp_path / "labels.csv", "picture_url,label", rows))
+    assert "no image path column" in message and "data.image_column" in message
+    splits = data.load_splits(DataSettings(dataset=str(tmp_path / "labels.csv"), image_column="picture_url",
+                                           eval_fraction=0.5), seed=0)
+    assert (len(splits.train), len(splits.eval)) == (2, 2)
+
+
+def test_a_folder_holding_both_metadata_files_is_refused(tmp_path):
+    write_label_sets(tmp_path, images=3)
+    (tmp_path / "labels.csv").rename(tmp_path / "metadata.csv")
+    (tmp_path / "metadata.jsonl").write_text("")
+    assert "keep one" in problems_of(tmp_path)
