@@ -8,7 +8,6 @@ processor that is saved with the model, so reported accuracy is what a `pipeline
 from __future__ import annotations
 
 import io
-import math
 import os
 import random
 import re
