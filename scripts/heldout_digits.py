@@ -8,8 +8,9 @@ scikit-learn's load_digits (real hand-written digits, 8x8 grey), split by class:
   fine-tune    digits 5-9 at 64 px (the base's grid moved from 8x8 to 16x16): 704 training images, the other
                ~190 evaluated; 10 epochs of batch 64 (110 optimiser steps, 7,040 images seen), AdamW lr 5e-4,
                wd 0.05, 10 warm-up steps, seed 0; once with the defaults, once with data.crop_scale=[1,1].
-The defaults must reach crop-off's accuracy: before data.crop_scale=auto was re-derived, auto chose [0.75, 1.0]
-here and lost (0.47 vs 0.63). Results go to <root>/results.json; runs already finished are reused.
+The defaults must reach crop-off's accuracy. Before data.crop_scale=auto was re-derived it chose [0.75, 1.0] here;
+the third run (old_auto) records what that choice gives. Results go to <root>/results.json; runs already finished
+are reused, so the three fine-tunes can also be started side by side as separate commands into the same folders.
 """
 
 from __future__ import annotations
