@@ -27,7 +27,8 @@ Cells. A cell is (tool and options, dataset, image size, optimiser steps, tuning
       RandomResizedCrop over 8-100 % of the area, aspect 3/4-4/3, horizontal flip; eval Resize + CenterCrop;
       the Trainer's AdamW and linear schedule without warm-up; the same base, data, size, steps, lr and batch.
 Results are appended to <root>/results.jsonl (one line per cell, with its wall seconds); a cell already recorded
-is not redone, so the file can be extended by later runs.
+is not redone, so the file can be extended by later runs. The cells measured so far are kept in
+scripts/transfer_study_results.jsonl: copy it to outputs/transfer/results.jsonl to extend it.
 """
 
 from __future__ import annotations
