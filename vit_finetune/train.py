@@ -191,9 +191,9 @@ def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> 
     """The recipe with every `auto` replaced by its value for this run, which is printed."""
     if recipe.data.crop_scale != "auto":
         return recipe
-    crop_scale = data.auto_crop_scale(images_seen)
+    crop_scale, why = data.auto_crop_scale(images_seen)
     if accelerator.is_main_process:
-        display.say(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen; "
+        display.say(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen: {why}; "
                     "set data.crop_scale=[low, high] to choose")
     return recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
 
