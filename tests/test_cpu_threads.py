@@ -24,9 +24,12 @@ def test_the_run_uses_the_recipes_thread_count(args, tmp_path):
         observer = ThreadCount()
         assert train([*args, "train.cpu_threads=1", "train.max_steps=2", f"output_dir={tmp_path / 'run'}"],
                      callbacks=[observer]) == 0
+        after_the_run = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
     assert observer.seen == [1, 1]
+    # the process goes on as it was: the next in-process run (a notebook's, a test's) keeps its own arithmetic
+    assert after_the_run == 2
 
 
 def test_a_fixed_thread_count_gives_the_same_model_whatever_the_machines_default(base, images, tmp_path):

@@ -115,8 +115,8 @@ def open_dataset(settings: DataSettings):
 
 
 def is_local(settings: DataSettings) -> bool:
-    """Whether data.dataset is on the user's own disk (a folder, or the built-in shapes), not a Hub id."""
-    return settings.dataset == BUILTIN_SHAPES or Path(settings.dataset).is_dir()
+    """Whether data.dataset is on the user's own disk (a folder, a label file, or the built-in shapes), not a Hub id."""
+    return settings.dataset == BUILTIN_SHAPES or Path(settings.dataset).exists()
 
 
 def image_folders(settings: DataSettings) -> tuple[Path, ...] | None:

@@ -8,6 +8,7 @@ keep (selection.py: EMA, best evaluation), export and push.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 import shutil
 import time
 from datetime import timedelta
@@ -234,25 +235,41 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         hub.request_timeout()  # a malformed VIT_FINETUNE_HUB_TIMEOUT fails now, not after the training
     tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
-    if accelerator.device.type == "cpu" and recipe.train.cpu_threads:
-        torch.set_num_threads(recipe.train.cpu_threads)  # before any weight exists: every sum splits the same way
-    def check_base_and_data():  # the base config
-        with hub.offline_unless(accelerator.is_local_main_process):
-            config = vit.load_base_config(recipe.model)  # config only: a wrong base or size fails before any download
-            data.refuse_unreachable(recipe.data)  # a Hub dataset that cannot be fetched, before output_dir is touched
-        return config
+    threads = recipe.train.cpu_threads if accelerator.device.type == "cpu" else None
+    with torch_threads(threads):  # before any weight exists: every sum splits the same way
+        # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
+        config = local_main_first(accelerator, partial(check_base_and_data, recipe, accelerator))
+        # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
+        too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
+        if too_big:
+            raise RunError(too_big)
+        lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
+        try:
+            return _run(recipe, callbacks, accelerator)
+        finally:
+            lock.release()
 
-    # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
-    config = local_main_first(accelerator, check_base_and_data)
-    # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
-    too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
-    if too_big:
-        raise RunError(too_big)
-    lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
+
+def check_base_and_data(recipe: Recipe, accelerator: Accelerator):
+    """The base's config (config only: a wrong base or size fails before any download); a Hub dataset that cannot
+    be fetched is refused here too, before output_dir is touched."""
+    with hub.offline_unless(accelerator.is_local_main_process):
+        config = vit.load_base_config(recipe.model)
+        data.refuse_unreachable(recipe.data)
+    return config
+
+
+@contextmanager
+def torch_threads(count: int | None):
+    """torch's intra-op thread count set to `count` for the run (None: left as it is), then restored, so a run in
+    a process that goes on (a notebook, a test session) leaves the next run's arithmetic as it found it."""
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
     try:
-        return _run(recipe, callbacks, accelerator)
+        yield
     finally:
-        lock.release()
+        torch.set_num_threads(before)
 
 
 def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock:
