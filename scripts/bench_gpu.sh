@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU benchmark of issue 4 (python -m vit_finetune.bench), in two halves.
+# The GPU benchmark (python -m vit_finetune.bench), in two halves, for a GPU machine that reaches no package index.
 #
 # 1. Here, on a machine that reaches PyPI, from the repository root:
 #        bash scripts/bench_gpu.sh fetch
 #    downloads into .whl/ (git-ignored) the wheels the GPU image lacks, pinned to the versions installed here.
-# 2. On the GPU machine, through the device tool, with carry [".whl"] and timeout_s 600:
+# 2. On the GPU machine, with .whl/ copied beside the repository and $OUT naming a folder for the results:
 #        bash scripts/bench_gpu.sh run                     # every configuration, CUDA defaults
 #        bash scripts/bench_gpu.sh run --configs end_to_end --steps 20 --profile "$OUT"   # profiler tables
 #        bash scripts/bench_gpu.sh test                    # the CUDA smoke test in tests/test_bench.py
@@ -30,7 +30,7 @@ fetch() {
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
     du -ch .whl/*.whl | tail -1
-    echo "bench_gpu.sh: wheels ready in .whl/ (the device tool carries at most 64 MiB with the working tree)"
+    echo "bench_gpu.sh: wheels ready in .whl/"
 }
 
 install_wheels() {
@@ -52,7 +52,7 @@ case "${1:-run}" in
         ;;
     run)
         shift || true
-        : "${OUT:?OUT is unset: run this on the GPU machine through the device tool, which sets it}"
+        : "${OUT:?OUT is unset: set OUT to the folder for bench.json, bench.log and nvidia-smi.txt}"
         install_wheels
         nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
         python3 -m vit_finetune.bench --out "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 IMAGENET_21K_IMAGES = 14_197_122  # reference: ImageNet-21k (fall11) image count
 IMAGENET_21K_BYTES = 1.31e12  # reference: the fall11 tar, ~92 KB per JPEG on average
 IMAGENET_21K_CLASSES = 21_841  # reference
-GOAL_RATE = 1_050  # images/s per H100, the model-step goal of the GPU issue (~35 % MFU); not measured
+GOAL_RATE = 1_050  # images/s per H100: the model-step goal (~35 % MFU), not a measured rate
 DECODE_RATE_PER_CORE = 404  # measured: 808.0 img/s with 2 workers on 2 cores (docs/performance.md)
 ADAMW_BYTES_PER_PARAMETER = 4 + 8  # fp32 weights, then AdamW's two fp32 moments (Accelerate's save_state)
 
