@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -11,17 +10,7 @@ from pathlib import Path
 import pytest
 
 from runs import RECIPE, train
-
-SHORT = ["train.max_steps=2"]
-
-
-def snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.rglob("*") if p.is_file()}
-
-
-def error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr, stderr[-3000:]
-    return next(line for line in reversed(stderr.splitlines()) if line.startswith("error: "))
+from test_output_dir import SHORT, error_line, snapshot
 
 
 @pytest.fixture(scope="module")
