@@ -150,12 +150,17 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
 
 
 def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file."""
+    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file. If
+    the write fails, its partial file goes and `target` stays as it was."""
     partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
-    write(partial)
-    with open(partial, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(partial, target)
+    try:
+        write(partial)
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     _fsync_dir(target.parent)
 
 

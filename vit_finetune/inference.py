@@ -296,15 +296,10 @@ def writer_for(output: str | None, overwrite: bool = False):
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
     """`write` into a temporary file beside `path`, renamed over it once complete: a kill or an error midway leaves
     no partial file under the name, and a file that was there stays as it was."""
-    from .checkpoint import PARTIAL_PREFIX, replace_atomically
+    from .checkpoint import replace_atomically
 
     counted: list[int] = []
-    partial = path.with_name(f"{PARTIAL_PREFIX}{path.name}")
-    try:
-        replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
+    replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
     return counted[0]
 
 
