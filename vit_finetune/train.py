@@ -8,9 +8,9 @@ keep (selection.py: EMA, best evaluation), export and push.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 import shutil
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
