@@ -38,6 +38,23 @@ def workers_of(launcher: psutil.Process, count: int, log: Path, timeout: float =
     raise AssertionError(f"training did not start: {log.read_text()[-2000:]}")
 
 
+def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_not_a_second_one():
+    """Ctrl-C or a killed launcher reach each process at its own instant: when another process heard it first, the
+    step's agreement sets `raised` here before this process's own signal arrives. That signal must not be taken
+    for an impatient second Ctrl-C, or this process drops the checkpoint the others are writing with it."""
+    from vit_finetune.loop import InterruptFlag
+
+    flag = InterruptFlag()
+    try:
+        flag.raised = True  # what the step's agreement (_interrupted) sets when another process heard the signal
+        os.kill(os.getpid(), signal.SIGTERM)  # this process's own first signal: noted, no exception
+        assert flag.heard and flag.raised
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)  # a second one heard here: stop now
+    finally:
+        flag.restore()
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("launch", LAUNCHERS.values(), ids=LAUNCHERS.keys())
 def test_workers_stop_soon_after_their_launcher_is_killed(launch, tmp_path):

@@ -46,10 +46,14 @@ class Interrupted(VitFinetuneError):
 
 class InterruptFlag:
     """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step, or, with gradient accumulation,
-    at the next forward pass (see StepBoundary), and exits."""
+    at the next forward pass (see StepBoundary), and exits.
+
+    `heard`: this process received a signal. `raised`: the run stops, because some process heard one (all processes
+    agree on it at a step's end). Only a second signal heard *here* means "stop now": Ctrl-C or a killed launcher
+    reach every process, but not at the same instant, and the late one must still checkpoint with the others."""
 
     def __init__(self):
-        self.raised = False
+        self.heard = self.raised = False
         self.previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     def restore(self) -> None:
@@ -58,9 +62,9 @@ class InterruptFlag:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
-        if self.raised:  # a second Ctrl-C means: stop now
+        if self.heard:  # a second Ctrl-C means: stop now
             raise KeyboardInterrupt
-        self.raised = True
+        self.heard = self.raised = True
 
 
 class StepBoundary:
