@@ -167,6 +167,24 @@ def test_predict_lists_every_label_over_its_threshold_with_the_pipelines_sigmoid
 
 
 @pytest.mark.slow
+def test_explain_shows_a_multi_label_models_own_sigmoid_scores(trained, label_sets):
+    from transformers import pipeline
+
+    from vit_finetune import explain
+    from vit_finetune.inference import load_classifier
+
+    image = sorted((label_sets["csv"].parent / "images").glob("*.png"))[0]
+    model, processor = load_classifier(str(trained), eager_attention=True)
+    from PIL import Image
+    pixels = processor(images=Image.open(image).convert("RGB"), return_tensors="pt")["pixel_values"]
+    shown = dict(explain.explain_pixels(model, pixels, "rollout").top)
+    scores = {guess["label"]: guess["score"] for guess in pipeline("image-classification", model=str(trained),
+                                                                   top_k=None)(str(image))}
+    assert shown == pytest.approx(scores, abs=1e-5)  # a softmax over the labels would sum to 1 instead
+    assert abs(sum(shown.values()) - 1) > 1e-3
+
+
+@pytest.mark.slow
 def test_evaluate_reproduces_a_multi_label_runs_metrics_exactly(trained, tmp_path):
     assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "eval")]) == 0
     saved = json.loads((trained / "metrics.json").read_text())

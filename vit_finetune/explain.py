@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import multilabel
 from .errors import VitFinetuneError
 
 METHODS = ("rollout", "gradient")
@@ -94,7 +95,7 @@ def gradient_rollout(attentions: list[torch.Tensor], gradients: list[torch.Tenso
 class Explanation:
     heat_map: torch.Tensor  # (grid, grid) in [0, 1]
     explained_label: str
-    top: list[tuple[str, float]]  # (label, probability), best first
+    top: list[tuple[str, float]]  # (label, probability; for a multi-label model its own sigmoid score), best first
 
 
 def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: str | None = None,
@@ -105,7 +106,9 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
     if not outputs.attentions:
         raise ExplainError("the model returned no attention weights; load it with attn_implementation='eager'")
     attentions = outputs.attentions
-    probabilities = outputs.logits[0].detach().float().softmax(-1)
+    logits = outputs.logits[0].detach().float()
+    # A multi-label model scores each label on its own (a sigmoid), as pipeline() and predict do.
+    probabilities = logits.sigmoid() if multilabel.is_multi_label(model.config) else logits.softmax(-1)
     values, indices = probabilities.topk(min(top_k, probabilities.numel()))
     top = [(model.config.id2label[i], v) for v, i in zip(values.tolist(), indices.tolist())]
     target = indices[0].item() if label is None else model.config.label2id[label]
