@@ -14,7 +14,7 @@ from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, 
 
 from vit_finetune import balance, ema, loop, model as vit, optim, train
 from vit_finetune.families import FAMILIES
-from vit_finetune.recipe import LoraSettings, ModelSettings, load_recipe
+from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
 
 LAYERS = 3
 
@@ -95,7 +95,12 @@ def test_layer_decay_keeps_the_weight_decay_split():
     for name, parameter in model.named_parameters():
         matrix = parameter.ndim >= 2 and not name.endswith(("cls_token", "position_embeddings"))
         assert decay_of[id(parameter)] == (0.05 if matrix else 0.0), name
-    assert optimizer.param_groups[0]["lr_scale"] == 1.0  # the head's group leads: its lr is the run's logged lr
+    # The head's group leads; the lr the log reports is still train.lr, not the head's own (train.head_lr=auto).
+    assert recipe.train.lr == "auto" and train.learning_rates(recipe) == (optim.AUTO_LR_ADAMW["full"],
+                                                                          optim.AUTO_HEAD_LR_ADAMW)
+    assert optimizer.param_groups[0]["lr"] == optim.AUTO_HEAD_LR_ADAMW
+    run = SimpleNamespace(parts=SimpleNamespace(optimizer=optimizer))
+    assert loop._scheduled_lr(run) == pytest.approx(optim.AUTO_LR_ADAMW["full"], rel=1e-12)
 
 
 def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
@@ -103,6 +108,79 @@ def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
     optimizer = train.build_optimizer(model, load_recipe(None, ["train.lr=0.01", "train.weight_decay=0.1"]), "cpu")
     assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.0, 0.01)]
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("layer_decay", [None, 0.5])
+def test_the_new_head_trains_at_head_lr_over_lr_times_the_lr_of_its_depth(lora, layer_decay):
+    model = tiny_vit()
+    if lora:  # peft renames the head base_model.model.classifier.modules_to_save.default.*
+        model = vit.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value"]))
+    overrides = ["train.lr=0.1", "train.head_lr=3", "train.weight_decay=0.05", "train.warmup_steps=2"]
+    recipe = load_recipe(None, overrides + ([f"train.layer_decay={layer_decay}"] if layer_decay else []))
+    optimizer = train.build_optimizer(model, recipe, "cpu")
+    lrs = lr_of_each_parameter(optimizer, model)
+
+    def expected(name: str) -> float:
+        depth_scale = layer_decay ** (LAYERS + 1 - expected_depth(name)) if layer_decay else 1.0
+        return 0.1 * depth_scale * (30 if re.search(r"(^|\.)classifier\.", name) else 1)
+    assert sum("classifier." in name for name in lrs) == 2  # the head's weight and bias, both found
+    assert lrs == pytest.approx({name: expected(name) for name in lrs}, rel=1e-12)
+
+    # The schedule keeps the ratio, and what the log reports as the run's lr is train.lr times the schedule.
+    scheduler = train.build_scheduler(optimizer, recipe, total_steps=10)
+    optimizer.step()
+    scheduler.step()
+    factor = scheduler.lr_lambdas[0](1)
+    assert lr_of_each_parameter(optimizer, model) == pytest.approx({n: expected(n) * factor for n in lrs}, rel=1e-12)
+    run = SimpleNamespace(parts=SimpleNamespace(optimizer=optimizer))
+    assert loop._scheduled_lr(run) == pytest.approx(0.1 * factor, rel=1e-12)
+
+
+def test_a_head_lr_equal_to_the_lr_leaves_the_two_groups_of_a_plain_run():
+    model = tiny_vit()
+    recipe = load_recipe(None, ["train.lr=0.01", "train.weight_decay=0.1", "train.head_lr=0.01"])
+    optimizer = train.build_optimizer(model, recipe, "cpu")
+    assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.0, 0.01)]
+
+
+def test_auto_head_lr_raises_an_adamw_head_to_its_floor_and_leaves_sgd_and_high_lrs_alone():
+    floor = optim.AUTO_HEAD_LR_ADAMW
+    assert optim.auto_head_lr("adamw", 2e-5)[0] == floor
+    assert optim.auto_head_lr("adamw", floor * 5)[0] == floor * 5  # raised, never lowered
+    lr, why = optim.auto_head_lr("sgd", 0.01)
+    assert lr == 0.01 and "AdamW only" in why
+
+
+def test_auto_lr_is_small_for_full_tuning_larger_for_lora_and_refused_for_sgd():
+    full, lora = load_recipe(None, []), load_recipe(None, ["model.lora={r: 4}"])
+    assert train.learning_rates(full) == (optim.AUTO_LR_ADAMW["full"], optim.AUTO_HEAD_LR_ADAMW)
+    assert train.learning_rates(lora) == (optim.AUTO_LR_ADAMW["lora"], optim.AUTO_HEAD_LR_ADAMW)
+    assert optim.AUTO_LR_ADAMW["full"] < optim.AUTO_LR_ADAMW["lora"] < optim.AUTO_HEAD_LR_ADAMW
+    with pytest.raises(RecipeError, match=r"train.lr=auto is measured for AdamW only; set train.lr .*e.g. train.lr=0.01"):
+        load_recipe(None, ["train.optimizer=sgd"])
+    assert load_recipe(None, ["train.optimizer=sgd", "train.lr=0.01"]).train.lr == 0.01
+
+
+def test_a_run_prints_the_head_lr_it_chose_and_saves_it_resolved(args, tmp_path, capsys):
+    from runs import train as run
+    from vit_finetune.recipe import read_yaml
+
+    assert run([*args, "train.lr=1e-4", "train.checkpoint_every_steps=1", f"output_dir={tmp_path / 'auto'}"]) == 0
+    floor = optim.AUTO_HEAD_LR_ADAMW
+    assert f"train.head_lr=auto -> {floor:g}: " in capsys.readouterr().out
+    assert read_yaml(tmp_path / "auto" / "recipe.yaml")["train"]["head_lr"] == floor
+    # The optimizer that trained: its saved groups carry the head's scale (and the checkpoint resumes with it).
+    saved = torch.load(next((tmp_path / "auto" / "checkpoints").glob("*/optimizer.bin")), weights_only=True)
+    assert max(group["lr_scale"] for group in saved["param_groups"]) == pytest.approx(floor / 1e-4)
+    assert run([*args, "train.lr=1e-4", "train.head_lr=1e-4", f"output_dir={tmp_path / 'set'}"]) == 0
+    assert "train.head_lr=auto" not in capsys.readouterr().out
+    assert read_yaml(tmp_path / "set" / "recipe.yaml")["train"]["head_lr"] == 1e-4
+    # lr=auto too, with LoRA: both printed, both saved resolved.
+    assert run([*args, "train.lr=auto", "model.lora={r: 2}", f"output_dir={tmp_path / 'lora'}"]) == 0
+    said = capsys.readouterr().out
+    assert f"train.lr=auto -> {optim.AUTO_LR_ADAMW['lora']:g}: LoRA" in said and "train.head_lr=auto -> " in said
+    assert read_yaml(tmp_path / "lora" / "recipe.yaml")["train"]["lr"] == optim.AUTO_LR_ADAMW["lora"]
 
 
 def test_depth_reads_transformers_4_block_names_too():

@@ -211,7 +211,7 @@ classify("photo.jpg")
 ## Training
 {info_text(info)}- Method: {lora_text}
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
-- Optimiser: {t.optimizer}, lr {t.lr}, weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
+- Optimiser: {t.optimizer}, lr {t.lr} (new head: {t.head_lr}), weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}
 - Precision: {t.mixed_precision}; gradient clipping: {t.max_grad_norm}; seed {t.seed}
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})

@@ -228,7 +228,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         pending_finite = finite
         callbacks.on_step_end(run)
         if _due(state.step, t.log_every_steps) or state.step == last:
-            callbacks.on_log(run, log.write(state, run.parts.scheduler.get_last_lr()[0]))
+            callbacks.on_log(run, log.write(state, _scheduled_lr(run)))
         if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
         stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
@@ -294,6 +294,13 @@ def _epoch_batches(run: TrainingRun) -> Iterable[dict]:
     if state.batches_done:
         return run.accelerator.skip_first_batches(parts.train_loader, state.batches_done)
     return parts.train_loader
+
+
+def _scheduled_lr(run: TrainingRun) -> float:
+    """train.lr times the schedule's factor now: what the log calls the run's lr (each group trains at its
+    lr_scale times this: layer decay, the head's scale)."""
+    group = run.parts.optimizer.param_groups[0]
+    return group["lr"] / group.get("lr_scale", 1.0)
 
 
 def _due(step: int, every: int | None) -> bool:

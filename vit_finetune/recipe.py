@@ -237,9 +237,9 @@ class TrainSettings(Strict):
     grad_accum: StrictInt = Field(1, gt=0,
         description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
-    # Beyond 1e6 the lr overflows inside the optimiser.
-    lr: Float = Field(1e-4, gt=0, le=1e6, allow_inf_nan=False,
-        description="peak learning rate, reached after the warm-up")
+    lr: Float | Literal["auto"] = Field("auto", description=(
+        "peak learning rate, reached after the warm-up; auto (AdamW only): optim.auto_lr, 2e-5 for full fine-tuning "
+        "and 1e-3 for LoRA, printed"))
     momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
     weight_decay: Float = Field(0.0, ge=0,
         description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
@@ -284,6 +284,37 @@ class TrainSettings(Strict):
     layer_decay: Float | None = Field(None, gt=0, le=1, description=(
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
+    head_lr: Float | Literal["auto"] = Field("auto", description=(
+        "peak lr of the new classifier head (it starts from nothing, the backbone from pretraining); auto: "
+        "optim.auto_head_lr, printed with its reason (AdamW: at least 2e-3; SGD: train.lr)"))
+
+    @field_validator("lr", "head_lr", mode="before")
+    @classmethod
+    def _lr_number_or_auto(cls, value):
+        """One clear problem for a misspelt lr, not one per member of the union."""
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a number; give a number or auto, e.g. 2e-5")
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)  # YAML 1.1 reads 1e-4 as a string
+            except ValueError:
+                raise ValueError(f"must be a number or auto, got {value!r}; e.g. 2e-5") from None
+        return value
+
+    # Beyond 1e6 the lr overflows inside the optimiser.
+    @field_validator("lr", "head_lr")
+    @classmethod
+    def _lr_positive(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0 < value <= 1e6:
+            raise ValueError(f"must be a learning rate above 0 (at most 1e6) or auto, got {value}; e.g. 0.002")
+        return value
+
+    @model_validator(mode="after")
+    def _auto_lr_for_adamw(self) -> TrainSettings:
+        if self.lr == "auto" and self.optimizer != "adamw":
+            raise ValueError(f"train.lr=auto is measured for AdamW only; set train.lr for train.optimizer="
+                             f"{self.optimizer}, e.g. train.lr=0.01 (the ViT paper's SGD range is 0.003-0.03 at batch 512)")
+        return self
 
     threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
         "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "

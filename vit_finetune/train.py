@@ -8,6 +8,7 @@ keep (selection.py: EMA, best evaluation), export and push.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import time
 from contextlib import contextmanager
@@ -89,16 +90,26 @@ def _accelerator(recipe: Recipe) -> Accelerator:
     )
 
 
+def learning_rates(recipe: Recipe) -> tuple[float, float]:
+    """(train.lr, train.head_lr) with `auto` resolved (resolve_auto prints why)."""
+    t = recipe.train
+    lr = optim.auto_lr(recipe.model.lora is not None)[0] if t.lr == "auto" else t.lr
+    return lr, optim.auto_head_lr(t.optimizer, lr)[0] if t.head_lr == "auto" else t.head_lr
+
+
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
+    lr, head_lr = learning_rates(recipe)
     config, family = model.config, vit.family_of(model.config)
     block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
-    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config))
+    head = re.compile(rf"(?:^|\.){re.escape(family.head)}\.")  # under peft too: base_model.model.classifier...
+    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config),
+                                    lambda name: bool(head.search(name)), head_lr / lr)
     for group in groups:
-        group["lr"] = t.lr * group["lr_scale"]
+        group["lr"] = lr * group["lr_scale"]
     if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=t.lr, momentum=t.momentum)
-    return torch.optim.AdamW(groups, lr=t.lr, fused=device_type == "cuda")
+        return torch.optim.SGD(groups, lr=lr, momentum=t.momentum)
+    return torch.optim.AdamW(groups, lr=lr, fused=device_type == "cuda")
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
@@ -125,7 +136,8 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
     groups = parts.optimizer.param_groups
     # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
-    scheduler.base_lrs = [t.lr * group.get("lr_scale", 1.0) for group in groups]
+    lr = learning_rates(recipe)[0]
+    scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
     for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
         group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
                      weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
@@ -177,8 +189,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
         train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
-    optimizer = build_optimizer(model, recipe, accelerator.device.type)
-    scheduler = build_scheduler(optimizer, recipe, total_steps)
+    optimizer = build_optimizer(model, as_run, accelerator.device.type)
+    scheduler = build_scheduler(optimizer, as_run, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing)
@@ -190,13 +202,24 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
     """The recipe with every `auto` replaced by its value for this run, which is printed."""
-    if recipe.data.crop_scale != "auto":
-        return recipe
-    crop_scale, why = data.auto_crop_scale(images_seen)
-    if accelerator.is_main_process:
-        display.say(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen: {why}; "
+    said = []
+    if recipe.data.crop_scale == "auto":
+        crop_scale, why = data.auto_crop_scale(images_seen)
+        said.append(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen: {why}; "
                     "set data.crop_scale=[low, high] to choose")
-    return recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
+        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
+    if recipe.train.lr == "auto":
+        lr, why = optim.auto_lr(recipe.model.lora is not None)
+        said.append(f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose")
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
+    if recipe.train.head_lr == "auto":
+        head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr)
+        said.append(f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose")
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
+    if accelerator.is_main_process:
+        for line in said:
+            display.say(line)
+    return recipe
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
