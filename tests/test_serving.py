@@ -240,15 +240,15 @@ def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture
     assert screenshot.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_env, hub_repo_id,
-                                                                           tmp_path):
+def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_token, hub_repo_id,
+                                                                           tmp_path, monkeypatch, capsys):
     import runpy
 
     from huggingface_hub import HfApi, hf_hub_download
     from PIL import Image
 
-    pushed = run_cli("push", str(demo_run), "--repo-id", hub_repo_id, "--space-app", env=hub_env)
-    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    assert main(["push", str(demo_run), "--repo-id", hub_repo_id, "--space-app"]) == 0, capsys.readouterr().err[-3000:]
     files = set(HfApi().list_repo_files(hub_repo_id))
     assert {"space/app.py", "space/requirements.txt", "space/README.md", "model.safetensors"} <= files
     readme = Path(hf_hub_download(hub_repo_id, "space/README.md")).read_text()
