@@ -300,17 +300,17 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
 # ---------------------------------------------------------------- 5. globs over looping links
 
 
+@pytest.mark.timeout(120)  # a glob that follows the loops never ends: the test fails instead of hanging
 def test_a_glob_over_self_links_ends_and_reads_each_file_once(trained, tmp_path):
     tree = tmp_path / "L"
     many_photos(tree / "sub", 3)
     (tree / "loop").symlink_to(".")
     (tree / "sub" / "back").symlink_to("..")
     output = tmp_path / "p.csv"
-    result = cli("predict", str(trained), str(tree / "**" / "*.png"), "--output", str(output), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["predict", str(trained), str(tree / "**" / "*.png"), "--output", str(output)]) == 0
     names = [row["image"] for row in csv.DictReader(output.open())]
     assert sorted(Path(name).resolve() for name in names) == sorted((tree / "sub").glob("*.png"))
-    # explain gathers its images the same way (in this process: the collector was just shown to end)
+    # explain gathers its images the same way
     assert main(["explain", str(trained), str(tree / "**" / "*.png"), "--output-dir", str(tmp_path / "ex")]) == 0
     assert len(list((tmp_path / "ex").rglob("*.png"))) == 3
 
