@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from runs import train
-from tiny import run_cli
 from vit_finetune import synthetic
 from vit_finetune.cli import main
 
@@ -33,10 +32,15 @@ def demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(demo_run) -> Path:
-    """The demo run exported through the real command line, with int8 weights."""
-    result = run_cli("export", str(demo_run), "--onnx", "--quantize", "int8")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "parity: max abs logit difference" in result.stdout
+    """The demo run exported through the command line's main, with int8 weights."""
+    import contextlib
+    import io
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = main(["export", str(demo_run), "--onnx", "--quantize", "int8"])
+    assert code == 0, errors.getvalue()[-3000:]
+    assert "parity: max abs logit difference" in printed.getvalue()
     return demo_run / "onnx"
 
 
