@@ -200,7 +200,8 @@ def test_a_stalled_commit_times_out_and_is_retried(trained, hub, hub_repo_id, fa
 
 
 def test_a_hub_that_always_stalls_ends_with_the_command_to_push_again(trained, hub, hub_repo_id, fast_retries,
-                                                                     capsys):
+                                                                     capsys, monkeypatch):
+    monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "1")  # five stalled commits: 5 s of waiting, not 10
     hub.inject_faults(status=None, delay=10, times=None, path_regex=r"/commit/", method="POST")
     assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
     error = error_line(capsys.readouterr().err)
