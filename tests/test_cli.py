@@ -11,6 +11,7 @@ import pytest
 import torch
 import yaml
 
+from runs import train
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
 
@@ -79,12 +80,11 @@ def test_pipeline_users_get_the_reported_accuracy(trained, images):
 
 
 @pytest.mark.slow
-def test_predict_prints_ranked_labels(trained, images, tmp_path):
+def test_predict_prints_ranked_labels(trained, images, tmp_path, capsys):
     red = tmp_path / "red.png"
     colour_image(COLOURS["red"], np.random.default_rng(9)).save(red)
-    result = run_cli("predict", str(trained), str(red))
-    assert result.returncode == 0, result.stderr[-2000:]
-    lines = result.stdout.splitlines()
+    assert main(["predict", str(trained), str(red)]) == 0, capsys.readouterr().err[-2000:]
+    lines = capsys.readouterr().out.splitlines()
     assert lines[0] == str(red) and lines[1].split()[1] == "red" and len(lines) == 4  # 3 classes -> top 3
     scores = [float(line.split()[0]) for line in lines[1:]]
     assert scores == sorted(scores, reverse=True) and abs(sum(scores) - 1) < 1e-3
@@ -99,9 +99,8 @@ def test_lora_run_saves_adapter_and_merged_model_with_equal_logits(base, images,
     from vit_finetune.recipe import ModelSettings
 
     output = tmp_path / "lora"
-    result = run_cli(f"model.base={base}", f"data.dataset={images}", f"output_dir={output}", *TRAIN_ARGS,
-                     "train.lr=0.01", "model.lora={r: 4, alpha: 8, dropout: 0.0}")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert train([f"model.base={base}", f"data.dataset={images}", f"output_dir={output}", *TRAIN_ARGS,
+                  "train.lr=0.01", "model.lora={r: 4, alpha: 8, dropout: 0.0}"]) == 0
     assert (output / "adapter" / "adapter_model.safetensors").is_file()
     merged = ViTForImageClassification.from_pretrained(output).eval()
     fresh = build_model(ModelSettings(base=str(base), image_size=64), ["blue", "green", "red"])
@@ -113,19 +112,18 @@ def test_lora_run_saves_adapter_and_merged_model_with_equal_logits(base, images,
 
 
 @pytest.mark.slow
-def test_skip_bad_images_completes_and_counts(base, images, tmp_path):
+def test_skip_bad_images_completes_and_counts(base, images, tmp_path, capsys):
     dirty = tmp_path / "dirty"
     write_colour_folder(dirty, classes=3, train=8, validation=3)
     (dirty / "train" / "red" / "broken.png").write_bytes((dirty / "train" / "red" / "0.png").read_bytes()[:40])
     (dirty / "train" / "blue" / "empty.png").write_bytes(b"")
-    failing = run_cli(f"model.base={base}", f"data.dataset={dirty}", f"output_dir={tmp_path / 'a'}", *TRAIN_ARGS)
-    assert failing.returncode == 1
-    assert "broken.png" in failing.stderr or "empty.png" in failing.stderr
-    assert "data.skip_bad_images=true" in failing.stderr and "Traceback" not in failing.stderr
+    assert train([f"model.base={base}", f"data.dataset={dirty}", f"output_dir={tmp_path / 'a'}", *TRAIN_ARGS]) == 1
+    error = capsys.readouterr().err
+    assert "broken.png" in error or "empty.png" in error
+    assert "data.skip_bad_images=true" in error and "Traceback" not in error
     assert not (tmp_path / "a" / "metrics.json").exists()
-    passing = run_cli(f"model.base={base}", f"data.dataset={dirty}", f"output_dir={tmp_path / 'b'}", *TRAIN_ARGS,
-                      "train.epochs=1", "data.skip_bad_images=true")
-    assert passing.returncode == 0, passing.stderr[-2000:]
+    assert train([f"model.base={base}", f"data.dataset={dirty}", f"output_dir={tmp_path / 'b'}", *TRAIN_ARGS,
+                  "train.epochs=1", "data.skip_bad_images=true"]) == 0, capsys.readouterr().err[-2000:]
     assert json.loads((tmp_path / "b" / "metrics.json").read_text())["skipped_images"] == 2
 
 

@@ -25,9 +25,11 @@ def test_no_arguments_prints_help_and_recipes_and_runs_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--help"], ["--list-recipes"], [], ["--recipe", "demo", "--keys"],
-                                  ["predict", "--help"], ["push", "--help"]])
+                                  ["predict", "--help"], ["push", "--help"],
+                                  ["predict", "someone/no-such-model", "docs/demo_position_embeddings.png"]])
 def test_help_and_listings_import_no_heavy_library(args):
-    """The cause of a slow --help was torch/transformers/datasets imported up front; none may load for these."""
+    """The cause of a slow --help was torch/transformers/datasets imported up front; none may load for these, nor
+    for a model that is neither a folder nor on the Hub (refused after one Hub question)."""
     code = ("import sys; from vit_finetune.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate', 'peft') if m in sys.modules))")

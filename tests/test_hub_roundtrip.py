@@ -196,7 +196,7 @@ def test_a_local_dataset_or_base_never_reaches_the_card_metadata(tmp_path):
     assert str(tmp_path) not in str(card.data.to_dict())
 
 
-def test_push_later_and_lora_layout(seeded_hub, tmp_path):
+def test_push_later_and_lora_layout(seeded_hub, tmp_path, monkeypatch, capsys):
     """A LoRA run without push, then `python -m vit_finetune push`: merged model at the root, adapter in adapter/."""
     from conftest import HUB_TOKEN
     from peft import PeftModel
@@ -206,14 +206,13 @@ def test_push_later_and_lora_layout(seeded_hub, tmp_path):
     from vit_finetune.recipe import ModelSettings
 
     output = tmp_path / "lora"
-    trained = run_cli(f"model.base={BASE_ID}", f"data.dataset={DATASET_ID}", f"output_dir={output}", *ARGS,
-                      "train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}")
-    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert main([f"model.base={BASE_ID}", f"data.dataset={DATASET_ID}", f"output_dir={output}", *ARGS,
+                 "train.epochs=1", "model.lora={r: 4, alpha: 8, dropout: 0.0}"]) == 0, capsys.readouterr().err[-3000:]
     repo_id = "user/vit-colours-lora"
     local_card = (output / "README.md").read_text()
     assert f'model="{output}")' in local_card  # trained without hub.push: the card loads the folder
-    pushed = run_cli("push", str(output), "--repo-id", repo_id, env={"HF_TOKEN": HUB_TOKEN})
-    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    assert main(["push", str(output), "--repo-id", repo_id]) == 0, capsys.readouterr().err[-3000:]
     files = seeded_hub.repo_files(repo_id)
     # the pushed card's usage snippet loads the repo it was pushed to; the local card is left as it was
     assert files["README.md"].decode() == local_card.replace(f'model="{output}")', f'model="{repo_id}")')
@@ -227,23 +226,27 @@ def test_push_later_and_lora_layout(seeded_hub, tmp_path):
         assert (merged(pixels).logits - adapter(pixel_values=pixels).logits).abs().max() <= 1e-5
 
 
-def test_no_token_is_reported_before_anything_is_downloaded(seeded_hub, tmp_path):
+def test_no_token_is_reported_before_anything_is_downloaded(seeded_hub, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
     seeded_hub.clear_log()
-    result = run_cli(f"model.base={BASE_ID}", f"data.dataset={DATASET_ID}", f"output_dir={tmp_path / 'o'}", *ARGS,
-                     "hub.push=true", "hub.repo_id=user/never")
-    assert result.returncode == 1
-    assert "no Hugging Face token" in result.stderr and "HF_TOKEN" in result.stderr
-    assert "Traceback" not in result.stderr
+    code = main([f"model.base={BASE_ID}", f"data.dataset={DATASET_ID}", f"output_dir={tmp_path / 'o'}", *ARGS,
+                 "hub.push=true", "hub.repo_id=user/never"])
+    error = capsys.readouterr().err
+    assert code == 1
+    assert "no Hugging Face token" in error and "HF_TOKEN" in error
+    assert "Traceback" not in error
     assert not seeded_hub.requests() and not (tmp_path / "o").exists()
 
 
-def test_push_survives_two_503s_on_the_commit(pushed, seeded_hub):
+def test_push_survives_two_503s_on_the_commit(pushed, seeded_hub, monkeypatch, capsys):
     from conftest import HUB_TOKEN
 
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.01,) * 4)  # the real back-off sleeps 3 s before the third try
     seeded_hub.clear_log()
     seeded_hub.inject_faults(status=503, times=2, path_regex=r"/commit/")
-    result = run_cli("push", str(pushed["output"]), "--repo-id", "user/after-503", env={"HF_TOKEN": HUB_TOKEN})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["push", str(pushed["output"]), "--repo-id", "user/after-503"]) == 0, capsys.readouterr().err[-3000:]
+    assert "push attempt 2 of 5 failed" in capsys.readouterr().out
     statuses = [r.status for r in seeded_hub.requests(method="POST", path_regex=r"/commit/")]
     assert statuses == [503, 503, 200]
     assert seeded_hub.repo_files("user/after-503")["model.safetensors"] == (pushed["output"] / "model.safetensors").read_bytes()
@@ -282,15 +285,15 @@ def test_a_failed_push_after_training_keeps_the_trained_model(seeded_hub, monkey
     assert (output / "model.safetensors").is_file()
 
 
-def test_pushing_the_same_folder_twice_gives_a_clean_repo(pushed, seeded_hub):
+def test_pushing_the_same_folder_twice_gives_a_clean_repo(pushed, seeded_hub, monkeypatch, capsys):
     from conftest import HUB_TOKEN
 
+    monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
     seeded_hub.clear_faults()
     from transformers import ViTForImageClassification
 
     for _ in range(2):
-        result = run_cli("push", str(pushed["output"]), "--repo-id", "user/twice", env={"HF_TOKEN": HUB_TOKEN})
-        assert result.returncode == 0, result.stderr[-2000:]
+        assert main(["push", str(pushed["output"]), "--repo-id", "user/twice"]) == 0, capsys.readouterr().err[-2000:]
     files = seeded_hub.repo_files("user/twice")
     local = {name: (pushed["output"] / name).read_bytes() for name in files if name not in (".gitattributes", "README.md")}
     assert all(files[name] == data for name, data in local.items())

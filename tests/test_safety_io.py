@@ -157,11 +157,22 @@ def fast_retries(hub_token, monkeypatch):
 @pytest.mark.parametrize("route, resets", [(r"^/api/repos/create", 1), (r"/preupload/", 6),
                                            (r"\.git/info/lfs/objects/batch", 6), (r"/commit/", 1)],
                          ids=["create", "preupload", "lfs-batch", "commit"])
-def test_push_survives_a_connection_reset(route, resets, trained, hub, hub_repo_id, fast_retries, capsys):
+def test_push_survives_a_connection_reset(route, resets, trained, hub, hub_repo_id, fast_retries, capsys, monkeypatch):
+    import functools
+
+    import huggingface_hub._commit_api
+    import huggingface_hub.lfs
+    from huggingface_hub.utils import http_backoff
+
+    # The library's own back-off shortened as ours is (it has no setting for it): the same 6 tries, 23 s less sleep.
+    quick = functools.partial(http_backoff, base_wait_time=0.01, max_wait_time=0.01)
+    for module in (huggingface_hub._commit_api, huggingface_hub.lfs):
+        monkeypatch.setattr(module, "http_backoff", quick)
     hub.inject_faults(status=None, reset=True, times=resets, path_regex=route, method="POST")
     assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 0
     assert "Traceback" not in capsys.readouterr().err
-    assert hub.requests(method="POST", path_regex=route)[0].faulted
+    tries = hub.requests(method="POST", path_regex=route)
+    assert tries[0].faulted and sum(r.faulted for r in tries) == resets
     files = hub.repo_files(hub_repo_id)
     assert files["model.safetensors"] == (trained / "model.safetensors").read_bytes()
 
@@ -189,7 +200,8 @@ def test_a_stalled_commit_times_out_and_is_retried(trained, hub, hub_repo_id, fa
 
 
 def test_a_hub_that_always_stalls_ends_with_the_command_to_push_again(trained, hub, hub_repo_id, fast_retries,
-                                                                     capsys):
+                                                                     capsys, monkeypatch):
+    monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "1")  # five stalled commits: 5 s of waiting, not 10
     hub.inject_faults(status=None, delay=10, times=None, path_regex=r"/commit/", method="POST")
     assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
     error = error_line(capsys.readouterr().err)
@@ -289,17 +301,17 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
 # ---------------------------------------------------------------- 5. globs over looping links
 
 
+@pytest.mark.timeout(120)  # a glob that follows the loops never ends: the test fails instead of hanging
 def test_a_glob_over_self_links_ends_and_reads_each_file_once(trained, tmp_path):
     tree = tmp_path / "L"
     many_photos(tree / "sub", 3)
     (tree / "loop").symlink_to(".")
     (tree / "sub" / "back").symlink_to("..")
     output = tmp_path / "p.csv"
-    result = cli("predict", str(trained), str(tree / "**" / "*.png"), "--output", str(output), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert main(["predict", str(trained), str(tree / "**" / "*.png"), "--output", str(output)]) == 0
     names = [row["image"] for row in csv.DictReader(output.open())]
     assert sorted(Path(name).resolve() for name in names) == sorted((tree / "sub").glob("*.png"))
-    # explain gathers its images the same way (in this process: the collector was just shown to end)
+    # explain gathers its images the same way
     assert main(["explain", str(trained), str(tree / "**" / "*.png"), "--output-dir", str(tmp_path / "ex")]) == 0
     assert len(list((tmp_path / "ex").rglob("*.png"))) == 3
 

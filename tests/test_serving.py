@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from runs import train
-from tiny import run_cli
 from vit_finetune import synthetic
 from vit_finetune.cli import main
 
@@ -33,10 +32,15 @@ def demo_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(demo_run) -> Path:
-    """The demo run exported through the real command line, with int8 weights."""
-    result = run_cli("export", str(demo_run), "--onnx", "--quantize", "int8")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "parity: max abs logit difference" in result.stdout
+    """The demo run exported through the command line's main, with int8 weights."""
+    import contextlib
+    import io
+
+    printed, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(errors):
+        code = main(["export", str(demo_run), "--onnx", "--quantize", "int8"])
+    assert code == 0, errors.getvalue()[-3000:]
+    assert "parity: max abs logit difference" in printed.getvalue()
     return demo_run / "onnx"
 
 
@@ -240,15 +244,15 @@ def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture
     assert screenshot.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_env, hub_repo_id,
-                                                                           tmp_path):
+def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_token, hub_repo_id,
+                                                                           tmp_path, monkeypatch, capsys):
     import runpy
 
     from huggingface_hub import HfApi, hf_hub_download
     from PIL import Image
 
-    pushed = run_cli("push", str(demo_run), "--repo-id", hub_repo_id, "--space-app", env=hub_env)
-    assert pushed.returncode == 0, pushed.stderr[-3000:]
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    assert main(["push", str(demo_run), "--repo-id", hub_repo_id, "--space-app"]) == 0, capsys.readouterr().err[-3000:]
     files = set(HfApi().list_repo_files(hub_repo_id))
     assert {"space/app.py", "space/requirements.txt", "space/README.md", "model.safetensors"} <= files
     readme = Path(hf_hub_download(hub_repo_id, "space/README.md")).read_text()

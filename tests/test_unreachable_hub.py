@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from tiny import run_cli
+from vit_finetune.cli import main
 
 OFFLINE_FIX = "set HF_HUB_OFFLINE=1"
 
@@ -26,6 +27,7 @@ def dead_endpoint():
     ("data.dataset", "someone/photos", "give a local image folder"),
 ])
 def test_a_hub_that_refuses_connections_is_named_with_the_offline_fix(dead_endpoint, tmp_path, key, value, local_fix):
+    # A fresh interpreter: huggingface_hub reads HF_ENDPOINT once, when it is imported.
     output = tmp_path / "run"
     result = run_cli("--recipe", "demo", f"{key}={value}", f"output_dir={output}", env={"HF_ENDPOINT": dead_endpoint})
     assert result.returncode == 1 and "Traceback" not in result.stderr
@@ -36,18 +38,20 @@ def test_a_hub_that_refuses_connections_is_named_with_the_offline_fix(dead_endpo
     assert not output.exists()
 
 
-def test_a_hub_answering_503_is_asked_once(hub, tmp_path):
+def test_a_hub_answering_503_is_asked_once(hub, tmp_path, capsys):
     """The loopback Hub refuses every request: one request, no retries, the same message."""
     hub.inject_faults(status=503, times=None)
-    result = run_cli("--recipe", "demo", "model.base=user/vit-base", f"output_dir={tmp_path / 'run'}")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "the Hub (" in result.stderr and "is unreachable (HfHubHTTPError" in result.stderr
-    assert OFFLINE_FIX in result.stderr
+    assert main(["--recipe", "demo", "model.base=user/vit-base", f"output_dir={tmp_path / 'run'}"]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert "the Hub (" in error and "is unreachable (HfHubHTTPError" in error
+    assert OFFLINE_FIX in error
     assert len(hub.requests()) == 1, [(r.method, r.path) for r in hub.requests()]
 
 
-def test_a_missing_repo_is_not_called_unreachable(hub, tmp_path):
-    result = run_cli("--recipe", "demo", "model.base=user/no-such-model", f"output_dir={tmp_path / 'run'}")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "error: model.base='user/no-such-model': the Hub has no model 'user/no-such-model'" in result.stderr
-    assert "unreachable" not in result.stderr
+def test_a_missing_repo_is_not_called_unreachable(hub, tmp_path, capsys):
+    assert main(["--recipe", "demo", "model.base=user/no-such-model", f"output_dir={tmp_path / 'run'}"]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert "error: model.base='user/no-such-model': the Hub has no model 'user/no-such-model'" in error
+    assert "unreachable" not in error

@@ -149,14 +149,12 @@ def test_a_wrong_output_format_is_refused_before_work(trained, photos, tmp_path,
 
 
 @pytest.mark.slow
-def test_predict_with_a_hub_model_id(trained, photos, hub, hub_env, hub_token, hub_repo_id, tmp_path, monkeypatch):
+def test_predict_with_a_hub_model_id(trained, photos, hub, hub_token, hub_repo_id, tmp_path, monkeypatch, capsys):
     from vit_finetune.hub import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(trained, hub_repo_id)
-    result = run_cli("predict", hub_repo_id, str(photos / "red.png"), "--output", str(tmp_path / "h.csv"),
-                     env=hub_env)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert main(["predict", hub_repo_id, str(photos / "red.png"), "--output", str(tmp_path / "h.csv")]) == 0
     assert read_csv(tmp_path / "h.csv")[0]["label_1"] == "red"
-    missing = run_cli("predict", "user/not-there", str(photos / "red.png"), env=hub_env)
-    assert "folder not found: user/not-there, and the Hub has no model" in missing.stderr
+    assert main(["predict", "user/not-there", str(photos / "red.png")]) == 1
+    assert "folder not found: user/not-there, and the Hub has no model" in capsys.readouterr().err

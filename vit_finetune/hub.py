@@ -17,7 +17,9 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import VitFinetuneError
-from .export import CARD_FILE, METRICS_FILE, STAGING, card_loading_from
+
+# The model card's module (.export) loads torch: it is imported where a push needs it, so that asking the Hub about an
+# id (predict's check of a model that is not a folder) answers without it.
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
@@ -174,6 +176,7 @@ def published_files(output_dir: Path) -> list[str]:
     """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
     left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
     from .checkpoint import CHECKPOINTS
+    from .export import STAGING
     from .outputs import MANIFEST, claimed
     from .selection import BEST_DIR
 
@@ -190,6 +193,8 @@ def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
     """One commit's files: every file under the published `names`, the model card's usage snippet naming `repo_id`
     (the local card is not changed)."""
     from huggingface_hub import CommitOperationAdd
+
+    from .export import CARD_FILE, card_loading_from
 
     files = sorted(path for name in names for path in ([output_dir / name] if (output_dir / name).is_file()
                                                           else (output_dir / name).rglob("*"))
@@ -209,6 +214,8 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
     import httpx2
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
+
+    from .export import METRICS_FILE
 
     output_dir = Path(output_dir)
     try:
