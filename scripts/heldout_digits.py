@@ -9,7 +9,8 @@ scikit-learn's load_digits (real hand-written digits, 8x8 grey), split by class:
                ~190 evaluated; 10 epochs of batch 64 (110 optimiser steps, 7,040 images seen), AdamW lr 5e-4,
                wd 0.05, 10 warm-up steps, seed 0; once with the defaults, once with data.crop_scale=[1,1].
 The defaults must reach crop-off's accuracy. Before data.crop_scale=auto was re-derived it chose [0.75, 1.0] here;
-the third run (old_auto) records what that choice gives. Results go to <root>/results.json; runs already finished
+the third run (old_auto) records what that choice gives, the fourth (one_lr) the head at train.lr as before
+train.head_lr=auto. Results go to <root>/results.json; runs already finished
 are reused, so the three fine-tunes can also be started side by side as separate commands into the same folders.
 """
 
@@ -65,8 +66,9 @@ def run(argv: list[str], out: Path) -> dict:
             raise SystemExit(f"the run into {out} failed")
     import yaml
 
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     return {"accuracy": json.loads((out / "metrics.json").read_text())["accuracy"],
-            "crop_scale": yaml.safe_load((out / "recipe.yaml").read_text())["data"]["crop_scale"]}
+            "crop_scale": resolved["data"]["crop_scale"], "head_lr": resolved["train"]["head_lr"]}
 
 
 def main() -> int:
@@ -88,10 +90,13 @@ def main() -> int:
     results = {"defaults": run(fine_tune, args.root / "defaults"),
                "crop_off": run([*fine_tune, "data.crop_scale=[1.0,1.0]"], args.root / "crop_off"),
                # what auto chose here before it was re-derived from the measurements (for the record)
-               "old_auto": run([*fine_tune, "data.crop_scale=[0.75,1.0]"], args.root / "old_auto")}
+               "old_auto": run([*fine_tune, "data.crop_scale=[0.75,1.0]"], args.root / "old_auto"),
+               # the head at train.lr, as before train.head_lr=auto raised it to 2e-3
+               "one_lr": run([*fine_tune, "train.head_lr=5e-4"], args.root / "one_lr")}
     (args.root / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     for name, result in results.items():
-        print(f"{name}: accuracy {result['accuracy']:.4f} (data.crop_scale resolved to {result['crop_scale']})")
+        print(f"{name}: accuracy {result['accuracy']:.4f} (data.crop_scale resolved to {result['crop_scale']}, "
+              f"head lr {result['head_lr']:g})")
     holds = results["defaults"]["accuracy"] >= results["crop_off"]["accuracy"]
     print("defaults >= crop-off: " + ("yes" if holds else "NO"))
     return 0 if holds else 1
