@@ -3,8 +3,13 @@
 Layer-wise lr decay (BEiT, MAE) trains the blocks near the input less than those near the head:
 a parameter at depth d gets lr × decay^(L + 1 − d), where the embeddings have depth 0, block i (from 0)
 depth i + 1, and the final norm and the head depth L + 1 (so they train at the full lr). A LoRA adapter
-takes the depth of the block it sits in. Each family says which block a parameter is in (families.py). Each group carries its `lr_scale`; the scheduler scales every
-group by the same factor.
+takes the depth of the block it sits in. Each family says which block a parameter is in (families.py).
+
+The new head may train at its own lr (train.head_lr): it starts from zero while the rest starts from pretraining.
+Each group carries its `lr_scale` (its lr over train.lr); the scheduler scales every group by the same factor, and
+the log reports train.lr's scheduled value (loop._scheduled_lr), whichever group comes first.
+
+The auto learning rates (train.lr, train.head_lr) are chosen here too, from the transfer study's measurements.
 """
 
 from __future__ import annotations
@@ -56,8 +61,7 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float |
     if layer_decay is None:
         for decayed in (True, False):
             groups.setdefault((False, 0, decayed), _group(1.0, decayed, weight_decay))
-    # The head's groups first, then deepest first, decayed before not: the loop logs the first group's lr as the
-    # run's lr.
+    # The head's groups first, then deepest first, decayed before not.
     return [groups[key] for key in sorted(groups, key=lambda key: (not key[0], -key[1], not key[2]))]
 
 
