@@ -97,6 +97,9 @@ def learning_rates(recipe: Recipe) -> tuple[float, float]:
     return lr, optim.auto_head_lr(t.optimizer, lr)[0] if t.head_lr == "auto" else t.head_lr
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
     t = recipe.train
     lr, head_lr = learning_rates(recipe)
@@ -109,7 +112,10 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
         group["lr"] = lr * group["lr_scale"]
     if t.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=t.momentum)
-    return torch.optim.AdamW(groups, lr=lr, fused=device_type == "cuda")
+    # PyTorch's fused kernel exists for CPU and CUDA. On CPU its default is a per-tensor loop, which took 100-140 ms
+    # a step for DINOv2-S's 22M weights on one thread here against 17 ms fused (the Trainer uses fused too); the
+    # two updates agree to float32 rounding.
+    return torch.optim.AdamW(groups, lr=lr, fused=device_type in FUSED_ADAMW_DEVICES)
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
