@@ -171,7 +171,15 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     return {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
             "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
-            "head_lr_used": resolved["train"]["head_lr"]}
+            "head_lr_used": resolved["train"]["head_lr"], "adamw_kernel": adamw_kernel()}
+
+
+def adamw_kernel() -> str:
+    """The AdamW implementation a CPU run of the toolkit steps: recorded per cell, since rows measured before fused
+    became the CPU default (per-tensor loop) differ from today's in the last bits of every update."""
+    from vit_finetune.train import FUSED_ADAMW_DEVICES
+
+    return "fused" if "cpu" in FUSED_ADAMW_DEVICES else "per-tensor loop"
 
 
 def pil_eval_transform(size: int, mean, std):
@@ -264,7 +272,20 @@ def row_label(run: dict) -> str:
     """The option and the learning rates it trained with (the backbone's, then the new head's when it differs)."""
     lrs = f"{run['lr_used']:g}" if run.get("head_lr_used", run["lr_used"]) == run["lr_used"] else \
         f"{run['lr_used']:g}, head {run['head_lr_used']:g}"
-    return f"{run['option']} (lr {lrs})"
+    loop = run["option"] != "peer" and run.get("adamw_kernel") != "fused"
+    return f"{run['option']} (lr {lrs}){PER_TENSOR_MARK if loop else ''}"
+
+
+PER_TENSOR_MARK = " †"
+PER_TENSOR_NOTE = (f"{PER_TENSOR_MARK.strip()} measured when the toolkit's CPU AdamW was PyTorch's per-tensor loop, before "
+                   "the fused kernel: the same update to float32 rounding, so a rerun differs within the seeds' noise")
+
+
+def cost(runs: list[dict]) -> str:
+    """CPU seconds per cell (fair on a shared machine) where every run recorded them, else wall seconds."""
+    if all("cpu_seconds" in r for r in runs):
+        return f"{statistics.mean(r['cpu_seconds'] for r in runs):.0f} s CPU"
+    return f"{statistics.mean(r['seconds'] for r in runs):.0f} s wall"
 
 
 def blocks_of(results: list[dict]) -> list[tuple[int, int]]:
@@ -291,9 +312,10 @@ def tables(results: list[dict]) -> str:
             cells = []
             for name in datasets:
                 runs = [r for r in block if row_label(r) == label and r["dataset"] == name]
-                cells.append(f"{summary([r['accuracy'] for r in runs])} / {statistics.mean(r['seconds'] for r in runs):.0f} s"
-                             if runs else "–")
+                cells.append(f"{summary([r['accuracy'] for r in runs])} / {cost(runs)}" if runs else "–")
             out.append(f"| {label} | " + " | ".join(cells) + " |")
+    if any(PER_TENSOR_MARK in row_label(r) for r in results):
+        out.append(f"\n{PER_TENSOR_NOTE}")
     return "\n".join(out)
 
 
