@@ -21,7 +21,8 @@ Methods, all scored on the same half of the eval split (the other half chooses t
                    half) are the prediction; softmax scores for mAP
 Both models share one schedule: batch 32, AdamW, --lr (auto: the toolkit's train.lr=auto and head_lr=auto, 2e-5 for
 the backbone and 2e-3 for the new head), weight decay 0.05, 10 warm-up steps, cosine decay, one torch thread.
-Results are appended to <root>/results.jsonl.
+Results are appended to <root>/results.jsonl. The real-base seeds measured so far (docs/multilabel.md) are kept in
+scripts/multilabel_study_results.jsonl: copy it to <root>/results.jsonl to print or extend their table.
 """
 
 from __future__ import annotations
