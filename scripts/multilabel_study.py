@@ -2,7 +2,8 @@
 
     python scripts/multilabel_study.py --seeds 0,1,2                      # the shipped builtin:tiny-vit-32
     python scripts/multilabel_study.py --seeds 0,1,2 --size 32 --epochs 4 --lr 0.002   # a shorter schedule
-    python scripts/multilabel_study.py --base outputs/real_base/dinov2-s14-saliency --seeds 0 --train 300
+    python scripts/make_real_base.py   # once: the real DINOv2-S/14 base (outputs/real_base/...)
+    python scripts/multilabel_study.py --base outputs/real_base/dinov2-s14-saliency --size 56 --lr auto --seeds 0,1,2
     python scripts/multilabel_study.py --table                            # every result recorded so far
 
 Data: 2x2 mosaics (56x56 px) of real Fashion-MNIST images (Debian's dataset-fashion-mnist,
@@ -18,7 +19,10 @@ Methods, all scored on the same half of the eval split (the other half chooses t
                    chosen on the choosing half (so: the labels that are worth always predicting)
   single top-k     a single-label model trained on labels_single.csv; its k best labels (k chosen on the choosing
                    half) are the prediction; softmax scores for mAP
-Results are appended to <root>/results.jsonl.
+Both models share one schedule: batch 32, AdamW, --lr (auto: the toolkit's train.lr=auto and head_lr=auto, 2e-5 for
+the backbone and 2e-3 for the new head), weight decay 0.05, 10 warm-up steps, cosine decay, one torch thread.
+Results are appended to <root>/results.jsonl. The real-base seeds measured so far (docs/multilabel.md) are kept in
+scripts/multilabel_study_results.jsonl: copy it to <root>/results.jsonl to print or extend their table.
 """
 
 from __future__ import annotations
@@ -112,13 +116,14 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
     from PIL import Image
 
     from vit_finetune.inference import load_classifier
+    from vit_finetune.train import torch_threads
 
     model, processor = load_classifier(str(model_dir))
     columns = [CLASSES.index(model.config.id2label[i]) for i in range(model.config.num_labels)]
     scores = np.zeros((len(files), len(CLASSES)))
     for start in range(0, len(files), 64):
         images = [Image.open(f).convert("RGB") for f in files[start:start + 64]]
-        with torch.no_grad():
+        with torch.no_grad(), torch_threads(1):  # one thread, as the training runs
             logits = model(**processor(images=images, return_tensors="pt")).logits
         scores[start:start + len(images), columns] = logits.softmax(-1).numpy()
     return scores
@@ -147,13 +152,13 @@ def top_k_metrics(scores: np.ndarray, truth: np.ndarray, choosing: np.ndarray, s
     return {**set_metrics(top(best_k, scored), truth[scored], scores[scored]), "k": best_k}
 
 
-def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: float, runs: Path) -> dict:
+def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: str, runs: Path) -> dict:
     from vit_finetune.multilabel import ThresholdRule, holdout_parts, summarise
 
     common = ["--quiet", f"model.base={base}", f"model.image_size={size}", "data.crop_scale=[1.0, 1.0]", "data.num_workers=0",
               f"train.epochs={epochs}", "train.batch_size=32", f"train.lr={lr}", "train.weight_decay=0.05",
-              "train.warmup_steps=10", f"train.seed={seed}", "train.log_every_steps=20"]
-    tag = f"{Path(base).name.replace(':', '-')}-{size}px-{epochs}ep-s{seed}"
+              "train.warmup_steps=10", f"train.seed={seed}", "train.log_every_steps=20", "train.cpu_threads=1"]
+    tag = f"{Path(base).name.replace(':', '-')}-{size}px-{epochs}ep-lr{lr}-s{seed}"
     multi_dir, single_dir = runs / f"multi-{tag}", runs / f"single-{tag}"
     if not (multi_dir / "metrics.json").is_file():
         train([*common, f"data.dataset={root / 'labels.csv'}", f"output_dir={multi_dir}", "overwrite=true",
@@ -169,7 +174,7 @@ def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: float
     constant = np.tile(frequency, (len(files), 1))
     frequent = summarise(constant, truth, np.zeros(len(files)), CLASSES, ThresholdRule("f1", 0.5, seed))
     single = top_k_metrics(softmax_scores(single_dir, files), truth, choosing, scored)
-    return {"base": base, "seed": seed, "size": size, "epochs": epochs, "scored_images": len(scored),
+    return {"base": base, "seed": seed, "size": size, "epochs": epochs, "lr": lr, "scored_images": len(scored),
             "multi_label": {"micro_f1": multi["micro_f1"], "macro_f1": multi["macro_f1"], "map": multi["map"],
                             "exact_match": multi["accuracy"]},
             "frequent_labels": {"micro_f1": frequent["micro_f1"], "macro_f1": frequent["macro_f1"],
@@ -179,9 +184,12 @@ def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: float
 
 def table(results: Path) -> None:
     records = [json.loads(line) for line in results.read_text().splitlines()]
-    for setting in dict.fromkeys((r["base"], r["size"], r["epochs"]) for r in records):
-        chosen = [r for r in records if (r["base"], r["size"], r["epochs"]) == setting]
-        print(f"\n{setting[0]} at {setting[1]} px, {setting[2]} epochs: {len(chosen)} seed(s) "
+    def setting_of(record: dict) -> tuple:
+        return record["base"], record["size"], record["epochs"], record.get("lr", "0.005")  # the first records: 0.005
+
+    for setting in dict.fromkeys(setting_of(r) for r in records):
+        chosen = [r for r in records if setting_of(r) == setting]
+        print(f"\n{setting[0]} at {setting[1]} px, {setting[2]} epochs, lr {setting[3]}: {len(chosen)} seed(s) "
               f"{[r['seed'] for r in chosen]}, {chosen[0]['scored_images']} scored images (mean ± sd over seeds)")
         print(f"{'method':16s} {'micro F1':>14s} {'macro F1':>14s} {'mAP':>14s} {'exact match':>14s}")
         for method in ("multi_label", "frequent_labels", "single_top_k"):
@@ -193,6 +201,15 @@ def table(results: Path) -> None:
             print(f"{method:16s} " + " ".join(f"{cell:>14s}" for cell in cells))
 
 
+def lr_argument(value: str) -> str:
+    if value != "auto":
+        try:
+            float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--lr must be a number or auto, got {value!r}") from None
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "multilabel_study")
@@ -202,7 +219,8 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=400, help="eval mosaics (half choose thresholds, half are scored)")
     parser.add_argument("--size", type=int, default=32, help="px; the 56 px mosaics are resized by the processor")
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=0.005)
+    parser.add_argument("--lr", type=lr_argument, default="0.005",
+                        help="train.lr for both models: a number, or auto (the toolkit's choice; use it on a real base)")
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     results = args.root / "results.jsonl"
