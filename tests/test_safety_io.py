@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_output_dir import tmpfs  # noqa: F401 (a fixture)
 from tiny import COLOURS, REPO, colour_image
 from vit_finetune.cli import main
 
@@ -296,6 +297,24 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
     assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 0
     assert json.loads((folder / "metrics.json").read_text())["accuracy"] >= 0
     assert {"confusion_matrix.png", "misclassified.png"} <= {p.name for p in folder.iterdir()}
+
+
+def test_evaluate_that_fails_midway_leaves_the_earlier_pictures_and_metrics_as_they_were(trained, tmpfs, tmp_path,
+                                                                                       capsys):
+    assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "first")]) == 0
+    folder = tmpfs(2048) / "eval"
+    shutil.copytree(tmp_path / "first", folder)
+    with open(folder.parent / "filler", "wb", buffering=0) as filler:  # the disk fills up before the next evaluate
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+    before = snapshot(folder)
+    assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(folder) in error and "No space left on device" in error, error
+    assert snapshot(folder) == before  # every picture whole, as the earlier evaluation left it; no partial file
 
 
 # ---------------------------------------------------------------- 5. globs over looping links

@@ -420,9 +420,21 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     metrics = evaluation.report(predictions, labels, chosen.rule)
     metrics.update(chosen.fields)
     if output_dir is not None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        pictures.draw_evaluation(predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds"))
-        from .checkpoint import replace_atomically
-
-        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
+        write_evaluation(output_dir, metrics, lambda: pictures.draw_evaluation(
+            predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds")))
     return metrics
+
+
+def write_evaluation(output_dir: Path, metrics: dict, draw_pictures) -> None:
+    """The pictures, then metrics.json, each through a temporary file renamed into place: a full disk or a kill
+    midway leaves every file there whole (new, or as it was), and is reported as an error, not a traceback."""
+    from .checkpoint import describe_write_error, replace_atomically
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        draw_pictures()
+        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
+    except OSError as error:
+        raise InputError(f"--output-dir {str(output_dir)!r} cannot be written ({describe_write_error(error, output_dir)}); "
+                         "no file there is half-written, those not yet replaced are as they were. Free disk space or "
+                         "choose another --output-dir") from None
