@@ -225,13 +225,14 @@ def parquet_rows(file: str, columns: tuple[str, str]) -> tuple[int, str | None]:
 
 
 def tar_problem(file: str) -> str | None:
-    """What is wrong with a local tar shard (None if nothing): its headers are read and each member's data is
-    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub tar shard is not
-    checked: that would download it whole."""
+    """What is wrong with a tar shard (None if nothing). A local one: its headers are read and each member's data is
+    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub one, which reading
+    whole would download: its last two blocks are read (one small ranged request) and must be the empty blocks
+    that close every tar file, so one cut short is refused unless the cut happens to fall after a run of zeros."""
     import tarfile
 
     if "://" in file:
-        return None
+        return hub_tar_problem(file)
     try:
         size = os.path.getsize(file)
         with tarfile.open(file) as archive:  # headers only: each member's data is seeked over, not read
@@ -241,6 +242,27 @@ def tar_problem(file: str) -> str | None:
                             f"bytes, the file has {size:,}")
     except (tarfile.TarError, OSError) as error:
         return f"is not a readable tar file (truncated or damaged: {error})"
+    return None
+
+
+TAR_BLOCK = 512  # a tar file is whole 512-byte blocks, closed by two empty ones
+
+
+def hub_tar_problem(file: str) -> str | None:
+    """tar_problem for a shard on the Hub, from its size and its last two blocks."""
+    import fsspec
+
+    try:
+        with online_unless_the_user_is_offline(), fsspec.open(file, "rb") as handle:
+            size = handle.size
+            if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
+                return f"is truncated: its {size:,} bytes are not a whole number of {TAR_BLOCK}-byte tar blocks"
+            handle.seek(size - 2 * TAR_BLOCK)
+            closing = handle.read(2 * TAR_BLOCK)
+    except (OSError, ValueError) as error:
+        return f"cannot be read ({type(error).__name__}: {error})"
+    if closing.strip(b"\0"):
+        return f"is truncated: its {size:,} bytes do not end with the two empty blocks that close a tar file"
     return None
 
 
