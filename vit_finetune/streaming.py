@@ -269,15 +269,20 @@ def hub_tar_problem(file: str) -> str | None:
 def shard_identity(files: list[str]) -> list[str]:
     """What a checkpoint records of a split's shards: what each one holds, not where it was read. A Hub shard is
     named by its path in the repo, its size and its content hash from the Hub's metadata (the commit it was
-    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and
-    modification time (datasets' own rule for local files)."""
+    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and a
+    hash of its bytes while the local shards total at most data.CONTENT_HASH_LIMIT_BYTES (so a shard changed in
+    place with its size and modification time kept is noticed), beyond that by its size and modification time
+    (datasets' own rule for local files)."""
     import fsspec
 
+    from .data import CONTENT_HASH_LIMIT_BYTES, files_digest
+
+    hashed = sum(os.path.getsize(file) for file in files if "://" not in file) <= CONTENT_HASH_LIMIT_BYTES
     named = []
     for file in files:
         if "://" not in file:
             stat = os.stat(file)
-            named.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+            named.append(f"{file} {stat.st_size} {files_digest([file]) if hashed else stat.st_mtime_ns}")
             continue
         filesystem, path = fsspec.core.url_to_fs(file)
         try:
