@@ -421,6 +421,22 @@ def test_a_path_component_too_long_for_the_filesystem(trained, photo, capsys):
     assert "too long" in error
 
 
+LONG = "/tmp/" + "x" * 300
+
+
+@pytest.mark.parametrize("command, named", [
+    (["predict", LONG, "{photo}"], "the model"), (["evaluate", LONG], "the model"),
+    (["explain", LONG, "{photo}"], "the model"), (["push", LONG, "--repo-id", "user/long"], "the run folder"),
+    (["predict", "{trained}", "--dataset", LONG], "--dataset"),
+    (["evaluate", "{trained}", "--dataset", LONG, "--split", "validation"], "--dataset")],
+    ids=["predict-model", "evaluate-model", "explain-model", "push-folder", "predict-dataset", "evaluate-dataset"])
+def test_a_model_or_dataset_path_too_long_for_the_filesystem(command, named, trained, photo, tmp_path, capsys):
+    argv = [part.format(photo=photo, trained=trained) for part in command]
+    assert main(argv) == 1
+    error = error_line(capsys.readouterr().err)
+    assert error.startswith(f"error: {named} '/tmp/xxx") and ("too long" in error or "255" in error), error
+
+
 def test_a_newline_in_a_file_name_cannot_spoof_predict_output(trained, tmp_path, capsys):
     name = "cat.png\n  0.9999  dog"
     colour_image(COLOURS["red"], np.random.default_rng(1)).save(tmp_path / name, format="PNG")
