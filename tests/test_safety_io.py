@@ -299,17 +299,38 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
     assert {"confusion_matrix.png", "misclassified.png"} <= {p.name for p in folder.iterdir()}
 
 
-def test_evaluate_that_fails_midway_leaves_the_earlier_pictures_and_metrics_as_they_were(trained, tmpfs, tmp_path,
-                                                                                       capsys):
-    assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "first")]) == 0
-    folder = tmpfs(2048) / "eval"
-    shutil.copytree(tmp_path / "first", folder)
-    with open(folder.parent / "filler", "wb", buffering=0) as filler:  # the disk fills up before the next evaluate
+def fill(disk: Path) -> None:
+    """Fill the (small tmpfs) disk with a file of the user's."""
+    with open(disk / "filler", "wb", buffering=0) as filler:
         try:
             while True:
                 filler.write(b"\0" * 4096)
         except OSError:
             pass
+
+
+def test_predict_and_explain_on_a_full_disk_leave_no_partial_file_and_say_why(trained, photo, tmpfs, capsys):
+    disk = tmpfs(512)
+    output = disk / "preds.csv"
+    output.write_text("my own spreadsheet\n")
+    (disk / "ex").mkdir()
+    fill(disk)
+    assert main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(output) in error and "No space left on device" in error, error
+    assert output.read_text() == "my own spreadsheet\n"
+    assert main(["explain", str(trained), str(photo), "--output-dir", str(disk / "ex")]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(disk / "ex") in error and "No space left on device" in error, error
+    assert sorted(p.name for p in disk.rglob("*")) == ["ex", "filler", "preds.csv"]  # no empty or partial picture
+
+
+def test_evaluate_that_fails_midway_leaves_the_earlier_pictures_and_metrics_as_they_were(trained, tmpfs, tmp_path,
+                                                                                       capsys):
+    assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "first")]) == 0
+    folder = tmpfs(2048) / "eval"
+    shutil.copytree(tmp_path / "first", folder)
+    fill(folder.parent)  # the disk fills up before the next evaluate
     before = snapshot(folder)
     assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 1
     error = error_line(capsys.readouterr().err)

@@ -308,10 +308,15 @@ def writer_for(output: str | None, overwrite: bool = False):
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
     """`write` into a temporary file beside `path`, renamed over it once complete: a kill or an error midway leaves
     no partial file under the name, and a file that was there stays as it was."""
-    from .checkpoint import replace_atomically
+    from .checkpoint import describe_write_error, replace_atomically
 
     counted: list[int] = []
-    replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
+    try:
+        replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
+    except OSError as error:
+        raise InputError(f"--output {str(path)!r} cannot be written ({describe_write_error(error, path.parent)}); "
+                         "nothing was written under that name, a file already there is as it was. Free disk space "
+                         "or write elsewhere") from None
     return counted[0]
 
 
