@@ -196,9 +196,10 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
         except OSError as error:
             from .checkpoint import describe_write_error
 
-            raise ExplainError(f"--output-dir {str(output_dir)!r} cannot be written ({describe_write_error(error, output_dir)}) "
-                               f"at {name!r}; the {len(written)} picture(s) written before it are whole, no picture is "
-                               "half-written. Free disk space or choose another --output-dir") from None
+            reason = describe_write_error(error, output_dir)
+            raise ExplainError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}) at {name!r}; the "
+                               f"{len(written)} picture(s) written before it are whole, no picture is half-written. "
+                               "Free disk space or choose another --output-dir") from None
         written.append(output_dir / name)
     return written
 

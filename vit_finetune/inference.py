@@ -452,6 +452,7 @@ def write_evaluation(output_dir: Path, metrics: dict, draw_pictures) -> None:
         draw_pictures()
         replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
     except OSError as error:
-        raise InputError(f"--output-dir {str(output_dir)!r} cannot be written ({describe_write_error(error, output_dir)}); "
-                         "no file there is half-written, those not yet replaced are as they were. Free disk space or "
-                         "choose another --output-dir") from None
+        reason = describe_write_error(error, output_dir)
+        raise InputError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}); no file there is "
+                         "half-written, those not yet replaced are as they were. Free disk space or choose another "
+                         "--output-dir") from None
