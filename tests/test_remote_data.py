@@ -129,3 +129,24 @@ def test_predict_over_a_hub_dataset_never_reads_a_cell_naming_a_local_file(base,
     assert len(refused) == 1 and "holds no image bytes" in (refused[0]["error"] or ""), refused
     assert refused[0]["predictions"] == []
     assert all(row["error"] is None and row["predictions"] for row in rows if row is not refused[0])
+
+
+def test_evaluate_over_a_hub_dataset_never_reads_a_cell_naming_a_local_file(hub_dataset_with_a_local_path, tmp_path,
+                                                                             capsys):
+    """evaluate --dataset reads the same cells as training: the row naming a local file is never decoded, so it
+    reaches neither the metrics nor misclassified.png (which a push would publish)."""
+    from tiny import make_tiny_vit
+    from vit_finetune.cli import main
+
+    repo, _secret = hub_dataset_with_a_local_path
+    model = make_tiny_vit(tmp_path / "blue-red", num_labels=2)
+    config = json.loads((model / "config.json").read_text())
+    config.update(id2label={"0": "blue", "1": "red"}, label2id={"blue": 0, "red": 1})
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "eval"
+    assert main(["evaluate", str(model), "--dataset", repo, "--split", "validation", "--output-dir", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    assert "#3" in error and "passport.png" in error and "holds no image bytes" in error, error
+    assert not (out / "misclassified.png").exists() and not (out / "metrics.json").exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from test_output_dir import tmpfs  # noqa: F401 (a fixture)
 from tiny import COLOURS, REPO, colour_image
 from vit_finetune.cli import main
 
@@ -298,6 +299,45 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
     assert {"confusion_matrix.png", "misclassified.png"} <= {p.name for p in folder.iterdir()}
 
 
+def fill(disk: Path) -> None:
+    """Fill the (small tmpfs) disk with a file of the user's."""
+    with open(disk / "filler", "wb", buffering=0) as filler:
+        try:
+            while True:
+                filler.write(b"\0" * 4096)
+        except OSError:
+            pass
+
+
+def test_predict_and_explain_on_a_full_disk_leave_no_partial_file_and_say_why(trained, photo, tmpfs, capsys):
+    disk = tmpfs(512)
+    output = disk / "preds.csv"
+    output.write_text("my own spreadsheet\n")
+    (disk / "ex").mkdir()
+    fill(disk)
+    assert main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(output) in error and "No space left on device" in error, error
+    assert output.read_text() == "my own spreadsheet\n"
+    assert main(["explain", str(trained), str(photo), "--output-dir", str(disk / "ex")]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(disk / "ex") in error and "No space left on device" in error, error
+    assert sorted(p.name for p in disk.rglob("*")) == ["ex", "filler", "preds.csv"]  # no empty or partial picture
+
+
+def test_evaluate_that_fails_midway_leaves_the_earlier_pictures_and_metrics_as_they_were(trained, tmpfs, tmp_path,
+                                                                                       capsys):
+    assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "first")]) == 0
+    folder = tmpfs(2048) / "eval"
+    shutil.copytree(tmp_path / "first", folder)
+    fill(folder.parent)  # the disk fills up before the next evaluate
+    before = snapshot(folder)
+    assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(folder) in error and "No space left on device" in error, error
+    assert snapshot(folder) == before  # every picture whole, as the earlier evaluation left it; no partial file
+
+
 # ---------------------------------------------------------------- 5. globs over looping links
 
 
@@ -400,6 +440,22 @@ def test_a_path_component_too_long_for_the_filesystem(trained, photo, capsys):
     assert main(["predict", str(trained), long]) == 1
     error = error_line(capsys.readouterr().err)
     assert "too long" in error
+
+
+LONG = "/tmp/" + "x" * 300
+
+
+@pytest.mark.parametrize("command, named", [
+    (["predict", LONG, "{photo}"], "the model"), (["evaluate", LONG], "the model"),
+    (["explain", LONG, "{photo}"], "the model"), (["push", LONG, "--repo-id", "user/long"], "the run folder"),
+    (["predict", "{trained}", "--dataset", LONG], "--dataset"),
+    (["evaluate", "{trained}", "--dataset", LONG, "--split", "validation"], "--dataset")],
+    ids=["predict-model", "evaluate-model", "explain-model", "push-folder", "predict-dataset", "evaluate-dataset"])
+def test_a_model_or_dataset_path_too_long_for_the_filesystem(command, named, trained, photo, tmp_path, capsys):
+    argv = [part.format(photo=photo, trained=trained) for part in command]
+    assert main(argv) == 1
+    error = error_line(capsys.readouterr().err)
+    assert error.startswith(f"error: {named} '/tmp/xxx") and ("too long" in error or "255" in error), error
 
 
 def test_a_newline_in_a_file_name_cannot_spoof_predict_output(trained, tmp_path, capsys):

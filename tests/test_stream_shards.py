@@ -100,3 +100,26 @@ def test_a_truncated_tar_shard_stops_the_run_instead_of_dropping_its_last_rows(t
     error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
     assert "train-00001.tar" in error and "truncated" in error, error
     assert "train step" not in err and not (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize("cut", ["inside a member", "at a block boundary"])
+def test_a_truncated_tar_shard_on_the_hub_stops_the_run_before_training(tables, hub, tmp_path, capsys, cut):
+    shards = write_webdataset(tables["images"], tmp_path / "wds", {"train": 2, "validation": 1})
+    whole = f"user/wds-whole-{cut.replace(' ', '-')}"
+    hub.add_repo(whole, {f"data/{p.name}": p for p in shards.glob("*.tar")}, repo_type="dataset")
+    damaged = shards / "train-00001.tar"
+    members = tarfile.open(damaged).getmembers()
+    end = members[-3].offset_data + (10 if cut == "inside a member" else 512)
+    damaged.write_bytes(damaged.read_bytes()[:end])
+    repo = f"user/wds-cut-{cut.replace(' ', '-')}"
+    hub.add_repo(repo, {f"data/{p.name}": p for p in shards.glob("*.tar")}, repo_type="dataset")
+    args = [f"model.base={tables['base']}", *RECIPE, "train.max_steps=3", "data.label_names=[blue,green,red]"]
+    assert train([*args, f"data.dataset={repo}", f"output_dir={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    assert "train-00001.tar" in error and "truncated" in error, error
+    assert "train step" not in err and not (tmp_path / "out" / "metrics.json").exists()
+    # the same shards whole still train
+    assert train([*args, f"data.dataset={whole}", f"output_dir={tmp_path / 'whole'}"]) == 0
+    assert json.loads((tmp_path / "whole" / "metrics.json").read_text())["steps"] == 3

@@ -361,18 +361,36 @@ def test_a_hub_repo_of_image_files_is_refused_before_any_image_is_read(tables, h
 
 
 def test_a_resume_refuses_changed_shards(tables, tmp_path, capsys):
-    """A shard rewritten after the checkpoint: the resume is refused before any weight loads."""
+    """A shard changed after the checkpoint, its size and modification time kept: the resume is refused before any
+    weight loads."""
+    import pyarrow.parquet as pq
     from runs import SimulatedKill, kill_at
 
     shards = Path(shutil.copytree(tables["shards"], tmp_path / "shards"))
+    first = next(shards.glob("train-*.parquet"))
+    pq.write_table(pq.read_table(first), first, compression="none", use_dictionary=False)  # see rows_swapped_in_place
     args = [f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={tmp_path / 'out'}",
             "train.checkpoint_every_steps=2"]
     with pytest.raises(SimulatedKill):
         train(args, callbacks=[kill_at(3)])
-    first = next(shards.glob("train-*.parquet"))
-    first.write_bytes(first.read_bytes())  # same content, a new modification time: datasets' own rule for files
+    rows_swapped_in_place(first)
     error = run_expecting_error([*args, "train.resume=auto"], capsys)
     assert "the data of the train split(s) changed since it was written" in error
+
+
+def rows_swapped_in_place(shard: Path) -> None:
+    """Swap the shard's first two rows, keeping its size (it is plain, uncompressed parquet without dictionaries,
+    so the same values in another order take the same bytes) and its modification time: only the bytes tell the
+    change apart."""
+    import os
+
+    import pyarrow.parquet as pq
+
+    stat = shard.stat()
+    table = pq.read_table(shard)
+    pq.write_table(table.take([1, 0, *range(2, len(table))]), shard, compression="none", use_dictionary=False)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert shard.stat().st_size == stat.st_size and shard.stat().st_mtime_ns == stat.st_mtime_ns
 
 
 def test_labels_without_a_class_label_are_refused(tables, tmp_path, capsys):

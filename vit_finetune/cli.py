@@ -289,10 +289,12 @@ def app_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
+    from . import inference
     from .hub import PushError, push_folder, require_token
     from .recipe import RECIPE_FILE, read_yaml, validate
 
     output_dir = Path(args.output_dir)
+    inference.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
     saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
     repo_id = args.repo_id or saved.get("repo_id")
     if not repo_id:

@@ -326,11 +326,16 @@ def identity(splits: Splits) -> dict:
 def content_hash(split, image_column: str) -> str | None:
     """A hash of the split's image files, in order; None when the images are stored in the dataset itself (its
     fingerprint covers them), the files total over CONTENT_HASH_LIMIT_BYTES, or one cannot be read."""
-    import hashlib
-
     if len(split) == 0 or split[0][image_column].get("bytes") is not None:
         return None
-    paths = [cell["path"] for cell in split[image_column]]
+    return files_digest([cell["path"] for cell in split[image_column]])
+
+
+def files_digest(paths: list[str]) -> str | None:
+    """A sha256 over the files' bytes, in order; None when they total over CONTENT_HASH_LIMIT_BYTES or one cannot
+    be read."""
+    import hashlib
+
     try:
         if sum(os.path.getsize(path) for path in paths) > CONTENT_HASH_LIMIT_BYTES:
             return None

@@ -123,7 +123,7 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
 
 def draw_explanation(image, explanation: Explanation, size: int, method: str, path: Path) -> None:
     """The image as the model sees it (its resolution), the same with the heat map per patch, and the top labels."""
-    from .pictures import _pyplot
+    from .pictures import _pyplot, save_figure
 
     plt = _pyplot()
     shown = image.convert("RGB").resize((size, size))
@@ -144,8 +144,7 @@ def draw_explanation(image, explanation: Explanation, size: int, method: str, pa
     bars.set_yticks(range(len(labels)), labels)
     bars.set(xlim=(0, 1), xlabel="probability", title="top predictions")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
+    save_figure(figure, path, dpi=80)
 
 
 def output_names(names: list[str], method: str) -> list[str]:
@@ -191,8 +190,16 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
             continue
         pixels = processor(images=image, return_tensors="pt")["pixel_values"].to(device)
         explanation = explain_pixels(model, pixels, method, label, top_k)
-        (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
-        draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
+        try:
+            (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
+        except OSError as error:
+            from .checkpoint import describe_write_error
+
+            reason = describe_write_error(error, output_dir)
+            raise ExplainError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}) at {name!r}; the "
+                               f"{len(written)} picture(s) written before it are whole, no picture is half-written. "
+                               "Free disk space or choose another --output-dir") from None
         written.append(output_dir / name)
     return written
 

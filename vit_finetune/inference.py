@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import VitFinetuneError
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
 # fail in a fraction of a second, before seconds of imports.
@@ -42,7 +42,7 @@ def model_location(name: str) -> str:
     if name.startswith(BUILTIN_PREFIX):
         return str(ASSETS_DIR / name.removeprefix(BUILTIN_PREFIX))
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path_kind(path, name, "the model") == "folder":
         if not (path / "config.json").is_file():
             raise InputError(f"{name} is a folder but holds no config.json: not a saved model. "
                                     "Give a run's output_dir or a Hub model id")
@@ -134,13 +134,25 @@ def collect_images(specs: list[str]) -> list[ImageSource]:
     return [ImageSource(name, {"path": name, "bytes": None}) for name in found.values()]
 
 
+def dataset_settings(dataset: str, **settings) -> DataSettings:
+    """The data settings a --dataset is read with; a value the recipe would refuse (a name over 255 bytes) is an
+    InputError naming it, as the recipe names data.dataset."""
+    from pydantic import ValidationError
+
+    try:
+        return DataSettings(dataset=dataset, **settings)
+    except ValidationError as error:
+        problem = error.errors()[0]["msg"].removeprefix("Value error, ")
+        raise InputError(f"--dataset {excerpt(dataset)}: {problem}") from None
+
+
 def dataset_split(dataset: str, split: str) -> tuple[object, str, str | None]:
     """(rows with undecoded images, image column, label column or None) of one split of any dataset source."""
     import datasets
 
     from .data import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, DataError, detect_column, open_dataset
 
-    loaded = open_dataset(DataSettings(dataset=dataset, train_split=split))
+    loaded = open_dataset(dataset_settings(dataset, train_split=split))
     if split not in loaded:
         raise DataError(f"--split {split!r} is not a split of {dataset!r}; its splits are {list(loaded)}")
     table = loaded[split]
@@ -156,7 +168,7 @@ def dataset_images(dataset: str, split: str) -> list[ImageSource]:
     from .data import image_folders
 
     table, image_column, _ = dataset_split(dataset, split)
-    folders = image_folders(DataSettings(dataset=dataset))
+    folders = image_folders(dataset_settings(dataset))
     return [ImageSource(cell.get("path") or f"{dataset}[{split}]#{index}", cell, folders)
             for index, cell in enumerate(table[image_column])]
 
@@ -296,10 +308,15 @@ def writer_for(output: str | None, overwrite: bool = False):
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
     """`write` into a temporary file beside `path`, renamed over it once complete: a kill or an error midway leaves
     no partial file under the name, and a file that was there stays as it was."""
-    from .checkpoint import replace_atomically
+    from .checkpoint import describe_write_error, replace_atomically
 
     counted: list[int] = []
-    replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
+    try:
+        replace_atomically(path, lambda into: counted.append(write(rows, into, top_k)))
+    except OSError as error:
+        raise InputError(f"--output {str(path)!r} cannot be written ({describe_write_error(error, path.parent)}); "
+                         "nothing was written under that name, a file already there is as it was. Free disk space "
+                         "or write elsewhere") from None
     return counted[0]
 
 
@@ -391,7 +408,7 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
         table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
-        settings, split_fields = DataSettings(dataset=dataset), {"eval_split": split, "eval_carved_from_train": False}
+        settings, split_fields = dataset_settings(dataset), {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
     multi = multilabel.is_multi_label(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
@@ -420,9 +437,22 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     metrics = evaluation.report(predictions, labels, chosen.rule)
     metrics.update(chosen.fields)
     if output_dir is not None:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        pictures.draw_evaluation(predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds"))
-        from .checkpoint import replace_atomically
-
-        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
+        write_evaluation(output_dir, metrics, lambda: pictures.draw_evaluation(
+            predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds")))
     return metrics
+
+
+def write_evaluation(output_dir: Path, metrics: dict, draw_pictures) -> None:
+    """The pictures, then metrics.json, each through a temporary file renamed into place: a full disk or a kill
+    midway leaves every file there whole (new, or as it was), and is reported as an error, not a traceback."""
+    from .checkpoint import describe_write_error, replace_atomically
+
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        draw_pictures()
+        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
+    except OSError as error:
+        reason = describe_write_error(error, output_dir)
+        raise InputError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}); no file there is "
+                         "half-written, those not yet replaced are as they were. Free disk space or choose another "
+                         "--output-dir") from None

@@ -201,7 +201,7 @@ def precision_recall_curve(scores: np.ndarray, truth: np.ndarray) -> tuple[np.nd
 
 def draw_precision_recall(scores: np.ndarray, rows: np.ndarray, labels: list[str], thresholds: dict, path) -> None:
     """One precision-recall curve per label (up to 20), each with a dot at its chosen threshold."""
-    from .pictures import _pyplot
+    from .pictures import _pyplot, save_figure
 
     plt = _pyplot()
     shown = range(min(20, len(labels)))
@@ -222,5 +222,4 @@ def draw_precision_recall(scores: np.ndarray, rows: np.ndarray, labels: list[str
         axis.set(xlim=(0, 1.02), ylim=(0, 1.02), title=str(labels[c])[:24], xlabel="recall", ylabel="precision")
     figure.suptitle("Precision-recall per label (dot: the chosen threshold)")
     figure.tight_layout()
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
+    save_figure(figure, path, dpi=80)

@@ -27,6 +27,17 @@ def _pyplot():
     return plt
 
 
+def save_figure(figure, path: Path, **options) -> None:
+    """`figure` drawn into `path` through a temporary file renamed over it, then closed: a kill or a full disk
+    midway leaves a picture already there (a user's, or an earlier evaluation's) as it was, never half of one."""
+    from .checkpoint import replace_atomically
+
+    try:
+        replace_atomically(Path(path), lambda partial: figure.savefig(partial, **options))
+    finally:
+        _pyplot().close(figure)
+
+
 def patch_grid(table: torch.Tensor) -> torch.Tensor:
     """(1, prefix + g*g, D) position table -> (g, g, D), the prefix rows (CLS, distillation) left aside."""
     rows = table.reshape(-1, table.shape[-1]).float()
@@ -68,8 +79,7 @@ def draw_position_similarity(before: torch.Tensor | None, after: torch.Tensor, p
         axis.set_axis_off()
     figure.colorbar(shown, ax=axes[0].tolist(), shrink=0.8, label="cosine similarity")
     figure.suptitle("Each small map: one patch's position embedding compared with every patch's")
-    figure.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(figure)
+    save_figure(figure, path, dpi=80, bbox_inches="tight")
 
 
 def normalised_by_true_class(matrix: list[list[int]]) -> np.ndarray:
@@ -97,8 +107,7 @@ def draw_confusion_matrix(matrix: list[list[int]], labels: list[str], path: Path
                           color="white" if share > 0.5 else "black")
     figure.colorbar(shown, ax=axis, shrink=0.8)
     figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
+    save_figure(figure, path, dpi=90)
 
 
 def misclassified_positions(predicted: np.ndarray, references: np.ndarray, limit: int = MAX_MISCLASSIFIED) -> list[int]:
@@ -129,8 +138,7 @@ def draw_misclassified(images: list, truths: list[str], guesses: list[str], path
     if not images:
         axes[0][0].text(0.5, 0.5, "no misclassified eval image", ha="center", va="center")
     figure.suptitle("Misclassified eval images", y=1 - 0.1 / height, va="top")
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
+    save_figure(figure, path, dpi=80)
 
 
 def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thresholds: dict | None = None) -> list[str]:

@@ -225,13 +225,14 @@ def parquet_rows(file: str, columns: tuple[str, str]) -> tuple[int, str | None]:
 
 
 def tar_problem(file: str) -> str | None:
-    """What is wrong with a local tar shard (None if nothing): its headers are read and each member's data is
-    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub tar shard is not
-    checked: that would download it whole."""
+    """What is wrong with a tar shard (None if nothing). A local one: its headers are read and each member's data is
+    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub one, which reading
+    whole would download: its last two blocks are read (one small ranged request) and must be the empty blocks
+    that close every tar file, so one cut short is refused unless the cut happens to fall after a run of zeros."""
     import tarfile
 
     if "://" in file:
-        return None
+        return hub_tar_problem(file)
     try:
         size = os.path.getsize(file)
         with tarfile.open(file) as archive:  # headers only: each member's data is seeked over, not read
@@ -244,18 +245,44 @@ def tar_problem(file: str) -> str | None:
     return None
 
 
+TAR_BLOCK = 512  # a tar file is whole 512-byte blocks, closed by two empty ones
+
+
+def hub_tar_problem(file: str) -> str | None:
+    """tar_problem for a shard on the Hub, from its size and its last two blocks."""
+    import fsspec
+
+    try:
+        with online_unless_the_user_is_offline(), fsspec.open(file, "rb") as handle:
+            size = handle.size
+            if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
+                return f"is truncated: its {size:,} bytes are not a whole number of {TAR_BLOCK}-byte tar blocks"
+            handle.seek(size - 2 * TAR_BLOCK)
+            closing = handle.read(2 * TAR_BLOCK)
+    except (OSError, ValueError) as error:
+        return f"cannot be read ({type(error).__name__}: {error})"
+    if closing.strip(b"\0"):
+        return f"is truncated: its {size:,} bytes do not end with the two empty blocks that close a tar file"
+    return None
+
+
 def shard_identity(files: list[str]) -> list[str]:
     """What a checkpoint records of a split's shards: what each one holds, not where it was read. A Hub shard is
     named by its path in the repo, its size and its content hash from the Hub's metadata (the commit it was
-    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and
-    modification time (datasets' own rule for local files)."""
+    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and a
+    hash of its bytes while the local shards total at most data.CONTENT_HASH_LIMIT_BYTES (so a shard changed in
+    place with its size and modification time kept is noticed), beyond that by its size and modification time
+    (datasets' own rule for local files)."""
     import fsspec
 
+    from .data import CONTENT_HASH_LIMIT_BYTES, files_digest
+
+    hashed = sum(os.path.getsize(file) for file in files if "://" not in file) <= CONTENT_HASH_LIMIT_BYTES
     named = []
     for file in files:
         if "://" not in file:
             stat = os.stat(file)
-            named.append(f"{file} {stat.st_size} {stat.st_mtime_ns}")
+            named.append(f"{file} {stat.st_size} {files_digest([file]) if hashed else stat.st_mtime_ns}")
             continue
         filesystem, path = fsspec.core.url_to_fs(file)
         try:
