@@ -383,6 +383,19 @@ def test_explain_gives_same_named_images_of_two_folders_two_pictures(trained, tm
     assert len(hashes) == 3
 
 
+def test_explain_replaces_a_picture_it_would_write_only_with_overwrite(trained, photo, tmp_path, capsys):
+    out = tmp_path / "ex"
+    out.mkdir()
+    users = out / f"{photo.stem}.rollout.png"
+    users.write_bytes(b"the user's own picture")
+    assert main(["explain", str(trained), str(photo), "--output-dir", str(out)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert users.name in error and "--overwrite" in error, error
+    assert users.read_bytes() == b"the user's own picture"
+    assert main(["explain", str(trained), str(photo), "--output-dir", str(out), "--overwrite"]) == 0
+    assert users.read_bytes().startswith(b"\x89PNG")
+
+
 # ---------------------------------------------------------------- 7. messages, not tracebacks
 
 

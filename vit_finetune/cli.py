@@ -131,6 +131,7 @@ def _explain_parser() -> argparse.ArgumentParser:
     parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
     parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
     parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--overwrite", action="store_true", help="replace pictures --output-dir already holds")
     return parser
 
 
@@ -247,9 +248,9 @@ def explain_command(argv: list[str]) -> int:
 
     sources = inference.collect_images(args.images)
     inference.model_location(args.model)
-    from .explain import check_output_dir, explain_images
+    from .explain import check_output_dir, explain_images, output_names
 
-    check_output_dir(args.output_dir)
+    check_output_dir(args.output_dir, output_names([source.name for source in sources], args.method), args.overwrite)
 
     written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
                              args.top_k)

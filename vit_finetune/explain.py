@@ -161,12 +161,18 @@ def output_names(names: list[str], method: str) -> list[str]:
     return [f"{name}.{method}.png" for name in chosen]
 
 
-def check_output_dir(output_dir: Path) -> None:
-    """--output-dir must be a folder, or a name for a new one: never a file (it is the user's)."""
+def check_output_dir(output_dir: Path, names: list[str], overwrite: bool = False) -> None:
+    """--output-dir must be a folder, or a name for a new one: never a file (it is the user's). Pictures it already
+    holds under `names` are replaced only with --overwrite, as predict's and evaluate's outputs are."""
     from .inference import path_kind
 
     if path_kind(output_dir, str(output_dir), "--output-dir") == "file":
         raise ExplainError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
+    existing = [name for name in names if (output_dir / name).exists()]
+    if existing and not overwrite:
+        raise ExplainError(f"--output-dir {str(output_dir)!r} already holds {len(existing)} of the pictures this would "
+                           f"write ({', '.join(repr(name) for name in existing[:3])}{', ...' if len(existing) > 3 else ''}); "
+                           "pass --overwrite to replace them, or choose another --output-dir")
 
 
 def explain_images(model_name: str, sources: list, output_dir: Path, method: str = "rollout",
