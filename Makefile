@@ -28,8 +28,9 @@ install: $(STAMP)  ## install the package and its dev tools (pip install -e .[de
 demo: $(STAMP)  ## offline demo: fine-tune the shipped tiny ViT at 64 px, print its accuracy (README: the figures)
 	$(PYTHON) -m vit_finetune --recipe demo overwrite=true $(ARGS)
 
-# One pytest worker per core (pytest-xdist); each test file stays on one worker, so its module fixtures are built once.
-PYTEST_PARALLEL ?= -n auto --dist loadfile
+# One pytest worker per core (pytest-xdist); each test file stays on one worker, so its module fixtures are built once;
+# files go out in collection order, longest first (tests/conftest.py), so both workers end at about the same time.
+PYTEST_PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(STAMP)  ## the whole test suite, one worker per core
 	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) $(ARGS)
