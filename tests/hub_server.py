@@ -491,6 +491,13 @@ class HubServer:
         self._store = _Store(self.storage_dir)
         self._faults: list[FaultRule] = []
         self._log: list[RequestRecord] = []
+        # Requests being answered: a client may read its answer before the handler's `finally` logs it, so the log
+        # is read only once none is in flight (else a test asserting right after a request can see it missing).
+        # A request begun before clear_log() (a stalled one from an earlier test) belongs to an older generation:
+        # it is neither waited for nor logged.
+        self._in_flight = 0
+        self._generation = 0
+        self._settled = threading.Condition(self.lock)
         self._secret = secrets.token_bytes(16)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -563,13 +570,13 @@ class HubServer:
     @property
     def request_log(self) -> list[RequestRecord]:
         with self.lock:
+            self._settled.wait_for(lambda: self._in_flight == 0, timeout=10)
             return list(self._log)
 
     def requests(self, method: str | None = None, path_regex: str | None = None,
                  status: int | None = None) -> list[RequestRecord]:
         """Logged requests, filtered by method, `re.search(path_regex, path)` and status."""
-        with self.lock:
-            log = list(self._log)
+        log = self.request_log
         return [
             r for r in log
             if (method is None or r.method == method.upper())
@@ -580,10 +587,23 @@ class HubServer:
     def clear_log(self) -> None:
         with self.lock:
             self._log.clear()
+            self._generation += 1
+            self._in_flight = 0
 
-    def _record(self, rec: RequestRecord) -> None:
+    def _begin_request(self) -> int:
+        """Count a request in flight; returns the log generation it belongs to."""
         with self.lock:
+            self._in_flight += 1
+            return self._generation
+
+    def _record(self, rec: RequestRecord, generation: int) -> None:
+        """Log a request once it is answered, and mark it no longer in flight (if the log was not cleared since)."""
+        with self.lock:
+            if generation != self._generation:
+                return
             self._log.append(rec)
+            self._in_flight -= 1
+            self._settled.notify_all()
 
     # auth ---------------------------------------------------------------------------------------
     def add_token(self, token: str, user: str, role: str = "write") -> None:
@@ -788,6 +808,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._query = urllib.parse.parse_qs(query, keep_blank_values=True)
         self._segments = [urllib.parse.unquote(s) for s in raw_path.split("/")[1:]]
         faulted = False
+        generation = self.hub._begin_request()  # before any answer can reach the client (see HubServer._in_flight)
         try:
             rule = self.hub._take_fault(method, self.path)
             if rule is not None:
@@ -822,7 +843,7 @@ class _Handler(BaseHTTPRequestHandler):
                 method=method, path=self.path, status=self._status, user=self._user,
                 user_agent=self.headers.get("User-Agent", ""), client=tuple(self.client_address),
                 faulted=faulted,
-            ))
+            ), generation)
 
     def _reset_connection(self) -> None:
         """Close the socket with SO_LINGER 0, so the kernel sends a TCP reset and no answer reaches the client."""

@@ -505,3 +505,20 @@ def test_raw_lfs_protocol_chunked_put_and_parent_commit(hub, hub_repo_id):
     lines[1]["value"]["oid"] = "0" * 64
     missing = b"".join(json.dumps(x).encode() + b"\n" for x in lines[:2])
     assert _http(hub, "POST", commit_url, headers=headers, data=missing)[0] == 422
+
+
+def test_a_request_is_in_the_log_as_soon_as_its_answer_has_arrived(hub, monkeypatch):
+    """The handler logs a request after answering it; a test reading the log right after its request must still see
+    it. The logging is slowed down here (a stand-in for a loaded machine) to make that race certain."""
+    import time
+
+    logged = hub._record
+
+    def slow_record(*args):
+        time.sleep(0.5)
+        logged(*args)
+
+    monkeypatch.setattr(hub, "_record", slow_record)
+    status, _, _ = _http(hub, "GET", "/api/models/user/none-such")
+    assert status in (401, 404)  # a missing repo answers like a private one to a caller without a token
+    assert [(r.method, r.path, r.status) for r in hub.requests()] == [("GET", "/api/models/user/none-such", status)]
