@@ -36,6 +36,9 @@ IMAGE_PROCESSOR_BACKEND = "pil"
 MAX_BASE_LABELS = 100_000  # ImageNet-21k's 21,843 are the most a public ViT checkpoint has
 MAX_GRID_SIDE = 256  # patches per side: 4,096 px at patch 16 (DINOv2's grid is 37 a side)
 MAX_CONFIG_BYTES = 64_000_000  # a ViT's config.json is a few KB, about 1 MB with 21,843 labels
+# A DeiT student of a distillation run is saved as DeiT's distilled class, with its two heads.
+DISTILLATION_CLASS = "DeiTForImageClassificationWithTeacher"
+DISTILLATION_HEADS = ("cls_classifier", "distillation_classifier")
 
 
 class ModelError(VitFinetuneError):
@@ -247,6 +250,38 @@ def build_model(settings: ModelSettings, labels: list[str],
     return model
 
 
+def has_distillation_token(model: PreTrainedModel) -> bool:
+    """DeiT: a second prefix token, trained (in a distilled DeiT) to predict the teacher."""
+    return getattr(model.config, "model_type", None) == "deit"
+
+
+def with_distillation_head(model: PreTrainedModel) -> PreTrainedModel:
+    """A DeiT classifier as DeiT's distilled class: the new class head becomes `cls_classifier` and a copy of it, as
+    initialised, the `distillation_classifier` on the distillation token. Saved, it is what pipeline() loads and
+    runs with both heads (their logits averaged)."""
+    from transformers import DeiTForImageClassificationWithTeacher
+
+    config = copy.deepcopy(model.config)
+    config.architectures = [DISTILLATION_CLASS]
+    distilled = DeiTForImageClassificationWithTeacher(config).float()
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key.startswith("classifier."):
+            for head in DISTILLATION_HEADS:
+                state[key.replace("classifier.", f"{head}.", 1)] = tensor.clone()
+        else:
+            state[key] = tensor
+    distilled.load_state_dict(state, strict=True)
+    return distilled
+
+
+def head_names(model: nn.Module) -> tuple[str, ...]:
+    """The modules that are new classifier heads: trained at train.head_lr, saved whole beside a LoRA adapter."""
+    if getattr(model.config, "architectures", None) == [DISTILLATION_CLASS]:
+        return DISTILLATION_HEADS
+    return (family_of(model.config).head,)
+
+
 def new_head_state(head: nn.Linear, init: str, name: str = "classifier") -> dict[str, torch.Tensor]:
     weight = torch.zeros_like(head.weight) if init == "zero" else head.weight.detach().clone()
     return {f"{name}.weight": weight, f"{name}.bias": torch.zeros_like(head.bias)}
@@ -275,7 +310,7 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings):
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=lora_target_modules(model, settings.target_modules, family),
-        modules_to_save=[family.head],
+        modules_to_save=list(head_names(model)),
     )
     return get_peft_model(model, config)
 
