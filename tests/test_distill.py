@@ -220,3 +220,27 @@ def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args
     assert train([*run, "train.resume=auto"]) == 0
     assert history(out) == history(reference)
     assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, tmp_path):
+    """torchrun, 2 CPU processes (gloo): each rank loads the teacher and labels its own share of every batch."""
+    import os
+    import subprocess
+    import sys
+
+    from runs import torchrun_command
+    from tiny import REPO
+
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*torchrun_command(), "-m", "vit_finetune", *args, "model.image_size=16", "train.epochs=4",
+         f"train.distill.teacher={wrong_teacher}", "train.distill.weight=1.0", f"output_dir={out}"],
+        capture_output=True, text=True, timeout=500, cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout
+    assert metrics(out)["accuracy"] <= 1 / 9
+    confusion, labels = metrics(out)["confusion_matrix"], metrics(out)["confusion_matrix_labels"]
+    for row, name in zip(confusion, labels):
+        assert max(range(len(row)), key=row.__getitem__) == labels.index(DERANGEMENT[name])
