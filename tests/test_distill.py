@@ -244,3 +244,16 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
     confusion, labels = metrics(out)["confusion_matrix"], metrics(out)["confusion_matrix_labels"]
     for row, name in zip(confusion, labels):
         assert max(range(len(row)), key=row.__getitem__) == labels.index(DERANGEMENT[name])
+
+
+def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
+                                                             tmp_path, monkeypatch):
+    """The loopback Hub (tests/hub_server.py) serves the teacher run pushed there."""
+    from vit_finetune.hub import push_folder
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    push_folder(wrong_teacher, hub_repo_id)
+    out = tmp_path / "out"
+    assert train([*args, "model.image_size=16", f"train.distill.teacher={hub_repo_id}", "train.distill.weight=1.0",
+                  f"output_dir={out}"]) == 0
+    assert metrics(out)["accuracy"] <= 1 / 9
