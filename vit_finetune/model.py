@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
@@ -36,9 +37,6 @@ IMAGE_PROCESSOR_BACKEND = "pil"
 MAX_BASE_LABELS = 100_000  # ImageNet-21k's 21,843 are the most a public ViT checkpoint has
 MAX_GRID_SIDE = 256  # patches per side: 4,096 px at patch 16 (DINOv2's grid is 37 a side)
 MAX_CONFIG_BYTES = 64_000_000  # a ViT's config.json is a few KB, about 1 MB with 21,843 labels
-# A DeiT student of a distillation run is saved as DeiT's distilled class, with its two heads.
-DISTILLATION_CLASS = "DeiTForImageClassificationWithTeacher"
-DISTILLATION_HEADS = ("cls_classifier", "distillation_classifier")
 
 
 class ModelError(VitFinetuneError):
@@ -252,34 +250,34 @@ def build_model(settings: ModelSettings, labels: list[str],
 
 def has_distillation_token(model: PreTrainedModel) -> bool:
     """DeiT: a second prefix token, trained (in a distilled DeiT) to predict the teacher."""
-    return getattr(model.config, "model_type", None) == "deit"
+    return family_of(model.config).distilled_class is not None
 
 
 def with_distillation_head(model: PreTrainedModel) -> PreTrainedModel:
-    """A DeiT classifier as DeiT's distilled class: the new class head becomes `cls_classifier` and a copy of it, as
-    initialised, the `distillation_classifier` on the distillation token. Saved, it is what pipeline() loads and
-    runs with both heads (their logits averaged)."""
-    from transformers import DeiTForImageClassificationWithTeacher
-
+    """A DeiT classifier as DeiT's distilled class: the new head becomes the class token's head and a copy of it,
+    as initialised, the distillation token's. Saved, it is what pipeline() loads and runs with both heads (their
+    logits averaged)."""
+    family = family_of(model.config)
     config = copy.deepcopy(model.config)
-    config.architectures = [DISTILLATION_CLASS]
-    distilled = DeiTForImageClassificationWithTeacher(config).float()
+    config.architectures = [family.distilled_class]
+    distilled = getattr(transformers, family.distilled_class)(config).float()
     state = {}
     for key, tensor in model.state_dict().items():
-        if key.startswith("classifier."):
-            for head in DISTILLATION_HEADS:
-                state[key.replace("classifier.", f"{head}.", 1)] = tensor.clone()
+        if key.startswith(f"{family.head}."):
+            for head in family.distilled_heads:
+                state[key.replace(family.head, head, 1)] = tensor.clone()
         else:
             state[key] = tensor
-    distilled.load_state_dict(state, strict=True)
+    distilled.load_state_dict(state, strict=True)  # strict: every tensor but the copied head is the student's
     return distilled
 
 
 def head_names(model: nn.Module) -> tuple[str, ...]:
     """The modules that are new classifier heads: trained at train.head_lr, saved whole beside a LoRA adapter."""
-    if getattr(model.config, "architectures", None) == [DISTILLATION_CLASS]:
-        return DISTILLATION_HEADS
-    return (family_of(model.config).head,)
+    family = family_of(model.config)
+    if family.distilled_class and getattr(model.config, "architectures", None) == [family.distilled_class]:
+        return family.distilled_heads
+    return (family.head,)
 
 
 def new_head_state(head: nn.Linear, init: str, name: str = "classifier") -> dict[str, torch.Tensor]:
