@@ -21,8 +21,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, balance, checkpoint, data, distill, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import multilabel, pictures, progress as display, selection, sharding, streaming, tracking
+from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
+from . import distill, multilabel, pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
