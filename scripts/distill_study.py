@@ -3,6 +3,7 @@
     python scripts/make_real_base.py       # once: the DINOv2-S/14 backbone (outputs/real_base/...)
     python scripts/distill_study.py        # the teacher, then the student without it and with soft targets, seeds 0-2
     python scripts/distill_study.py --arms hard --seeds 0,1
+    python scripts/distill_study.py --steps 500     # a longer schedule for the student
     python scripts/distill_study.py --table   # the table from every result recorded so far
 
 Needs `pip install -e ".[study,real_base]"` and Debian's `dataset-fashion-mnist` (apt-get install
@@ -70,16 +71,16 @@ def teacher(data: Path) -> Path:
     return out
 
 
-def student(arm: str, seed: int, data: Path, teacher_dir: Path) -> dict:
-    out = ROOT / "runs" / f"student-{arm}-s{seed}"
+def student(arm: str, seed: int, steps: int, data: Path, teacher_dir: Path) -> dict:
+    out = ROOT / "runs" / (f"student-{arm}-s{seed}" if steps == STUDENT_STEPS else f"student-{arm}-{steps}st-s{seed}")
     distill = [f"train.distill.teacher={teacher_dir}", *ARMS[arm]] if ARMS[arm] else []
     start, cpu_start = time.perf_counter(), time.process_time()
     cli([*COMMON, f"model.base={STUDENT_BASE}", "model.pretrained=false", f"model.image_size={STUDENT_SIZE}",
-         f"data.dataset={data}", f"train.max_steps={STUDENT_STEPS}", f"train.batch_size={STUDENT_BATCH}",
-         f"train.lr={STUDENT_LR}", f"train.seed={seed}", f"train.eval_every_steps={STUDENT_STEPS}",
-         f"train.log_every_steps={STUDENT_STEPS}", f"output_dir={out}", *distill])
+         f"data.dataset={data}", f"train.max_steps={steps}", f"train.batch_size={STUDENT_BATCH}",
+         f"train.lr={STUDENT_LR}", f"train.seed={seed}", f"train.eval_every_steps={steps}",
+         f"train.log_every_steps={steps}", f"output_dir={out}", *distill])
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"arm": arm, "seed": seed, "accuracy": metrics["accuracy"], "steps": STUDENT_STEPS,
+    return {"arm": arm, "seed": seed, "accuracy": metrics["accuracy"], "steps": steps,
             "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
             "folder": str(out)}
 
@@ -114,20 +115,22 @@ def table(results: list[dict], teacher_dir: Path) -> str:
     student_speed = images_per_second(Path(students[0]["folder"])) if students else float("nan")
     teacher_speed = images_per_second(teacher_dir)
     lines = [f"Fashion-MNIST, {DATA.train_per_class} train / {DATA.eval_per_class} eval images per class; student "
-             f"{STUDENT_BASE} architecture from random weights at {STUDENT_SIZE} px, {STUDENT_STEPS} steps of "
+             f"{STUDENT_BASE} architecture from random weights at {STUDENT_SIZE} px, batches of "
              f"{STUDENT_BATCH}; teacher DINOv2-S/14 fine-tuned at {TEACHER_SIZE} px ({TEACHER_STEPS} steps of 16)\n",
-             "| model | eval accuracy, mean ± std (seeds) | CPU s per run | images/s (CPU, 1 thread, batch 32) |",
-             "|---|---|---|---|",
-             f"| teacher (DINOv2-S/14, {TEACHER_SIZE} px) | {teacher_accuracy:.3f} (seed 0) | – | {teacher_speed:.0f} |"]
-    for arm in ARMS:
-        runs = [r for r in students if r["arm"] == arm]
-        if not runs:
-            continue
-        values = [r["accuracy"] for r in runs]
-        spread = statistics.stdev(values) if len(values) > 1 else 0.0
-        name = "student, labels only" if arm == "none" else f"student + teacher ({' '.join(ARMS[arm])})"
-        lines.append(f"| {name} | {statistics.mean(values):.3f} ± {spread:.3f} ({len(values)}) | "
-                     f"{statistics.mean(r['cpu_seconds'] for r in runs):.0f} | {student_speed:.0f} |")
+             "| model | steps | eval accuracy, mean ± std (seeds) | CPU s per run | images/s (CPU, 1 thread, batch 32) |",
+             "|---|---|---|---|---|",
+             f"| teacher (DINOv2-S/14, {TEACHER_SIZE} px) | {TEACHER_STEPS} of 16 | {teacher_accuracy:.3f} (seed 0) | – | "
+             f"{teacher_speed:.0f} |"]
+    for steps in sorted({r["steps"] for r in students}):
+        for arm in ARMS:
+            runs = [r for r in students if r["arm"] == arm and r["steps"] == steps]
+            if not runs:
+                continue
+            values = [r["accuracy"] for r in runs]
+            spread = statistics.stdev(values) if len(values) > 1 else 0.0
+            name = "student, labels only" if arm == "none" else f"student + teacher ({' '.join(ARMS[arm])})"
+            lines.append(f"| {name} | {steps} | {statistics.mean(values):.3f} ± {spread:.3f} ({len(values)}) | "
+                         f"{statistics.mean(r['cpu_seconds'] for r in runs):.0f} | {student_speed:.0f} |")
     return "\n".join(lines)
 
 
@@ -136,18 +139,19 @@ def main() -> None:
     # soft and none by default: each run with a teacher costs ~6x one without on a CPU (the teacher's forward passes)
     parser.add_argument("--arms", default="none,soft")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=STUDENT_STEPS, help="the student's optimiser steps")
     parser.add_argument("--table", action="store_true", help="only print the table of the results recorded")
     options = parser.parse_args()
     ROOT.mkdir(parents=True, exist_ok=True)
     data = write_dataset(DATA, ROOT / "data" / "fashion")
     teacher_dir = teacher(data)
     if not options.table:
-        done = {(r["arm"], r["seed"]) for r in read_results()}
+        done = {(r["arm"], r["seed"], r["steps"]) for r in read_results()}
         for seed in [int(s) for s in options.seeds.split(",")]:
             for arm in options.arms.split(","):
-                if (arm, seed) in done:
+                if (arm, seed, options.steps) in done:
                     continue
-                result = student(arm, seed, data, teacher_dir)
+                result = student(arm, seed, options.steps, data, teacher_dir)
                 with open(ROOT / "results.jsonl", "a") as handle:
                     handle.write(json.dumps(result) + "\n")
     print(table(read_results(), teacher_dir))
