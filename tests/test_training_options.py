@@ -259,7 +259,7 @@ def test_class_weights_weight_each_images_loss_by_its_class():
     model = tiny_vit().eval()
     weights = balance.class_weights(SKEWED, 3)
     parts = SimpleNamespace(model=model, normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
-                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights)
+                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights, teacher=None)
     pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
     loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
     with torch.no_grad():

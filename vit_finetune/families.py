@@ -140,6 +140,10 @@ class Family:
     # Modules between backbone and head that a backbone-only checkpoint lacks (BEiT's mean-pooling norm after
     # masked-image pretraining): initialised fresh with the head, as timm does, instead of refusing the checkpoint.
     fresh_with_head: tuple[str, ...] = ()
+    # A family with a distillation token (DeiT): the class a train.distill student is saved as, and its two heads
+    # (the class token's, the distillation token's); None: the student keeps its one head.
+    distilled_class: str | None = None
+    distilled_heads: tuple[str, str] | None = None
 
     def new_modules(self) -> tuple[str, ...]:
         """Name prefixes of what may be newly initialised: the head, and what the family adds with it."""
@@ -186,7 +190,9 @@ FAMILIES: dict[str, Family] = {
     "vit": _vit_like("ViT", "ViTForImageClassification", "vit", 1, roles=VIT_ROLES),
     "vit_msn": _vit_like("ViT-MSN", "ViTMSNForImageClassification", "vit", 1, roles=VIT_ROLES),
     # Distilled checkpoints (…WithTeacher) fine-tune as DeiTForImageClassification: the distillation token stays.
-    "deit": _vit_like("DeiT", "DeiTForImageClassification", "deit", 2, roles=VIT_ROLES),
+    "deit": _vit_like("DeiT", "DeiTForImageClassification", "deit", 2, roles=VIT_ROLES,
+                      distilled_class="DeiTForImageClassificationWithTeacher",
+                      distilled_heads=("cls_classifier", "distillation_classifier")),
     "beit": Family("BEiT", "BeitForImageClassification", "beit", _BEIT_POSITION, _BEIT_RESIZED,
                    fresh_with_head=("beit.pooler",)),
     "data2vec-vision": Family("Data2Vec-vision", "Data2VecVisionForImageClassification", "data2vec_vision",

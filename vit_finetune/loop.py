@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import augment, checkpoint, data, evaluation, multilabel, progress as display, streaming
+from . import augment, checkpoint, data, distill, evaluation, multilabel, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -124,12 +124,25 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
 
 
 def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
+    """The loss on the labels, blended with the loss on the teacher's predictions of the same (augmented, mixed)
+    images when train.distill is on."""
+    labels = batch["labels"]
+    pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
+    output = parts.model(pixel_values=parts.normalize.standardize(pixels))
+    if parts.teacher is None:
+        return label_loss(parts, output.logits, labels, soft_targets, recipe)
+    class_logits, distillation_logits = distill.student_heads(output)
+    settings = recipe.train.distill
+    return distill.blend(label_loss(parts, class_logits, labels, soft_targets, recipe),
+                         distill.teacher_loss(distillation_logits, parts.teacher.logits(pixels), labels, settings),
+                         settings)
+
+
+def label_loss(parts: Parts, logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None,
+               recipe: Recipe) -> torch.Tensor:
     """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with a
     zero gradient, when all were skipped (the forward and backward still run: under DDP every process must join
     each step's gradient all-reduce)."""
-    labels = batch["labels"]
-    pixels, soft_targets = parts.augment(parts.normalize.rescale(batch["pixel_values"]), labels, *batch["position"])
-    logits = parts.model(pixel_values=parts.normalize.standardize(pixels)).logits
     if labels.dim() == 2:  # label sets (multi-label): (B, C) rows, blended by Mixup/CutMix when mixed
         return multilabel.loss(logits, labels if soft_targets is None else soft_targets, parts.class_weights,
                                recipe.train.label_smoothing)

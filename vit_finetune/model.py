@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
@@ -247,6 +248,38 @@ def build_model(settings: ModelSettings, labels: list[str],
     return model
 
 
+def has_distillation_token(model: PreTrainedModel) -> bool:
+    """DeiT: a second prefix token, trained (in a distilled DeiT) to predict the teacher."""
+    return family_of(model.config).distilled_class is not None
+
+
+def with_distillation_head(model: PreTrainedModel) -> PreTrainedModel:
+    """A DeiT classifier as DeiT's distilled class: the new head becomes the class token's head and a copy of it,
+    as initialised, the distillation token's. Saved, it is what pipeline() loads and runs with both heads (their
+    logits averaged)."""
+    family = family_of(model.config)
+    config = copy.deepcopy(model.config)
+    config.architectures = [family.distilled_class]
+    distilled = getattr(transformers, family.distilled_class)(config).float()
+    state = {}
+    for key, tensor in model.state_dict().items():
+        if key.startswith(f"{family.head}."):
+            for head in family.distilled_heads:
+                state[key.replace(family.head, head, 1)] = tensor.clone()
+        else:
+            state[key] = tensor
+    distilled.load_state_dict(state, strict=True)  # strict: every tensor but the copied head is the student's
+    return distilled
+
+
+def head_names(model: nn.Module) -> tuple[str, ...]:
+    """The modules that are new classifier heads: trained at train.head_lr, saved whole beside a LoRA adapter."""
+    family = family_of(model.config)
+    if family.distilled_class and getattr(model.config, "architectures", None) == [family.distilled_class]:
+        return family.distilled_heads
+    return (family.head,)
+
+
 def new_head_state(head: nn.Linear, init: str, name: str = "classifier") -> dict[str, torch.Tensor]:
     weight = torch.zeros_like(head.weight) if init == "zero" else head.weight.detach().clone()
     return {f"{name}.weight": weight, f"{name}.bias": torch.zeros_like(head.bias)}
@@ -275,7 +308,7 @@ def apply_lora(model: PreTrainedModel, settings: LoraSettings):
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
         target_modules=lora_target_modules(model, settings.target_modules, family),
-        modules_to_save=[family.head],
+        modules_to_save=list(head_names(model)),
     )
     return get_peft_model(model, config)
 

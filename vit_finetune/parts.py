@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to impo
 
     from .augment import BatchAugmenter
     from .data import PixelNormalizer
+    from .distill import Teacher
     from .recipe import Recipe
     from .streaming import StreamLoader
 
@@ -33,3 +34,4 @@ class Parts:
     position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
     data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
+    teacher: Teacher | None = None  # train.distill: the frozen classifier the student also learns from

@@ -77,7 +77,7 @@ def names_fit(value: str | None) -> str | None:
 
 # A path a run reads or writes (or a Hub id); `~` is expanded here and nowhere else.
 HomePath = Annotated[str, AfterValidator(expand_home), AfterValidator(names_fit)]
-HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "output_dir")
+HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "train.distill.teacher", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 # The metrics train.keep_best can follow, and whether higher or lower is better.
@@ -230,6 +230,23 @@ class AugmentSettings(Strict):
     mix_off_epochs: StrictInt = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
 
 
+class DistillSettings(Strict):
+    """Knowledge distillation from a trained classifier of the same labels (DeiT, arXiv 2012.12877)."""
+
+    teacher: HomePath = Field(..., description=(
+        "the teacher: a run's output_dir, a folder saved with save_pretrained or a Hub id of an image classifier "
+        "with the dataset's labels; it runs frozen, at its own resolution and normalisation"))
+    weight: Float = Field(0.5, ge=0, le=1, description=(
+        "share of the loss that follows the teacher (the rest follows the labels); a DeiT student's distillation "
+        "head follows the teacher, its class head the labels, both weighted so"))
+    temperature: Float = Field(1.0, gt=0, description=(
+        "soft targets: both logits are divided by it before the softmax (higher = flatter, timm uses 4); the loss "
+        "is multiplied by its square"))
+    mode: Literal["soft", "hard"] = Field("hard", description=(
+        "hard: cross-entropy on the teacher's top class (DeiT's better choice); soft: KL divergence to the "
+        "teacher's softened probabilities"))
+
+
 class TrainSettings(Strict):
     epochs: StrictInt = Field(1, gt=0, description="passes over the training split")
     max_steps: StrictInt | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
@@ -316,6 +333,9 @@ class TrainSettings(Strict):
                              f"{self.optimizer}, e.g. train.lr=0.01 (the ViT paper's SGD range is 0.003-0.03 at batch 512)")
         return self
 
+    distill: DistillSettings | None = Field(None, description=(
+        "null = off; {teacher, weight, temperature, mode} = train against a teacher's predictions as well as the labels"))
+
     threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
         "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
         "precision); saved with the model and used by predict"))
@@ -389,6 +409,9 @@ class Recipe(Strict):
         if self.train.early_stopping_patience is not None and self.train.keep_best is None:
             problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
                             "for), e.g. train.keep_best=eval_accuracy")
+        if self.train.distill is not None and self.data.multi_label:
+            problems.append("train.distill works with single-label classification only (a teacher's top class or "
+                            "softmax); set train.distill=null for data.multi_label=true")
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"
@@ -539,11 +562,13 @@ def format_keys(recipe: Recipe) -> str:
 def _describe(error: dict[str, Any]) -> str:
     location = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-"))
     # Pydantic appends the union member it tried (e.g. "lora.LoraSettings"); keep only recipe keys.
-    location = re.sub(r"\.(LoraSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+    location = re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
         return f"unknown key {location!r}{hint}"
+    if error["type"] == "missing":  # its input is the section around it, which says nothing useful
+        return f"{location} is required and has no default; set it, e.g. {location}=VALUE"
     value = error.get("input")
     message = error["msg"].removeprefix("Value error, ")
     if location == "":

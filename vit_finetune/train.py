@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import multilabel, pictures, progress as display, selection, sharding, streaming, tracking
+from . import distill, multilabel, pictures, progress as display, selection, sharding, streaming, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -105,7 +105,8 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
     lr, head_lr = learning_rates(recipe)
     config, family = model.config, vit.family_of(model.config)
     block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
-    head = re.compile(rf"(?:^|\.){re.escape(family.head)}\.")  # under peft too: base_model.model.classifier...
+    heads = "|".join(re.escape(name) for name in vit.head_names(model))
+    head = re.compile(rf"(?:^|\.)(?:{heads})\.")  # under peft too: base_model.model.classifier...
     groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config),
                                     lambda name: bool(head.search(name)), head_lr / lr)
     for group in groups:
@@ -159,12 +160,21 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
+    processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
+    normalize = data.PixelNormalizer(processor, accelerator.device)
+    teacher = None
+    if recipe.train.distill is not None:  # its labels are checked before the student is built
+        if getattr(splits, "multi_label", False):
+            raise RunError("train.distill works with single-label classification only, and data.dataset has label "
+                           "sets (multi-label); set train.distill=null")
+        teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
                             on_resample=lambda before, after: tables.update(before=before, after=after))
     if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
         model.config.problem_type = multilabel.PROBLEM_TYPE
-    processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
+    if teacher is not None and vit.has_distillation_token(model):
+        model = vit.with_distillation_head(model)  # DeiT: its distillation token gets a head of its own
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
     size = recipe.model.image_size
@@ -201,9 +211,9 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                                              augment.total_epochs(total_steps, steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing)
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
-                 data.PixelNormalizer(processor, accelerator.device), batch_augmenter, steps_per_epoch, total_steps,
+                 normalize, batch_augmenter, steps_per_epoch, total_steps,
                  as_run, splits.eval_split, tables, splits.identity if streamed else data.identity(splits),
-                 None if class_weights is None else class_weights.to(accelerator.device))
+                 None if class_weights is None else class_weights.to(accelerator.device), teacher)
 
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
@@ -285,6 +295,8 @@ def check_base_and_data(recipe: Recipe, accelerator: Accelerator):
     with hub.offline_unless(accelerator.is_local_main_process):
         config = vit.load_base_config(recipe.model)
         data.refuse_unreachable(recipe.data)
+        if recipe.train.distill is not None:
+            distill.teacher_config(recipe.train.distill)  # a missing or multi-label teacher fails now
     return config
 
 

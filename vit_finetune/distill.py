@@ -1,0 +1,168 @@
+"""Knowledge distillation (train.distill): a frozen teacher's predictions on the very batches the student trains on,
+and the loss that follows them (DeiT, arXiv 2012.12877).
+
+The teacher is any image classifier with the dataset's labels: a run of this toolkit, a folder saved with
+save_pretrained, a Hub model. It is loaded without its own Python code, frozen, in eval mode, and runs without
+gradients at its own resolution and normalisation: the student's batch, after Mixup/CutMix (both see the same
+mixed images), is resampled to the teacher's size and normalised with the teacher's mean and std. It is never
+saved in a checkpoint: a resume loads it again from train.distill.teacher, which the recipe's identity covers.
+
+A DeiT student keeps its distillation token: its distillation head follows the teacher, its class head the
+labels, and the saved model is DeiTForImageClassificationWithTeacher, whose logits average both heads.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .data import SKIPPED_LABEL
+from .errors import EXIT_USAGE, VitFinetuneError
+from .recipe import DistillSettings
+
+
+class DistillError(VitFinetuneError):
+    """A teacher that cannot teach this run; the message names it and the fix."""
+
+    exit_code = EXIT_USAGE
+
+
+def teacher_location(settings: DistillSettings) -> str:
+    """The teacher's folder or Hub id, found the way `predict` finds a model; a clear error otherwise."""
+    from .inference import InputError, model_location
+
+    try:
+        return model_location(settings.teacher)
+    except InputError as error:
+        raise DistillError(f"train.distill.teacher={settings.teacher!r}: {error}") from None
+
+
+def teacher_config(settings: DistillSettings):
+    """The teacher's config.json alone (no weights), read without running any code of its own."""
+    from transformers import AutoConfig
+
+    location = teacher_location(settings)
+    try:
+        config = AutoConfig.from_pretrained(location, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
+                           f"({str(error)[:300]}); give a run's output_dir or an image classifier's Hub id") from None
+    if getattr(config, "problem_type", None) == "multi_label_classification":
+        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a multi-label classifier; distillation "
+                           "follows a single-label teacher's top class or softmax. Give a single-label teacher")
+    return config
+
+
+def teacher_labels(config) -> list[str]:
+    id2label = {int(index): name for index, name in (config.id2label or {}).items()}
+    return [id2label[index] for index in sorted(id2label)]
+
+
+def refuse_other_labels(settings: DistillSettings, config, labels: list[str]) -> None:
+    """The teacher's classes must be the dataset's, in the same order: its logit i must mean the student's class i."""
+    theirs = teacher_labels(config)
+    if theirs == list(labels):
+        return
+    order = " (the same names in another order)" if sorted(theirs) == sorted(labels) else ""
+    raise DistillError(
+        f"train.distill.teacher={settings.teacher!r} predicts the labels {_shown(theirs)}, but the dataset's are "
+        f"{_shown(labels)}{order}; a teacher's logit i must mean the dataset's class i. Fix: give a teacher trained "
+        "on this dataset's classes (e.g. a run of this toolkit on the same data), or set train.distill=null")
+
+
+def _shown(labels: list[str], most: int = 12) -> str:
+    return repr(labels) if len(labels) <= most else f"{labels[:most]!r}... ({len(labels)} in all)"
+
+
+def input_size(processor, config) -> tuple[int, int]:
+    """The (height, width) the teacher's own image processor feeds it: its crop if it crops, else its size."""
+    size = getattr(processor, "crop_size", None) if getattr(processor, "do_center_crop", False) else None
+    size = size or getattr(processor, "size", None) or {}
+    if "height" in size and "width" in size:
+        return int(size["height"]), int(size["width"])
+    if "shortest_edge" in size:
+        return int(size["shortest_edge"]), int(size["shortest_edge"])
+    side = getattr(config, "image_size", None)
+    if isinstance(side, int):
+        return side, side
+    raise DistillError(f"train.distill.teacher: its image processor names no size ({size}); save the teacher with "
+                       "an image processor that has size (or crop_size)")
+
+
+class Teacher:
+    """A frozen classifier that labels the student's batches, at its own resolution and normalisation."""
+
+    def __init__(self, model: torch.nn.Module, processor, student_scale: float, device: torch.device):
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.size = input_size(processor, model.config)
+        # The student's pixels arrive rescaled by the student's factor (uint8 x 1/255, usually): back to 0-255,
+        # then the teacher's own rescale and mean/std.
+        scale = float(getattr(processor, "rescale_factor", 1 / 255)) if getattr(processor, "do_rescale", True) else 1.0
+        normalises = getattr(processor, "do_normalize", True)
+        mean = (getattr(processor, "image_mean", None) or [0.5] * 3) if normalises else [0.0] * 3
+        std = (getattr(processor, "image_std", None) or [0.5] * 3) if normalises else [1.0] * 3
+        self.scale = scale / student_scale
+        self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
+
+    def pixels(self, rescaled: torch.Tensor) -> torch.Tensor:
+        """The student's rescaled batch (before its mean/std) as the teacher's processor would have made it."""
+        pixels = rescaled.float()
+        if tuple(pixels.shape[-2:]) != self.size:  # antialiased, so shrinking a batch does not alias
+            pixels = F.interpolate(pixels, size=self.size, mode="bilinear", align_corners=False, antialias=True)
+        return (pixels * self.scale - self.mean) / self.std
+
+    @torch.no_grad()
+    def logits(self, rescaled: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=self.pixels(rescaled)).logits.float()
+
+
+def load_teacher(settings: DistillSettings, labels: list[str], student_scale: float, device: torch.device) -> Teacher:
+    """Check the teacher's labels from its config, then load its weights (each process its own copy)."""
+    from .inference import InputError, load_classifier
+
+    config = teacher_config(settings)
+    refuse_other_labels(settings, config, labels)
+    try:
+        model, processor = load_classifier(teacher_location(settings))
+    except InputError as error:
+        raise DistillError(f"train.distill.teacher: {error}") from None
+    return Teacher(model, processor, student_scale, device)
+
+
+def student_heads(output) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits that learn the labels, logits that learn the teacher): a DeiT student's class and distillation heads,
+    any other student's one head twice."""
+    if getattr(output, "distillation_logits", None) is not None:
+        return output.cls_logits, output.distillation_logits
+    return output.logits, output.logits
+
+
+def soft_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per image: KL(teacher/T || student/T) x T^2 (Hinton; the T^2 keeps its gradient's size as T changes)."""
+    log_student = F.log_softmax(student.float() / temperature, dim=-1)
+    log_teacher = F.log_softmax(teacher / temperature, dim=-1)
+    return F.kl_div(log_student, log_teacher, reduction="none", log_target=True).sum(-1) * temperature ** 2
+
+
+def hard_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per image: cross-entropy on the teacher's top class (DeiT's hard distillation; no temperature)."""
+    return F.cross_entropy(student.float(), teacher.argmax(-1), reduction="none")
+
+
+MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]] = {"soft": soft_loss, "hard": hard_loss}
+
+
+def teacher_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Tensor,
+                 settings: DistillSettings) -> torch.Tensor:
+    """The mean distillation loss over the batch's real images (a bad image's place, skipped, is left out)."""
+    per_image = MODES[settings.mode](student, teacher, settings.temperature)
+    real = (labels != SKIPPED_LABEL).float()
+    count = real.sum()
+    return (per_image * real).sum() / torch.where(count > 0, count, torch.ones_like(count))
+
+
+def blend(label_loss: torch.Tensor, distillation_loss: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
+    return (1 - settings.weight) * label_loss + settings.weight * distillation_loss
