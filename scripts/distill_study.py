@@ -21,7 +21,8 @@ model.pretrained=false) at 28 px, the same schedule in every arm (STUDENT_LR, co
 The teacher runs at its own 56 px and ImageNet mean/std; the student's 28 px batches are resampled for it.
 Speed: images/s of a forward pass (eval mode, no gradients, batch 32, one torch thread, CPU) of the saved student and
 teacher, each at its own resolution. Every run uses one torch thread and no loader workers (train.cpu_threads=1).
-Results are appended to outputs/distill/results.jsonl; a run already recorded is not redone.
+Results are appended to outputs/distill/results.jsonl; a run already recorded is not redone. The runs measured so far
+are kept in scripts/distill_study_results.jsonl: copy it to outputs/distill/results.jsonl to print their table.
 """
 
 from __future__ import annotations
@@ -140,7 +141,8 @@ def main() -> None:
     parser.add_argument("--arms", default="none,soft")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=STUDENT_STEPS, help="the student's optimiser steps")
-    parser.add_argument("--table", action="store_true", help="only print the table of the results recorded")
+    parser.add_argument("--table", action="store_true", help="only print the table of the results recorded (the "
+                        "teacher is trained first if its folder is missing: the table measures both models' speed)")
     options = parser.parse_args()
     ROOT.mkdir(parents=True, exist_ok=True)
     data = write_dataset(DATA, ROOT / "data" / "fashion")
