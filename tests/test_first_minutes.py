@@ -98,6 +98,23 @@ def test_a_log_file_gets_plain_lines_and_a_carved_eval_split_is_said_everywhere(
     assert "3 eval images held out from `train` (10%" in (output / "README.md").read_text()
 
 
+def test_a_quiet_run_called_in_process_gives_the_caller_its_logging_and_warnings_back(tmp_path, capsys):
+    """--quiet silences the libraries for the run only: a notebook (or a test) calling main() keeps its warnings and
+    log records afterwards, and its environment is as it was."""
+    import logging
+    import os
+    import warnings
+
+    from vit_finetune.cli import main
+
+    switches = ("TRANSFORMERS_VERBOSITY", "PYTHONWARNINGS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
+    before = logging.root.manager.disable, list(warnings.filters), {k: os.environ.get(k) for k in switches}
+    assert main(["--quiet", f"model.base={tmp_path / 'no-such-base'}", f"output_dir={tmp_path / 'out'}"]) != 0
+    assert "no-such-base" in capsys.readouterr().err  # the run got as far as loading the base, quietly
+    assert (logging.root.manager.disable, list(warnings.filters), {k: os.environ.get(k) for k in switches}) == before
+    assert logging.getLogger("transformers").isEnabledFor(logging.WARNING)
+
+
 @pytest.mark.slow
 def test_quiet_prints_only_the_result(base, images, tmp_path):
     result = run_cli("--quiet", f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path / 'q'}",

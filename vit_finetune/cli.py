@@ -187,10 +187,10 @@ def train_command(argv: list[str]) -> int:
         return 0
     from . import progress
 
-    progress.configure(quiet=args.quiet)
-    from .train import run
+    with progress.configured(quiet=args.quiet):
+        from .train import run
 
-    run(recipe)
+        run(recipe)
     return 0
 
 
@@ -327,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     from . import progress
 
-    progress.configure()  # before the heavy libraries load: their bars follow the terminal / log-file choice
-    try:
-        return command(argv)
-    except VitFinetuneError as error:
-        report(error)
-        return error.exit_code
+    with progress.configured():  # before the heavy libraries load: their bars follow the terminal / log-file choice
+        try:
+            return command(argv)
+        except VitFinetuneError as error:
+            report(error)
+            return error.exit_code
 
 
 def main_exit() -> None:

@@ -12,25 +12,49 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _quiet = False
+_LIBRARY_SWITCHES = ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY",
+                     "PYTHONWARNINGS")
 
 
-def configure(quiet: bool = False) -> None:
-    """Called once by the CLI before the heavy libraries load: their own bars follow the same choice."""
+@contextmanager
+def configured(quiet: bool = False) -> Iterator[None]:
+    """What the libraries show for the length of one command. Entered by the CLI before the heavy libraries load
+    (their own bars follow the same choice); on leaving, the caller's logging, warning filters and environment are
+    as they were, so a notebook or a test that calls the CLI in-process keeps its warnings."""
     global _quiet
-    _quiet = quiet
-    if quiet or not interactive():
-        # Read by datasets and huggingface_hub when they are imported.
-        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if quiet:
-        # Only the result and errors: the libraries' warnings (deprecations, notices) and log records below
-        # ERROR go too, in this process and in the processes it starts (DataLoader workers, a launcher's).
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        os.environ.setdefault("PYTHONWARNINGS", "ignore")
-        warnings.simplefilter("ignore")
-        logging.disable(logging.WARNING)
+    saved_env = {name: os.environ.get(name) for name in _LIBRARY_SWITCHES}
+    saved_disable, saved_quiet = logging.root.manager.disable, _quiet
+    # transformers sets its logger's level from TRANSFORMERS_VERBOSITY when it is first imported, maybe inside this.
+    library_logger = logging.getLogger("transformers")
+    saved_library_level = library_logger.level
+    with warnings.catch_warnings():
+        _quiet = quiet or _quiet
+        if quiet or not interactive():
+            # Read by datasets and huggingface_hub when they are imported.
+            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+            os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        if quiet:
+            # Only the result and errors: the libraries' warnings (deprecations, notices) and log records below
+            # ERROR go too, in this process and in the processes it starts (DataLoader workers, a launcher's).
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+            os.environ.setdefault("PYTHONWARNINGS", "ignore")
+            warnings.simplefilter("ignore")
+            logging.disable(logging.WARNING)
+        try:
+            yield
+        finally:
+            _quiet = saved_quiet
+            logging.disable(saved_disable)
+            library_logger.setLevel(saved_library_level)
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def is_quiet() -> bool:
