@@ -25,6 +25,15 @@ import warnings as _hub_warnings
 
 import pytest as _hub_pytest
 
+# --- one torch thread per test process ---
+# The workers (one per core) already keep every core busy, and the runs are tiny: torch's default of one thread per
+# core puts two threads on each core, and its thread pool then spends most of a tiny op waiting for a core (measured
+# on 2 cores with one other busy process: tests/test_keep_best.py took 119 CPU-s with the default, 20 with one
+# thread). Set before torch is imported, here and in every subprocess the tests start; a value already set is kept.
+_hub_os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in _hub_sys.modules:
+    _hub_sys.modules["torch"].set_num_threads(int(_hub_os.environ["OMP_NUM_THREADS"]))
+
 _hub_tests_dir = _hub_os.path.dirname(_hub_os.path.abspath(__file__))
 if _hub_tests_dir not in _hub_sys.path:  # so `import hub_server` works under any --import-mode
     _hub_sys.path.insert(0, _hub_tests_dir)
