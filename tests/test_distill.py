@@ -203,9 +203,13 @@ def test_a_lora_deit_student_keeps_both_heads_in_its_adapter(images, wrong_teach
         assert any(f"{head}.modules_to_save" in key or f"{head}.weight" in key for key in saved), sorted(saved)[:20]
 
 
-def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args, wrong_teacher, tmp_path):
-    """Mixup on too: the teacher sees the same mixed images after the resume. It is not in the checkpoint."""
-    options = ["model.image_size=16", f"train.distill.teacher={wrong_teacher}", "train.distill.mode=soft",
+def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args, wrong_teacher, tmp_path, capsys):
+    """Mixup on too: the teacher sees the same mixed images after the resume. It is not in the checkpoint, but its
+    weights' digest is: a teacher retrained in place (same folder, so the same recipe) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    teacher = shutil.copytree(wrong_teacher, tmp_path / "teacher")
+    options = ["model.image_size=16", f"train.distill.teacher={teacher}", "train.distill.mode=soft",
                "train.distill.temperature=2", "augment.mixup=true"]
     reference = tmp_path / "reference"
     assert train([*args, *options, f"output_dir={reference}"]) == 0
@@ -217,6 +221,16 @@ def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args
     assert not any("teacher" in path.name for path in checkpoint.rglob("*"))
     changed = run_cli(*run, "train.resume=auto", "train.distill.weight=0.25")
     assert changed.returncode != 0 and "train.distill.weight" in changed.stderr, changed.stderr[-2000:]
+
+    weights_file = teacher / "model.safetensors"
+    original = weights_file.read_bytes()
+    retrained = {name: tensor + 0.01 for name, tensor in load_file(weights_file).items()}
+    save_file(retrained, weights_file, metadata={"format": "pt"})
+    capsys.readouterr()
+    assert train([*run, "train.resume=auto"]) != 0
+    assert "the teacher's weights (train.distill.teacher) changed" in capsys.readouterr().err
+    assert (out / "checkpoints" / "step-00000004").is_dir() and not (out / "model.safetensors").exists()
+    weights_file.write_bytes(original)
     assert train([*run, "train.resume=auto"]) == 0
     assert history(out) == history(reference)
     assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")

@@ -291,6 +291,18 @@ def refuse_changed_data(checkpoint: Path, data_identity: dict) -> None:
         )
 
 
+def refuse_changed_teacher(checkpoint: Path, data_identity: dict) -> None:
+    """train.distill: the teacher's weights must be those the checkpoint's steps followed (a teacher retrained in
+    place keeps its folder name, which the recipe check sees unchanged)."""
+    saved = (read_saved_state(checkpoint)[1].get("data") or {}).get("teacher_weights")
+    if _differs(saved, data_identity.get("teacher_weights")):
+        raise CheckpointError(
+            f"cannot resume from {checkpoint}: the teacher's weights (train.distill.teacher) changed since it was "
+            "written; the steps before it followed another teacher, so the resumed run would match neither. Restore "
+            "that teacher, or train again with overwrite=true (or another output_dir)"
+        )
+
+
 def _differs(saved_hash: str | None, current_hash: str | None) -> bool:
     """Whether two content hashes disagree; one not taken (a checkpoint from before hashing, files over
     data.CONTENT_HASH_LIMIT_BYTES) leaves the check to the fingerprint."""
@@ -303,6 +315,7 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity
 
     refuse_changed_recipe(checkpoint, recipe)
     refuse_changed_data(checkpoint, data_identity)
+    refuse_changed_teacher(checkpoint, data_identity)
     writers = len(list(checkpoint.glob("random_states_*.pkl")))
     if writers and writers != accelerator.num_processes:
         raise CheckpointError(

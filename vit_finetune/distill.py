@@ -5,7 +5,8 @@ The teacher is any image classifier with the dataset's labels: a run of this too
 save_pretrained, a Hub model. It is loaded without its own Python code, frozen, in eval mode, and runs without
 gradients at its own resolution and normalisation: the student's batch, after Mixup/CutMix (both see the same
 mixed images), is resampled to the teacher's size and normalised with the teacher's mean and std. It is never
-saved in a checkpoint: a resume loads it again from train.distill.teacher, which the recipe's identity covers.
+saved in a checkpoint: a resume loads it again from train.distill.teacher, which the recipe's identity covers, and
+checks that its weights are those the checkpoint was trained with (their digest is recorded in each checkpoint).
 
 A DeiT student keeps its distillation token: its distillation head follows the teacher, its class head the
 labels, and the saved model is DeiTForImageClassificationWithTeacher, whose logits average both heads.
@@ -91,10 +92,24 @@ def input_size(processor, config) -> tuple[int, int]:
                        "an image processor that has size (or crop_size)")
 
 
+def weights_digest(model: torch.nn.Module) -> str:
+    """A hash of every weight's name, shape, type and bytes: checkpoints record it, so a resume whose teacher was
+    retrained or replaced under the same folder or Hub id is refused rather than silently followed."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        values = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{tuple(values.shape)}:{values.dtype}".encode())
+        digest.update(values.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 class Teacher:
     """A frozen classifier that labels the student's batches, at its own resolution and normalisation."""
 
     def __init__(self, model: torch.nn.Module, processor, student_scale: float, device: torch.device):
+        self.digest = weights_digest(model)  # before it moves: the bytes as loaded
         self.model = model.to(device).eval().requires_grad_(False)
         self.size = input_size(processor, model.config)
         # The student's pixels arrive rescaled by the student's factor (uint8 x 1/255, usually): back to 0-255,

@@ -210,10 +210,12 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing)
+    identity = dict(splits.identity if streamed else data.identity(splits))
+    if teacher is not None:  # what the student also learned from: a resume refuses another teacher
+        identity["teacher_weights"] = teacher.digest
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
-                 normalize, batch_augmenter, steps_per_epoch, total_steps,
-                 as_run, splits.eval_split, tables, splits.identity if streamed else data.identity(splits),
-                 None if class_weights is None else class_weights.to(accelerator.device), teacher)
+                 normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
+                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher)
 
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
