@@ -62,11 +62,8 @@ ARMS = {
     "match": ["train.distill.mode=soft", "train.distill.weight=1", "train.distill.temperature=1"],
 }
 # The student's augmentation, the same in every arm; results recorded before --augment existed have no key: "none".
-AUGMENTS = {
-    "none": [],
-    "light": ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=true"],
-    "strong": ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=true", "augment.mixup=true", "augment.cutmix=true"],
-}
+LIGHT = ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=true"]
+AUGMENTS = {"none": [], "light": LIGHT, "strong": [*LIGHT, "augment.mixup=true", "augment.cutmix=true"]}
 COMMON = ["--quiet", "data.eval_split=validation", "data.num_workers=0", "train.cpu_threads=1", "train.epochs=1000",
           "overwrite=true"]
 
