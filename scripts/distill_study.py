@@ -4,6 +4,7 @@
     python scripts/distill_study.py        # the teacher, then the student without it and with soft targets, seeds 0-2
     python scripts/distill_study.py --arms hard --seeds 0,1
     python scripts/distill_study.py --steps 500     # a longer schedule for the student
+    python scripts/distill_study.py --augment strong --arms none,match --steps 500   # both arms augmented alike
     python scripts/distill_study.py --table   # the table from every result recorded so far
 
 Needs `pip install -e ".[study,real_base]"` and Debian's `dataset-fashion-mnist` (apt-get install
@@ -18,6 +19,14 @@ model.pretrained=false) at 28 px, the same schedule in every arm (STUDENT_LR, co
   none  labels only
   hard  train.distill mode=hard weight=0.5 (DeiT's hard distillation)
   soft  train.distill mode=soft weight=0.5 temperature=4 (timm's default temperature)
+  soft1 train.distill mode=soft weight=0.5 temperature=1
+  match train.distill mode=soft weight=1 temperature=1 (function matching: the teacher's probabilities alone,
+        Beyer et al. 2022, arXiv 2106.05237)
+--augment picks the training images' augmentation, the same in every arm (the teacher labels the very crops and
+mixes the student sees):
+  none    no crop, no flip, no mixing (the schema's defaults)
+  light   random-resized crops of 35-100 % of the area and horizontal flips
+  strong  light, and Mixup or CutMix on every batch
 The teacher runs at its own 56 px and ImageNet mean/std; the student's 28 px batches are resampled for it.
 Speed: images/s of a forward pass (eval mode, no gradients, batch 32, one torch thread, CPU) of the saved student and
 teacher, each at its own resolution. Every run uses one torch thread and no loader workers (train.cpu_threads=1).
@@ -49,7 +58,12 @@ ARMS = {
     "none": [],
     "hard": ["train.distill.mode=hard", "train.distill.weight=0.5"],
     "soft": ["train.distill.mode=soft", "train.distill.weight=0.5", "train.distill.temperature=4"],
+    "soft1": ["train.distill.mode=soft", "train.distill.weight=0.5", "train.distill.temperature=1"],
+    "match": ["train.distill.mode=soft", "train.distill.weight=1", "train.distill.temperature=1"],
 }
+# The student's augmentation, the same in every arm; results recorded before --augment existed have no key: "none".
+LIGHT = ["data.crop_scale=[0.35,1.0]", "data.horizontal_flip=true"]
+AUGMENTS = {"none": [], "light": LIGHT, "strong": [*LIGHT, "augment.mixup=true", "augment.cutmix=true"]}
 COMMON = ["--quiet", "data.eval_split=validation", "data.num_workers=0", "train.cpu_threads=1", "train.epochs=1000",
           "overwrite=true"]
 
@@ -72,16 +86,17 @@ def teacher(data: Path) -> Path:
     return out
 
 
-def student(arm: str, seed: int, steps: int, data: Path, teacher_dir: Path) -> dict:
-    out = ROOT / "runs" / (f"student-{arm}-s{seed}" if steps == STUDENT_STEPS else f"student-{arm}-{steps}st-s{seed}")
+def student(arm: str, seed: int, steps: int, augment: str, data: Path, teacher_dir: Path) -> dict:
+    name = f"student-{arm}" + ("" if augment == "none" else f"-{augment}")
+    out = ROOT / "runs" / (f"{name}-s{seed}" if steps == STUDENT_STEPS else f"{name}-{steps}st-s{seed}")
     distill = [f"train.distill.teacher={teacher_dir}", *ARMS[arm]] if ARMS[arm] else []
     start, cpu_start = time.perf_counter(), time.process_time()
     cli([*COMMON, f"model.base={STUDENT_BASE}", "model.pretrained=false", f"model.image_size={STUDENT_SIZE}",
          f"data.dataset={data}", f"train.max_steps={steps}", f"train.batch_size={STUDENT_BATCH}",
          f"train.lr={STUDENT_LR}", f"train.seed={seed}", f"train.eval_every_steps={steps}",
-         f"train.log_every_steps={steps}", f"output_dir={out}", *distill])
+         f"train.log_every_steps={steps}", f"output_dir={out}", *AUGMENTS[augment], *distill])
     metrics = json.loads((out / "metrics.json").read_text())
-    return {"arm": arm, "seed": seed, "accuracy": metrics["accuracy"], "steps": steps,
+    return {"arm": arm, "augment": augment, "seed": seed, "accuracy": metrics["accuracy"], "steps": steps,
             "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": round(time.process_time() - cpu_start, 1),
             "folder": str(out)}
 
@@ -107,31 +122,36 @@ def images_per_second(folder: Path, batch: int = 32, repeats: int = 10) -> float
 
 def read_results() -> list[dict]:
     path = ROOT / "results.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [{"augment": "none", **row} for row in rows]  # rows written before --augment existed: not augmented
 
 
 def table(results: list[dict], teacher_dir: Path) -> str:
     teacher_accuracy = json.loads((teacher_dir / "metrics.json").read_text())["accuracy"]
     students = [r for r in results if r["arm"] in ARMS]
-    student_speed = images_per_second(Path(students[0]["folder"])) if students else float("nan")
+    saved = [Path(r["folder"]) for r in students if (Path(r["folder"]) / "config.json").exists()]
+    student_speed = images_per_second(saved[-1]) if saved else float("nan")  # the architecture is the same in all
     teacher_speed = images_per_second(teacher_dir)
     lines = [f"Fashion-MNIST, {DATA.train_per_class} train / {DATA.eval_per_class} eval images per class; student "
              f"{STUDENT_BASE} architecture from random weights at {STUDENT_SIZE} px, batches of "
              f"{STUDENT_BATCH}; teacher DINOv2-S/14 fine-tuned at {TEACHER_SIZE} px ({TEACHER_STEPS} steps of 16)\n",
-             "| model | steps | eval accuracy, mean ± std (seeds) | CPU s per run | images/s (CPU, 1 thread, batch 32) |",
-             "|---|---|---|---|---|",
-             f"| teacher (DINOv2-S/14, {TEACHER_SIZE} px) | {TEACHER_STEPS} of 16 | {teacher_accuracy:.3f} (seed 0) | – | "
-             f"{teacher_speed:.0f} |"]
-    for steps in sorted({r["steps"] for r in students}):
-        for arm in ARMS:
-            runs = [r for r in students if r["arm"] == arm and r["steps"] == steps]
-            if not runs:
-                continue
-            values = [r["accuracy"] for r in runs]
-            spread = statistics.stdev(values) if len(values) > 1 else 0.0
-            name = "student, labels only" if arm == "none" else f"student + teacher ({' '.join(ARMS[arm])})"
-            lines.append(f"| {name} | {steps} | {statistics.mean(values):.3f} ± {spread:.3f} ({len(values)}) | "
-                         f"{statistics.mean(r['cpu_seconds'] for r in runs):.0f} | {student_speed:.0f} |")
+             "| model | augment | steps | eval accuracy, mean ± std (seeds) | CPU s per run | images/s (CPU, 1 thread, "
+             "batch 32) |",
+             "|---|---|---|---|---|---|",
+             f"| teacher (DINOv2-S/14, {TEACHER_SIZE} px) | none | {TEACHER_STEPS} of 16 | {teacher_accuracy:.3f} (seed 0) "
+             f"| – | {teacher_speed:.0f} |"]
+    for augment in AUGMENTS:
+        for steps in sorted({r["steps"] for r in students}):
+            for arm in ARMS:
+                runs = [r for r in students if (r["arm"], r["steps"], r["augment"]) == (arm, steps, augment)]
+                if not runs:
+                    continue
+                values = [r["accuracy"] for r in runs]
+                spread = statistics.stdev(values) if len(values) > 1 else 0.0
+                name = "student, labels only" if arm == "none" else f"student + teacher ({' '.join(ARMS[arm])})"
+                lines.append(f"| {name} | {augment} | {steps} | {statistics.mean(values):.3f} ± {spread:.3f} "
+                             f"({len(values)}) | {statistics.mean(r['cpu_seconds'] for r in runs):.0f} | "
+                             f"{student_speed:.0f} |")
     return "\n".join(lines)
 
 
@@ -141,6 +161,8 @@ def main() -> None:
     parser.add_argument("--arms", default="none,soft")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=STUDENT_STEPS, help="the student's optimiser steps")
+    parser.add_argument("--augment", choices=sorted(AUGMENTS), default="none",
+                        help="the student's augmentation, the same in every arm")
     parser.add_argument("--table", action="store_true", help="only print the table of the results recorded (the "
                         "teacher is trained first if its folder is missing: the table measures both models' speed)")
     options = parser.parse_args()
@@ -148,12 +170,12 @@ def main() -> None:
     data = write_dataset(DATA, ROOT / "data" / "fashion")
     teacher_dir = teacher(data)
     if not options.table:
-        done = {(r["arm"], r["seed"], r["steps"]) for r in read_results()}
+        done = {(r["arm"], r["seed"], r["steps"], r["augment"]) for r in read_results()}
         for seed in [int(s) for s in options.seeds.split(",")]:
             for arm in options.arms.split(","):
-                if (arm, seed, options.steps) in done:
+                if (arm, seed, options.steps, options.augment) in done:
                     continue
-                result = student(arm, seed, options.steps, data, teacher_dir)
+                result = student(arm, seed, options.steps, options.augment, data, teacher_dir)
                 with open(ROOT / "results.jsonl", "a") as handle:
                     handle.write(json.dumps(result) + "\n")
     print(table(read_results(), teacher_dir))
