@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
+from runs import torchrun_command
 from tiny import REPO
 
 
 def torchrun(*args: str, cwd) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "-m", "vit_finetune", "--recipe", "demo", *args],
+    return subprocess.run([*torchrun_command(), "-m", "vit_finetune", "--recipe", "demo", *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
 
 
