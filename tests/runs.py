@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 import recorder
 from vit_finetune.processes import reset_accelerate_state
 
-# 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images.
+# 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images. No pictures:
+# drawing them is most of a tiny run's time; the tests that look at them say pictures=true.
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
-          "train.log_every_steps=1", "data.num_workers=0"]
+          "train.log_every_steps=1", "data.num_workers=0", "pictures=false"]
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
 
 

@@ -148,7 +148,7 @@ def test_a_run_writes_its_pictures_and_shows_them_in_the_card(args, tmp_path):
     from runs import train
 
     output = tmp_path / "run"
-    assert train([*args, f"output_dir={output}", "model.image_size=64", "train.epochs=1"]) == 0
+    assert train([*args, f"output_dir={output}", "model.image_size=64", "train.epochs=1", "pictures=true"]) == 0
     card = (output / "README.md").read_text()
     metrics = json.loads((output / "metrics.json").read_text())
     for picture in ("position_embeddings.png", "confusion_matrix.png", "misclassified.png"):
@@ -159,6 +159,21 @@ def test_a_run_writes_its_pictures_and_shows_them_in_the_card(args, tmp_path):
     assert info["weights"] == "last step" and info["processes"] == 1 and info["device"].startswith("cpu")
     assert set(info["versions"]) == {"torch", "transformers", "peft", "accelerate", "datasets"}
     assert f'model="{output}"' in card and "github.com/)" not in card  # not pushed: the folder loads the model
+
+
+def test_a_run_without_pictures_draws_none_links_none_and_trains_the_same_model(args, tmp_path):
+    from runs import assert_bit_identical, train
+
+    drawn, plain = tmp_path / "drawn", tmp_path / "plain"
+    run = [*args, "model.image_size=64", "train.epochs=1"]
+    assert train([*run, f"output_dir={drawn}", "pictures=true"]) == 0
+    assert train([*run, f"output_dir={plain}", "pictures=false"]) == 0
+    pictures = {path.name for path in drawn.glob("*.png")}
+    assert pictures == {"training_curves.png", "position_embeddings.png", "confusion_matrix.png", "misclassified.png"}
+    assert not list(plain.glob("*.png"))
+    assert not [name for name in pictures if name in (plain / "README.md").read_text()]
+    assert_bit_identical(plain / "model.safetensors", drawn / "model.safetensors")
+    assert json.loads((plain / "metrics.json").read_text()) == json.loads((drawn / "metrics.json").read_text())
 
 
 def test_card_usage_names_the_repo_when_pushed_and_the_folder_otherwise(tmp_path):

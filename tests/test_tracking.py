@@ -30,7 +30,7 @@ def test_tensorboard_holds_what_history_json_holds(args, tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard is a dev dependency (pip install -e '.[dev]')")
     output = tmp_path / "run"
     assert train([*args, f"output_dir={output}", "train.report_to=[tensorboard]", "train.eval_every_steps=4",
-                  "train.log_every_steps=2"]) == 0
+                  "train.log_every_steps=2", "pictures=true"]) == 0
     history = json.loads((output / "history.json").read_text())
     scalars, images = {}, set()
     for folder in event_folders(output / "runs"):  # the run's folder, and the sub-folder add_hparams writes

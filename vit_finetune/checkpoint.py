@@ -32,7 +32,7 @@ DAMAGED_PREFIX = "damaged-"  # a checkpoint that would not load, kept aside for 
 NEUTRAL_KEYS = {
     "train.resume", "train.resume_ignore_changes", "train.checkpoint_every_steps", "train.keep_checkpoints",
     "train.log_every_steps", "data.num_workers", "overwrite", "output_dir", "hub.push", "hub.repo_id", "hub.private",
-    "train.collective_timeout_s",
+    "train.collective_timeout_s", "pictures",
 }
 
 

@@ -205,8 +205,8 @@ classify("photo.jpg")
 |---|---|
 {rows}
 
-![training curves]({CURVES_FILE})
-{picture_text(pictures)}
+{"![training curves](" + CURVES_FILE + ")" if CURVES_FILE in pictures else ""}
+{picture_text(tuple(name for name in pictures if name != CURVES_FILE))}
 {per_class_text(metrics)}
 ## Training
 {info_text(info)}- Method: {lora_text}
@@ -314,12 +314,14 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
         (staging / ADAPTER_DIR / CARD_FILE).unlink(missing_ok=True)
     write_recipe(recipe, staging)
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
-    plot_curves(history, staging / CURVES_FILE)
+    if recipe.pictures:
+        plot_curves(history, staging / CURVES_FILE)
     if run_info is not None:
         (staging / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=1))
     if draw_pictures is not None:
         draw_pictures(staging)
-    pictures = tuple(name for name in PICTURE_FILES if (staging / name).is_file() or (output_dir / name).is_file())
+    pictures = tuple(name for name in (CURVES_FILE, *PICTURE_FILES)
+                     if (staging / name).is_file() or (output_dir / name).is_file())
     name = recipe.hub.repo_id or output_dir.name
     model_card(recipe, metrics, labels, name, adapter_model is not None, usage_id(recipe, output_dir), run_info,
                pictures, model.config.model_type).save(staging / CARD_FILE)

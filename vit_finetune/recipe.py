@@ -393,6 +393,8 @@ class Recipe(Strict):
     hub: HubSettings = HubSettings()
     output_dir: HomePath = Field("outputs/run", description="folder for the model, metrics, pictures and checkpoints")
     overwrite: bool = Field(False, description="replace a finished run (or checkpoints) already in output_dir")
+    pictures: bool = Field(True, description="draw the PNG pictures (training curves, confusion matrix, misclassified "
+                           "images, position embeddings) into output_dir; false saves their time in sweeps")
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:

@@ -378,7 +378,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                     f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
                     + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
-        if parts.position_tables:
+        if parts.position_tables and recipe.pictures:
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
                                               output_dir / pictures.POSITION_FILE)
 
@@ -406,7 +406,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
         # The pictures show eval images by their place in the split, which a stream cannot look up.
-        draw = None if recipe.data.streaming else partial(pictures.draw_evaluation, predictions,
+        draw = None if recipe.data.streaming or not recipe.pictures else partial(pictures.draw_evaluation, predictions,
                                                           parts.eval_loader.dataset, parts.labels,
                                                           thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
