@@ -132,7 +132,8 @@ def tiny_run_inputs(tmp_path_factory) -> dict:
     base = make_tiny_vit(root / "tiny-vit")
     images = write_colour_folder(root / "colours", classes=3, train=8, validation=3)
     return {"root": root, "recipe": [f"model.base={base}", f"data.dataset={images}", "model.image_size=32",
-                                     "train.batch_size=4", "train.lr=0.005", "train.seed=1", "data.num_workers=0"]}
+                                     "train.batch_size=4", "train.lr=0.005", "train.seed=1", "data.num_workers=0",
+                                     "pictures=false"]}
 
 
 def accelerate(*arguments: str) -> subprocess.CompletedProcess:

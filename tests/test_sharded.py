@@ -31,8 +31,9 @@ from tiny import REPO, make_tiny_vit, write_colour_folder
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp_full_shard.yaml"
 # 3 classes x 8 training images, 2 processes x batch 4: 3 optimiser steps an epoch, 6 in all; checkpoints at 2, 4, 6.
+# Pictures only in the shared FSDP run, which checks them.
 RUN = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
-       "data.num_workers=0", "train.log_every_steps=1", "train.checkpoint_every_steps=2"]
+       "data.num_workers=0", "train.log_every_steps=1", "train.checkpoint_every_steps=2", "pictures=false"]
 GPUS = torch.cuda.device_count()
 # FSDP needs one device per process: two GPUs, or CPU processes (with Accelerate's state set as on GPUs).
 needs_two_processes = pytest.mark.skipif(
@@ -76,7 +77,7 @@ def data(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def fsdp_run(data) -> Path:
     out = data["root"] / "fsdp"
-    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}"]), sharded_env())
+    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "pictures=true"]), sharded_env())
     return out
 
 
@@ -157,6 +158,8 @@ def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to
         assert not (folder / "model.safetensors").exists() and not (folder / "optimizer.bin").exists()  # no whole copy
     model = ViTForImageClassification.from_pretrained(fsdp_run)  # one ordinary folder
     assert model.config.architectures == ["ViTForImageClassification"] and model.config.image_size == 32
+    pictures = {"training_curves.png", "confusion_matrix.png", "misclassified.png"}
+    assert pictures <= {path.name for path in fsdp_run.glob("*.png")}  # drawn from the gathered predictions
 
     ddp = data["root"] / "ddp"
     launch([*torchrun_command(), "-m", "vit_finetune",

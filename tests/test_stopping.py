@@ -19,8 +19,9 @@ from tiny import REPO
 
 pytestmark = pytest.mark.slow
 
-# The shipped demo, made small: 12 steps an epoch at batch 32, for 100 epochs (far longer than any test waits).
-DEMO = ["--recipe", "demo", "model.image_size=32", "train.epochs=100", "data.num_workers=0"]
+# The shipped demo, made small: 12 steps an epoch at batch 32, for 100 epochs (far longer than any test waits); no
+# pictures, which these tests do not look at.
+DEMO = ["--recipe", "demo", "model.image_size=32", "train.epochs=100", "data.num_workers=0", "pictures=false"]
 LAUNCHERS = {
     "accelerate launch --cpu (one process)": ["--cpu"],
     "accelerate launch --multi_gpu (torchrun, two processes)": ["--multi_gpu", "--num_processes", "2"],
@@ -91,7 +92,8 @@ def test_workers_stop_soon_after_their_launcher_is_killed(launch, tmp_path):
 # LoRA's dropout draws from the global random generators, so a resume that did not restore them would differ.
 ACCUMULATING = ["--recipe", "demo", "model.image_size=32", "train.batch_size=4", "train.grad_accum=3",
                 "train.max_steps=6", "train.warmup_steps=0", "data.max_train_samples=48", "data.max_eval_samples=12",
-                "data.num_workers=0", "model.lora={r: 4, dropout: 0.5}", "train.checkpoint_every_steps=100"]
+                "data.num_workers=0", "model.lora={r: 4, dropout: 0.5}", "train.checkpoint_every_steps=100",
+                "pictures=false"]
 
 
 @pytest.fixture(scope="module")
