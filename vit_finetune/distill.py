@@ -204,9 +204,9 @@ class TwiceDrawn(Dataset):
     def __getitem__(self, key: tuple[int, int]):
         index, _epoch = key
         pixels, label, _skipped = self.images[(index, 0)]
-        changed = not torch.equal(pixels, self.images[(index, 1)][0])
-        return pixels, label, None, data.sample_name(self.images.table[int(index)][self.images.image_column], index) \
-            if changed else None
+        if torch.equal(pixels, self.images[(index, 1)][0]):
+            return pixels, label, None, None
+        return pixels, label, None, data.sample_name(self.images.table[int(index)][self.images.image_column], index)
 
 
 def label_training_images(teacher: Teacher, images: data.ImageClassificationDataset, batch_size: int,

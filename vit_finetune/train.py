@@ -223,7 +223,7 @@ def caches_teacher_logits(recipe: Recipe) -> bool:
     return recipe.train.distill is not None and recipe.train.distill.cache_logits
 
 
-def label_training_images(parts: Parts, recipe: Recipe, accelerator: Accelerator) -> None:
+def cache_teacher_logits(parts: Parts, recipe: Recipe, accelerator: Accelerator) -> None:
     """train.distill.cache_logits: the teacher labels the training images once, here, not on every batch (every
     process, each the whole split; see distill.label_training_images)."""
     if not caches_teacher_logits(recipe):
@@ -389,7 +389,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if resume_from:
         reapply_hyperparameters(parts, recipe)
-    label_training_images(parts, recipe, accelerator)
+    cache_teacher_logits(parts, recipe, accelerator)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_recipe(parts.recipe_as_run, output_dir)
