@@ -432,3 +432,25 @@ def test_a_training_image_the_teacher_never_labelled_stops_the_run_with_the_fix(
     assert cache.rows([pixel_digest(labelled.clone())] * 2, torch.device("cpu")).tolist() == [[1.0, 2.0]] * 2
     with pytest.raises(DistillError, match="1 image.* never labelled.*train.distill.cache_logits=false"):
         cache.rows([pixel_digest(labelled), pixel_digest(unseen)], torch.device("cpu"))
+
+
+def test_a_distillation_checkpoint_from_before_cache_logits_existed_resumes(distilled, online_run, tmp_path):
+    """Its recipe.yaml has no train.distill.cache_logits: the key ran as its default, false, and is no change."""
+    import yaml
+
+    out = tmp_path / "out"
+    run = [*distilled, f"output_dir={out}", "train.checkpoint_every_steps=4"]
+    with pytest.raises(SimulatedKill):
+        train(run, callbacks=[kill_at(5)])
+    saved = out / "checkpoints" / "step-00000004" / "recipe.yaml"
+    older = yaml.safe_load(saved.read_text())
+    del older["train"]["distill"]["cache_logits"]
+    saved.write_text(yaml.safe_dump(older, sort_keys=False))
+    from vit_finetune.checkpoint import changed_keys
+    from vit_finetune.recipe import load_recipe
+
+    # A section that was off is still a change when switched on, even with all its keys at their defaults.
+    assert changed_keys(saved.parent, load_recipe(None, [*run, "model.lora={}"])) != []
+    assert train([*run, "train.resume=auto"]) == 0
+    assert history(out) == history(online_run[0])
+    assert_bit_identical(out / "model.safetensors", online_run[0] / "model.safetensors")

@@ -266,9 +266,10 @@ class DistillSettings(Strict):
         "hard: cross-entropy on the teacher's top class (DeiT's better choice); soft: KL divergence to the "
         "teacher's softened probabilities"))
     cache_logits: bool = Field(False, description=(
-        "the teacher labels every training image once before training, not every batch (3-4x faster steps); only "
-        "when the training pixels are the same every epoch (no crop, flip, policy, erasing, Mixup/CutMix, no "
-        "streaming). Memory: one float32 row of class scores per training image, in each process's host memory"))
+        "the teacher labels every training image once before training instead of every batch, so a step costs "
+        "about what one without distillation does; only when the training pixels are the same every epoch (no crop, "
+        "flip, policy, erasing, Mixup/CutMix, no streaming). Memory: one float32 row of class scores per training "
+        "image, in each process's host memory"))
 
 
 class TrainSettings(Strict):
@@ -584,6 +585,23 @@ def key_descriptions(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[
         for section in sections:
             described.update(key_descriptions(section, f"{prefix}{name}."))
     return described
+
+
+def default_values(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every key's default (dotted, as JSON values), keys inside sections that default to null (train.distill)
+    included: what a key that a recipe or a checkpoint does not name stands for."""
+    from pydantic_core import to_jsonable_python
+
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        default = None if field.is_required() else field.get_default(call_default_factory=True)
+        if not field.is_required() and not isinstance(default, BaseModel):  # a section's keys come from its fields
+            values[prefix + name] = to_jsonable_python(default)
+        for section in sections:
+            values.update(default_values(section, f"{prefix}{name}."))
+    return values
 
 
 def format_keys(recipe: Recipe) -> str:
