@@ -596,9 +596,10 @@ def default_values(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[st
     for name, field in model.model_fields.items():
         sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
                     if isinstance(c, type) and issubclass(c, BaseModel)]
-        default = None if field.is_required() else field.get_default(call_default_factory=True)
-        if not field.is_required() and not isinstance(default, BaseModel):  # a section's keys come from its fields
-            values[prefix + name] = to_jsonable_python(default)
+        if not field.is_required():
+            default = field.get_default(call_default_factory=True)
+            if not isinstance(default, BaseModel):  # a section's keys come from its own fields, below
+                values[prefix + name] = to_jsonable_python(default)
         for section in sections:
             values.update(default_values(section, f"{prefix}{name}."))
     return values
