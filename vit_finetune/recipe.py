@@ -359,7 +359,7 @@ class TrainSettings(Strict):
         return self
 
     distill: DistillSettings | None = Field(None, description=(
-        "null = off; {teacher, weight, temperature, mode} = train against a teacher's predictions as well as the labels"))
+        "null = off; {teacher, weight, temperature, mode, cache_logits} = train against a teacher's predictions as well as the labels"))
 
     threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
         "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
