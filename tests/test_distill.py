@@ -9,13 +9,15 @@ finished": only by what it predicts.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from runs import RECIPE, assert_bit_identical, history, kill_at, train, SimulatedKill
+from runs import (RECIPE, TRAIN_IMAGES, SimulatedKill, assert_bit_identical, history, kill_at, losses, train,
+                  weights)
 from tiny import make_tiny_family, run_cli, write_colour_folder, write_label_sets
 
 pytestmark = pytest.mark.slow
@@ -271,3 +273,184 @@ def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher
     assert train([*args, "model.image_size=16", f"train.distill.teacher={hub_repo_id}", "train.distill.weight=1.0",
                   f"output_dir={out}"]) == 0
     assert metrics(out)["accuracy"] <= 1 / 9
+
+
+# ---------------------------------------------------------------- train.distill.cache_logits
+
+
+@pytest.fixture(scope="module")
+def square_images(tmp_path_factory) -> Path:
+    """The colour classes at 32 x 32 px. Square matters: at data.crop_scale=[1, 1] a non-square image still gets a
+    random crop box, so only square images keep the same pixels every epoch."""
+    import numpy as np
+
+    from tiny import COLOURS, colour_image
+
+    root = tmp_path_factory.mktemp("square")
+    rng = np.random.default_rng(0)
+    for split, count in {"train": 8, "validation": 3}.items():
+        for name in DERANGEMENT:
+            (root / split / name).mkdir(parents=True)
+            for i in range(count):
+                colour_image(COLOURS[name], rng, size=(32, 32)).save(root / split / name / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def distilled(base, square_images, wrong_teacher) -> list[str]:
+    """Soft targets, so every value of the teacher's rows matters, not only its top class."""
+    return [f"model.base={base}", f"data.dataset={square_images}", *RECIPE, "model.image_size=16",
+            f"train.distill.teacher={wrong_teacher}", "train.distill.mode=soft", "train.distill.temperature=2"]
+
+
+class TeacherCalls:
+    """Counts calls of Teacher.logits (patched in for a run), and what a run's parts were."""
+
+    def __init__(self):
+        from vit_finetune.callbacks import Callback
+        from vit_finetune.distill import Teacher
+
+        self.calls, self.at_batches, self.parts = 0, [], None
+        original = Teacher.logits
+        counter = self
+
+        def counted(teacher, rescaled):
+            counter.calls += 1
+            return original(teacher, rescaled)
+
+        self.patch = (Teacher, "logits", counted)
+
+        class Watch(Callback):
+            def on_train_start(self, run):
+                counter.parts = run.parts
+
+            def on_batch(self, run, batch):
+                counter.at_batches.append(counter.calls)
+
+        self.callback = Watch()
+
+
+def counted_run(args: list[str], out: Path) -> TeacherCalls:
+    calls = TeacherCalls()
+    assert train([*args, f"output_dir={out}"], patches=[calls.patch], callbacks=[calls.callback]) == 0
+    return calls
+
+
+@pytest.fixture(scope="module")
+def online_run(distilled, tmp_path_factory) -> tuple[Path, TeacherCalls]:
+    out = tmp_path_factory.mktemp("online") / "out"
+    return out, counted_run(distilled, out)
+
+
+@pytest.fixture(scope="module")
+def cached_run(distilled, tmp_path_factory) -> tuple[Path, TeacherCalls]:
+    out = tmp_path_factory.mktemp("cached") / "out"
+    return out, counted_run([*distilled, "train.distill.cache_logits=true"], out)
+
+
+def test_cached_teacher_logits_train_the_same_student_as_the_online_teacher(online_run, cached_run):
+    (online, _), (cached, _) = online_run, cached_run
+    online_weights, cached_weights = weights(online / "model.safetensors"), weights(cached / "model.safetensors")
+    assert online_weights.keys() == cached_weights.keys()
+    for name in online_weights:
+        assert torch.allclose(online_weights[name], cached_weights[name], rtol=1e-4, atol=1e-6), name
+    assert [step for step, _ in losses(cached)] == [step for step, _ in losses(online)] == list(range(1, 13))
+    assert [loss for _, loss in losses(cached)] == pytest.approx([loss for _, loss in losses(online)], rel=1e-5)
+
+
+def test_the_cached_rows_are_the_online_teachers_logits_of_the_same_images(cached_run):
+    """Looked up in a shuffled order: a lookup that returned rows by position, or another image's, would fail."""
+    from vit_finetune.distill import pixel_digest
+
+    parts = cached_run[1].parts
+    images = parts.train_loader.dataset
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0)).tolist()
+    pixels = torch.stack([images[(index, 3)][0] for index in order])  # any epoch: the pixels never change
+    online = parts.teacher.logits(parts.normalize.rescale(pixels))
+    cached = parts.teacher_cache.rows([pixel_digest(image) for image in pixels], torch.device("cpu"))
+    assert cached.shape == (len(images), 3) and cached.dtype == torch.float32
+    # Each image's row is its own: nearer its online logits than any other image's, by a wide margin.
+    distance = (cached[:, None, :] - online[None, :, :]).abs().amax(dim=-1)  # [cached row, online row]
+    own = distance.diagonal()
+    others = distance + torch.eye(len(images)) * 1e9
+    assert own.max() < 1e-6 and others.min() > 1e-5
+    assert len(parts.teacher_cache.row_of) == len(images)
+
+
+def test_the_cached_run_calls_the_teacher_only_before_training(online_run, cached_run):
+    online_calls, cached_calls = online_run[1], cached_run[1]
+    assert online_calls.calls == len(online_calls.at_batches) == 12  # the counter sees one call per batch
+    prepass = math.ceil(TRAIN_IMAGES / 4)  # the whole split, train.batch_size at a time
+    assert cached_calls.at_batches == [prepass] * 12 and cached_calls.calls == prepass
+
+
+def test_a_killed_and_resumed_cached_run_equals_the_uninterrupted_one(distilled, cached_run, tmp_path, capsys):
+    reference = cached_run[0]
+    out = tmp_path / "out"
+    run = [*distilled, "train.distill.cache_logits=true", f"output_dir={out}", "train.checkpoint_every_steps=4"]
+    with pytest.raises(SimulatedKill):
+        train(run, callbacks=[kill_at(8)])
+    capsys.readouterr()
+    assert train([*run, "train.resume=auto"]) == 0
+    assert "the teacher labelled the 24 training images once" in capsys.readouterr().out
+    assert history(out) == history(reference)
+    assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
+
+
+def test_cache_logits_with_pixels_that_change_is_refused_before_anything_loads(distilled, tmp_path):
+    out = tmp_path / "out"
+    result = run_cli(*distilled, f"output_dir={out}", "train.distill.cache_logits=true", "data.crop_scale=[0.5, 1]",
+                     "augment.mixup=true", "data.streaming=true")
+    assert result.returncode == 2, result.stderr[-2000:]
+    pixels, stream = result.stderr.split("train.distill.cache_logits=true")[1:3]
+    assert "data.crop_scale=[0.5, 1.0], augment.mixup=true draw(s) them anew" in pixels
+    assert "train.distill.cache_logits=false" in pixels
+    assert "data.streaming=true" in stream and "train.distill.cache_logits=false" in stream
+    assert "Traceback" not in result.stderr and not out.exists()
+    # data.crop_scale=auto is let through as fixed because it never crops, at any run length.
+    from vit_finetune.data import auto_crop_scale
+
+    assert {auto_crop_scale(images)[0] for images in (1, 7_040, 10**9)} == {(1.0, 1.0)}
+
+
+def test_cache_logits_on_images_that_are_not_square_is_refused_before_training(base, images, wrong_teacher, tmp_path):
+    """40 x 48 px images: at data.crop_scale=[1, 1] each still gets a random crop box, a centre square or the whole."""
+    out = tmp_path / "out"
+    result = run_cli(f"model.base={base}", f"data.dataset={images}", *RECIPE, "model.image_size=16",
+                     f"train.distill.teacher={wrong_teacher}", "train.distill.cache_logits=true", f"output_dir={out}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "change from epoch to epoch" in result.stderr and ".png" in result.stderr
+    assert "train.distill.cache_logits=false" in result.stderr and "Traceback" not in result.stderr
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoints").exists()
+
+
+def test_a_training_image_the_teacher_never_labelled_stops_the_run_with_the_fix():
+    from vit_finetune.distill import DistillError, TeacherLogitsCache, pixel_digest
+
+    labelled, unseen = torch.zeros(3, 4, 4, dtype=torch.uint8), torch.ones(3, 4, 4, dtype=torch.uint8)
+    cache = TeacherLogitsCache([pixel_digest(labelled)], torch.tensor([[1.0, 2.0]]))
+    assert cache.rows([pixel_digest(labelled.clone())] * 2, torch.device("cpu")).tolist() == [[1.0, 2.0]] * 2
+    with pytest.raises(DistillError, match="1 image.* never labelled.*train.distill.cache_logits=false"):
+        cache.rows([pixel_digest(labelled), pixel_digest(unseen)], torch.device("cpu"))
+
+
+def test_a_distillation_checkpoint_from_before_cache_logits_existed_resumes(distilled, online_run, tmp_path):
+    """Its recipe.yaml has no train.distill.cache_logits: the key ran as its default, false, and is no change."""
+    import yaml
+
+    out = tmp_path / "out"
+    run = [*distilled, f"output_dir={out}", "train.checkpoint_every_steps=4"]
+    with pytest.raises(SimulatedKill):
+        train(run, callbacks=[kill_at(5)])
+    saved = out / "checkpoints" / "step-00000004" / "recipe.yaml"
+    older = yaml.safe_load(saved.read_text())
+    del older["train"]["distill"]["cache_logits"]
+    saved.write_text(yaml.safe_dump(older, sort_keys=False))
+    from vit_finetune.checkpoint import changed_keys
+    from vit_finetune.recipe import load_recipe
+
+    # A section that was off is still a change when switched on, even with all its keys at their defaults.
+    assert changed_keys(saved.parent, load_recipe(None, [*run, "model.lora={}"])) != []
+    assert train([*run, "train.resume=auto"]) == 0
+    assert history(out) == history(online_run[0])
+    assert_bit_identical(out / "model.safetensors", online_run[0] / "model.safetensors")

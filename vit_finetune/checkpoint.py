@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 
 from .errors import VitFinetuneError
 from .processes import any_process
-from .recipe import HOME_PATH_KEYS, RECIPE_FILE, Recipe, excerpt, flatten, write_recipe
+from .recipe import HOME_PATH_KEYS, RECIPE_FILE, Recipe, default_values, excerpt, flatten, write_recipe
 
 CHECKPOINTS = "checkpoints"
 COMPLETE = "COMPLETE"
@@ -237,14 +237,23 @@ def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     # A checkpoint written before the recipe expanded `~` kept it: compare the folders, not their spellings.
     saved.update({key: os.path.expanduser(saved[key]) for key in HOME_PATH_KEYS if isinstance(saved.get(key), str)})
     current = flatten(recipe.model_dump(mode="json"))
-    # A key the checkpoint's version did not have yet ran with what is now its default.
-    defaults = flatten(Recipe().model_dump(mode="json"))
     allowed = NEUTRAL_KEYS | set(recipe.train.resume_ignore_changes)
-    return sorted(
-        f"{key}: {excerpt(saved.get(key, defaults.get(key)))} -> {excerpt(current.get(key))}"
-        for key in set(saved) | set(current)
-        if key not in allowed and saved.get(key, defaults.get(key)) != current.get(key)
-    )
+    before = saved_values(saved, set(current))
+    return sorted(f"{key}: {excerpt(before.get(key))} -> {excerpt(current.get(key))}"
+                  for key in set(before) | set(current) if key not in allowed and before.get(key) != current.get(key))
+
+
+def saved_values(saved: dict, keys: set[str]) -> dict:
+    """The checkpoint's flattened recipe, plus what each of `keys` it lacks ran with: a key its version did not have
+    yet ran with what is now its default. Inside a section that was on (train.distill), that is the key's own default;
+    a section that was null or absent stays null, so switching it on at a resume is a change."""
+    recipe_defaults, key_defaults = flatten(Recipe().model_dump(mode="json")), default_values()
+    values = dict(saved)
+    for key in keys - set(saved):
+        section = key.rpartition(".")[0]
+        section_was_on = any(other.startswith(f"{section}.") for other in saved)
+        values[key] = (key_defaults if section_was_on else recipe_defaults).get(key)
+    return values
 
 
 def refuse_changed_recipe(checkpoint: Path, recipe: Recipe) -> None:

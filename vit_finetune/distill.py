@@ -8,17 +8,23 @@ mixed images), is resampled to the teacher's size and normalised with the teache
 saved in a checkpoint: a resume loads it again from train.distill.teacher, which the recipe's identity covers, and
 checks that its weights are those the checkpoint was trained with (their digest is recorded in each checkpoint).
 
+With train.distill.cache_logits, training pixels that never change (no random transform at all) are labelled once
+before training instead (label_training_images); each batch then looks its rows up by a digest of each image's pixels.
+
 A DeiT student keeps its distillation token: its distillation head follows the teacher, its class head the
 labels, and the saved model is DeiTForImageClassificationWithTeacher, whose logits average both heads.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import Dataset
 
+from . import data
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError
 from .recipe import DistillSettings
@@ -95,8 +101,6 @@ def input_size(processor, config) -> tuple[int, int]:
 def weights_digest(model: torch.nn.Module) -> str:
     """A hash of every weight's name, shape, type and bytes: checkpoints record it, so a resume whose teacher was
     retrained or replaced under the same folder or Hub id is refused rather than silently followed."""
-    import hashlib
-
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         values = tensor.detach().cpu().contiguous()
@@ -111,6 +115,7 @@ class Teacher:
     def __init__(self, model: torch.nn.Module, processor, student_scale: float, device: torch.device):
         self.digest = weights_digest(model)  # before it moves: the bytes as loaded
         self.model = model.to(device).eval().requires_grad_(False)
+        self.device = device
         self.size = input_size(processor, model.config)
         # The student's pixels arrive rescaled by the student's factor (uint8 x 1/255, usually): back to 0-255,
         # then the teacher's own rescale and mean/std.
@@ -145,6 +150,89 @@ def load_teacher(settings: DistillSettings, labels: list[str], student_scale: fl
     except InputError as error:
         raise DistillError(f"train.distill.teacher: {error}") from None
     return Teacher(model, processor, student_scale, device)
+
+
+def pixel_digest(pixels: torch.Tensor) -> str:
+    """A training image's key in the teacher's cache: a hash of its pixel tensor's shape, type and bytes."""
+    values = pixels.detach().cpu().contiguous()
+    digest = hashlib.blake2b(f"{tuple(values.shape)}:{values.dtype}".encode(), digest_size=16)
+    digest.update(values.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def collate_with_digests(samples: list) -> dict:
+    """data.collate's batch plus each image's pixel digest, the key of its cached teacher row: computed on the host,
+    in the loader's workers, before the batch moves to the device."""
+    batch = data.collate(samples)
+    batch["pixel_digests"] = [pixel_digest(pixels) for pixels, *_ in samples]
+    return batch
+
+
+class TeacherLogitsCache:
+    """The teacher's logits of every training image, by the digest of the image's pixels (train.distill.cache_logits):
+    one float32 row per distinct image, in host memory."""
+
+    def __init__(self, digests: list[str], logits: torch.Tensor):
+        # Images with the same pixels (a duplicate, the blank of every skipped bad image) share one digest: the
+        # teacher gave them the same logits, so either row serves.
+        self.row_of = {digest: row for row, digest in enumerate(digests)}
+        self.logits = logits
+
+    def rows(self, digests: list[str], device: torch.device) -> torch.Tensor:
+        """The teacher's logits of a training batch, from its images' digests; an image never labelled stops the run."""
+        missing = sum(digest not in self.row_of for digest in digests)
+        if missing:
+            raise DistillError(
+                f"train.distill.cache_logits: {missing} image(s) of a training batch have pixels the teacher never "
+                f"labelled before training ({len(self.row_of):,} distinct images were): the training pixels changed "
+                "between epochs, which cache_logits cannot follow. Set train.distill.cache_logits=false")
+        index = torch.tensor([self.row_of[digest] for digest in digests], dtype=torch.long)
+        return self.logits[index].to(device)
+
+
+class TwiceDrawn(Dataset):
+    """The training images as the pre-pass reads them, at epoch 0, each also drawn as epoch 1 would draw it: an image
+    whose pixels still change (a non-square image still gets a random crop box at data.crop_scale=[1, 1]) is named
+    before training rather than missed by the lookup an epoch later. Yields (pixels, label, None, name if it changed)."""
+
+    def __init__(self, images: data.ImageClassificationDataset):
+        self.images = images
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, key: tuple[int, int]):
+        index, _epoch = key
+        pixels, label, _skipped = self.images[(index, 0)]
+        if torch.equal(pixels, self.images[(index, 1)][0]):
+            return pixels, label, None, None
+        return pixels, label, None, data.sample_name(self.images.table[int(index)][self.images.image_column], index)
+
+
+def label_training_images(teacher: Teacher, images: data.ImageClassificationDataset, batch_size: int,
+                          rescale: Callable[[torch.Tensor], torch.Tensor], workers: int) -> TeacherLogitsCache:
+    """train.distill.cache_logits' pre-pass: the teacher (eval mode, no gradients) labels every training image once, in
+    the split's order, `batch_size` at a time. It runs the same way every time, so a resumed run gets the very logits
+    the uninterrupted one had. Each process labels the whole split: its share of the images changes every epoch."""
+    loader = data.make_loader(TwiceDrawn(images), batch_size, shuffle=False, seed=0, num_workers=workers,
+                              pin_memory=False, collate_fn=_collate_twice_drawn)
+    digests, rows = [], []
+    with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was, whatever a teacher draws
+        for batch in loader:
+            if batch["changed"]:
+                raise DistillError(
+                    f"train.distill.cache_logits=true, but the pixels of {batch['changed'][0]} change from epoch to "
+                    "epoch (with data.crop_scale=[1, 1] an image that is not square still gets a random crop box), so "
+                    "the teacher cannot label it once. Set train.distill.cache_logits=false, or give square images")
+            rows.append(teacher.logits(rescale(batch["pixel_values"].to(teacher.device))).cpu())
+            digests += batch["pixel_digests"]
+    return TeacherLogitsCache(digests, torch.cat(rows))
+
+
+def _collate_twice_drawn(samples: list) -> dict:
+    batch = collate_with_digests([sample[:3] for sample in samples])
+    batch["changed"] = [sample[3] for sample in samples if sample[3] is not None]
+    return batch
 
 
 def student_heads(output) -> tuple[torch.Tensor, torch.Tensor]:

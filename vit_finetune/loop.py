@@ -134,8 +134,17 @@ def batch_loss(parts: Parts, batch: dict, recipe: Recipe) -> torch.Tensor:
     class_logits, distillation_logits = distill.student_heads(output)
     settings = recipe.train.distill
     return distill.blend(label_loss(parts, class_logits, labels, soft_targets, recipe),
-                         distill.teacher_loss(distillation_logits, parts.teacher.logits(pixels), labels, settings),
+                         distill.teacher_loss(distillation_logits, teacher_logits(parts, batch, pixels), labels,
+                                              settings),
                          settings)
+
+
+def teacher_logits(parts: Parts, batch: dict, pixels: torch.Tensor) -> torch.Tensor:
+    """The teacher's logits of the batch's (augmented) pixels: looked up when train.distill.cache_logits labelled the
+    unchanging training images before training, else computed now."""
+    if parts.teacher_cache is not None:
+        return parts.teacher_cache.rows(batch["pixel_digests"], pixels.device)
+    return parts.teacher.logits(pixels)
 
 
 def label_loss(parts: Parts, logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None,

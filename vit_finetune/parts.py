@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to impo
 
     from .augment import BatchAugmenter
     from .data import PixelNormalizer
-    from .distill import Teacher
+    from .distill import Teacher, TeacherLogitsCache
     from .recipe import Recipe
     from .streaming import StreamLoader
 
@@ -35,3 +35,4 @@ class Parts:
     data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
     teacher: Teacher | None = None  # train.distill: the frozen classifier the student also learns from
+    teacher_cache: TeacherLogitsCache | None = None  # train.distill.cache_logits: its logits of every training image

@@ -11,7 +11,7 @@ import os
 import re
 import reprlib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, ValidationError, field_validator,
@@ -230,6 +230,26 @@ class AugmentSettings(Strict):
     mix_off_epochs: StrictInt = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
 
 
+# What makes a training image's pixels differ from epoch to epoch (a random draw per image or per batch): each key,
+# and whether its value draws. data.crop_scale=auto counts as fixed: data.auto_crop_scale never crops (a test holds it
+# to that). train.distill.cache_logits needs every one of them off.
+PIXEL_DRAWS: dict[str, Callable[[Any], bool]] = {
+    "data.crop_scale": lambda value: value != "auto" and tuple(value) != (1.0, 1.0),
+    "data.horizontal_flip": bool,
+    "augment.policy": lambda value: value != "none",
+    "augment.erasing_prob": lambda value: value > 0,
+    "augment.mixup": bool,
+    "augment.cutmix": bool,
+}
+
+
+def pixel_drawing_settings(recipe: Recipe) -> list[str]:
+    """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
+    values = flatten(recipe.model_dump(mode="json"))
+    return [f"{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, draws in PIXEL_DRAWS.items() if draws(values[key])]
+
+
 class DistillSettings(Strict):
     """Knowledge distillation from a trained classifier of the same labels (DeiT, arXiv 2012.12877)."""
 
@@ -245,6 +265,11 @@ class DistillSettings(Strict):
     mode: Literal["soft", "hard"] = Field("hard", description=(
         "hard: cross-entropy on the teacher's top class (DeiT's better choice); soft: KL divergence to the "
         "teacher's softened probabilities"))
+    cache_logits: bool = Field(False, description=(
+        "the teacher labels every training image once before training instead of every batch, so a step costs "
+        "about what one without distillation does; only when the training pixels are the same every epoch (no crop, "
+        "flip, policy, erasing, Mixup/CutMix, no streaming). Memory: one float32 row of class scores per training "
+        "image, in each process's host memory"))
 
 
 class TrainSettings(Strict):
@@ -334,7 +359,7 @@ class TrainSettings(Strict):
         return self
 
     distill: DistillSettings | None = Field(None, description=(
-        "null = off; {teacher, weight, temperature, mode} = train against a teacher's predictions as well as the labels"))
+        "null = off; {teacher, weight, temperature, mode, cache_logits} = train against a teacher's predictions as well as the labels"))
 
     threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
         "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
@@ -414,6 +439,8 @@ class Recipe(Strict):
         if self.train.distill is not None and self.data.multi_label:
             problems.append("train.distill works with single-label classification only (a teacher's top class or "
                             "softmax); set train.distill=null for data.multi_label=true")
+        if self.train.distill is not None and self.train.distill.cache_logits:
+            problems.extend(_cache_logits_problems(self))
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"
@@ -421,6 +448,22 @@ class Recipe(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _cache_logits_problems(recipe: Recipe) -> list[str]:
+    """train.distill.cache_logits labels each training image once: its pixels must never change."""
+    problems = []
+    drawing = pixel_drawing_settings(recipe)
+    if drawing:
+        problems.append(f"train.distill.cache_logits=true labels each training image once, so its pixels must be the "
+                        f"same every epoch, but {', '.join(drawing)} draw(s) them anew; turn those off (data.crop_scale="
+                        "[1, 1] or auto, data.horizontal_flip=false, augment.policy=none, augment.erasing_prob=0, "
+                        "augment.mixup=false, augment.cutmix=false), or set train.distill.cache_logits=false")
+    if recipe.data.streaming:
+        problems.append("train.distill.cache_logits=true labels the whole training split before training, which a "
+                        "stream is not (data.streaming=true); set train.distill.cache_logits=false or "
+                        "data.streaming=false")
+    return problems
 
 
 def _is_file(path: str | Path) -> bool:
@@ -544,6 +587,24 @@ def key_descriptions(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[
         for section in sections:
             described.update(key_descriptions(section, f"{prefix}{name}."))
     return described
+
+
+def default_values(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every key's default (dotted, as JSON values), keys inside sections that default to null (train.distill)
+    included: what a key that a recipe or a checkpoint does not name stands for."""
+    from pydantic_core import to_jsonable_python
+
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not field.is_required():
+            default = field.get_default(call_default_factory=True)
+            if not isinstance(default, BaseModel):  # a section's keys come from its own fields, below
+                values[prefix + name] = to_jsonable_python(default)
+        for section in sections:
+            values.update(default_values(section, f"{prefix}{name}."))
+    return values
 
 
 def format_keys(recipe: Recipe) -> str:

@@ -203,7 +203,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
         eval_set = data.eval_dataset(splits, recipe.data, processor, size)
         sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
-        train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler)
+        train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
+                                        distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
     optimizer = build_optimizer(model, as_run, accelerator.device.type)
     scheduler = build_scheduler(optimizer, as_run, total_steps)
@@ -216,6 +217,24 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
                  identity, None if class_weights is None else class_weights.to(accelerator.device), teacher)
+
+
+def caches_teacher_logits(recipe: Recipe) -> bool:
+    return recipe.train.distill is not None and recipe.train.distill.cache_logits
+
+
+def cache_teacher_logits(parts: Parts, recipe: Recipe, accelerator: Accelerator) -> None:
+    """train.distill.cache_logits: the teacher labels the training images once, here, not on every batch (every
+    process, each the whole split; see distill.label_training_images)."""
+    if not caches_teacher_logits(recipe):
+        return
+    started = time.perf_counter()
+    images = parts.train_loader.dataset
+    parts.teacher_cache = distill.label_training_images(parts.teacher, images, recipe.train.batch_size,
+                                                        parts.normalize.rescale, parts.train_loader.num_workers)
+    if accelerator.is_main_process:
+        display.say(f"train.distill.cache_logits: the teacher labelled the {len(images):,} training images once, in "
+                    f"{time.perf_counter() - started:.1f} s")
 
 
 def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
@@ -370,6 +389,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if resume_from:
         reapply_hyperparameters(parts, recipe)
+    cache_teacher_logits(parts, recipe, accelerator)
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         write_recipe(parts.recipe_as_run, output_dir)
