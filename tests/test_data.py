@@ -213,6 +213,17 @@ def test_random_resized_crop_boxes_respect_the_area_range():
         assert 0.25 <= (right - left) * (bottom - top) / 8000 <= 0.65
 
 
+@pytest.mark.parametrize("width, height, box", [
+    (48, 40, (0, 0, 48, 40)), (384, 512, (0, 0, 384, 512)), (64, 64, (0, 0, 64, 64)),  # whole: aspect within 3/4-4/3
+    (200, 100, (33, 0, 166, 100)), (100, 300, (0, 83, 100, 216)),  # wider or taller: the centre at 4/3 (torchvision's)
+])
+def test_no_crop_trains_on_the_whole_image_every_epoch(width, height, box):
+    """data.crop_scale=[1, 1] (and auto): every epoch the same box, the whole image as evaluation sees it."""
+    boxes = {data.random_resized_crop_box(width, height, data.sample_rng(0, epoch, index), (1.0, 1.0))
+             for epoch in range(5) for index in range(20)}
+    assert boxes == {box}
+
+
 def test_device_normalisation_equals_the_image_processor():
     processor = ViTImageProcessor(size={"height": 16, "width": 16}, image_mean=[0.4, 0.5, 0.6], image_std=[0.2, 0.3, 0.25])
     image = colour_image((90, 60, 30), np.random.default_rng(1), size=(16, 16))

@@ -459,6 +459,10 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
     """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
+    if tuple(scale) == (1.0, 1.0) and width != height:
+        # No crop asked, and a draw of the whole area at another aspect than the image's own never fits. (A square
+        # image takes the draws below, which give it whole too: its random stream stays as measured.)
+        return whole_image_box(width, height)
     area = width * height
     for _ in range(10):
         target_area = area * rng.uniform(*scale)
@@ -469,9 +473,16 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: 
             left = rng.randint(0, width - crop_w)
             top = rng.randint(0, height - crop_h)
             return left, top, left + crop_w, top + crop_h
-    side = min(width, height)  # fall back to a centre square
-    left, top = (width - side) // 2, (height - side) // 2
-    return left, top, left + side, top + side
+    return whole_image_box(width, height)
+
+
+def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
+    into [3/4, 4/3]. Evaluation resizes the whole image, so training without a crop sees what evaluation sees."""
+    crop_w = min(width, round(height * 4 / 3))
+    crop_h = min(height, round(width * 4 / 3))
+    left, top = (width - crop_w) // 2, (height - crop_h) // 2
+    return left, top, left + crop_w, top + crop_h
 
 
 # data.crop_scale=auto: the crop area from the training images a run will see (optimiser steps x images per step).

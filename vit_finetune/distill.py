@@ -22,7 +22,6 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
 from . import data
 from .data import SKIPPED_LABEL
@@ -190,49 +189,19 @@ class TeacherLogitsCache:
         return self.logits[index].to(device)
 
 
-class TwiceDrawn(Dataset):
-    """The training images as the pre-pass reads them, at epoch 0, each also drawn as epoch 1 would draw it: an image
-    whose pixels still change (a non-square image still gets a random crop box at data.crop_scale=[1, 1]) is named
-    before training rather than missed by the lookup an epoch later. Yields (pixels, label, None, name if it changed)."""
-
-    def __init__(self, images: data.ImageClassificationDataset):
-        self.images = images
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, key: tuple[int, int]):
-        index, _epoch = key
-        pixels, label, _skipped = self.images[(index, 0)]
-        if torch.equal(pixels, self.images[(index, 1)][0]):
-            return pixels, label, None, None
-        return pixels, label, None, data.sample_name(self.images.table[int(index)][self.images.image_column], index)
-
-
 def label_training_images(teacher: Teacher, images: data.ImageClassificationDataset, batch_size: int,
                           rescale: Callable[[torch.Tensor], torch.Tensor], workers: int) -> TeacherLogitsCache:
     """train.distill.cache_logits' pre-pass: the teacher (eval mode, no gradients) labels every training image once, in
     the split's order, `batch_size` at a time. It runs the same way every time, so a resumed run gets the very logits
     the uninterrupted one had. Each process labels the whole split: its share of the images changes every epoch."""
-    loader = data.make_loader(TwiceDrawn(images), batch_size, shuffle=False, seed=0, num_workers=workers,
-                              pin_memory=False, collate_fn=_collate_twice_drawn)
+    loader = data.make_loader(images, batch_size, shuffle=False, seed=0, num_workers=workers, pin_memory=False,
+                              collate_fn=collate_with_digests)
     digests, rows = [], []
     with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was, whatever a teacher draws
         for batch in loader:
-            if batch["changed"]:
-                raise DistillError(
-                    f"train.distill.cache_logits=true, but the pixels of {batch['changed'][0]} change from epoch to "
-                    "epoch (with data.crop_scale=[1, 1] an image that is not square still gets a random crop box), so "
-                    "the teacher cannot label it once. Set train.distill.cache_logits=false, or give square images")
             rows.append(teacher.logits(rescale(batch["pixel_values"].to(teacher.device))).cpu())
             digests += batch["pixel_digests"]
     return TeacherLogitsCache(digests, torch.cat(rows))
-
-
-def _collate_twice_drawn(samples: list) -> dict:
-    batch = collate_with_digests([sample[:3] for sample in samples])
-    batch["changed"] = [sample[3] for sample in samples if sample[3] is not None]
-    return batch
 
 
 def student_heads(output) -> tuple[torch.Tensor, torch.Tensor]:
