@@ -62,6 +62,19 @@ def sum_over_processes(accelerator, count: int) -> int:
     return int(accelerator.reduce(torch.as_tensor(count, device=accelerator.device), reduction="sum").item())
 
 
+# How long the processes of a run leave torch's Gloo worker threads, after the last collective, to drop the work they
+# just finished. Dropping it frees tensors, which needs the GIL; the DDP wrapper's destructor, when the run's model is
+# freed, joins those threads while holding the GIL, and a thread caught mid-drop then waits for it forever. A
+# two-process CPU run hung so, after saving its outputs, about once in fifteen runs (torch 2.13).
+GLOO_SETTLE_S = 0.2
+
+
+def let_gloo_threads_settle(accelerator) -> None:
+    """Called once the last collective is done, before the model is freed: sleeping lets the threads take the GIL."""
+    if accelerator.num_processes > 1 and accelerator.device.type == "cpu":
+        time.sleep(GLOO_SETTLE_S)
+
+
 def reset_accelerate_state() -> None:
     """Accelerate keeps process-wide singletons; a second run in the same process (a test, a benchmark
     configuration) must start from none."""

@@ -26,8 +26,8 @@ from . import distill, multilabel, pictures, progress as display, selection, sha
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
-from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, local_main_first, unshared_folder_refusal,
-                        watch_launcher)
+from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, let_gloo_threads_settle, local_main_first,
+                        unshared_folder_refusal, watch_launcher)
 from .recipe import Recipe, write_recipe
 
 
@@ -437,6 +437,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             print(f"pushed to {url}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    let_gloo_threads_settle(accelerator)
     return metrics
 
 
