@@ -65,7 +65,7 @@ def sum_over_processes(accelerator, count: int) -> int:
 # How long the processes of a run leave torch's Gloo worker threads, after the last collective, to drop the work they
 # just finished. Dropping it frees tensors, which needs the GIL; the DDP wrapper's destructor, when the run's model is
 # freed, joins those threads while holding the GIL, and a thread caught mid-drop then waits for it forever. A
-# two-process CPU run hung so, after saving its outputs, about once in fifteen runs (torch 2.13).
+# two-process CPU run hung so, after saving its outputs, once in 12 runs of a stress test (torch 2.13).
 GLOO_SETTLE_S = 0.2
 
 
