@@ -3,6 +3,7 @@ default), so the demo fixes it and prints the same accuracy on every machine."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runs import RECIPE, assert_bit_identical, train
@@ -32,6 +33,7 @@ def test_the_run_uses_the_recipes_thread_count(args, tmp_path):
     assert after_the_run == 2
 
 
+@pytest.mark.slow
 def test_a_fixed_thread_count_gives_the_same_model_whatever_the_machines_default(base, images, tmp_path):
     """Two machines, one that defaults to 1 thread (this process, set so) and one to 2 (a fresh interpreter with
     OMP_NUM_THREADS=2, which stands for the core count)."""

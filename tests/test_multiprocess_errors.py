@@ -18,6 +18,7 @@ def torchrun(*args: str, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=env, cwd=cwd)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mistake, message", [
     # refused by the schema, before the processes meet
     ("train.lr=abc", "error: "),

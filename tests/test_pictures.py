@@ -161,6 +161,7 @@ def test_a_run_writes_its_pictures_and_shows_them_in_the_card(args, tmp_path):
     assert f'model="{output}"' in card and "github.com/)" not in card  # not pushed: the folder loads the model
 
 
+@pytest.mark.slow
 def test_a_run_without_pictures_draws_none_links_none_and_trains_the_same_model(args, tmp_path):
     from runs import assert_bit_identical, train
 

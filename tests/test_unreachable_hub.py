@@ -22,6 +22,7 @@ def dead_endpoint():
     return f"http://127.0.0.1:{port}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, value, local_fix", [
     ("model.base", "someone/vit-base", "give a local folder holding config.json"),
     ("data.dataset", "someone/photos", "give a local image folder"),
