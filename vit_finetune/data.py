@@ -478,7 +478,8 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: 
 
 def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
     """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
-    into [3/4, 4/3]. Evaluation resizes the whole image, so training without a crop sees what evaluation sees."""
+    into [3/4, 4/3]. Evaluation resizes the whole image, so within that range training without a crop sees what
+    evaluation sees."""
     crop_w = min(width, round(height * 4 / 3))
     crop_h = min(height, round(width * 4 / 3))
     left, top = (width - crop_w) // 2, (height - crop_h) // 2
