@@ -425,10 +425,11 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
+        draw = None
         # The pictures show eval images by their place in the split, which a stream cannot look up.
-        draw = None if recipe.data.streaming or not recipe.pictures else partial(pictures.draw_evaluation, predictions,
-                                                          parts.eval_loader.dataset, parts.labels,
-                                                          thresholds=metrics.get("thresholds"))
+        if recipe.pictures and not recipe.data.streaming:
+            draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels,
+                           thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
         print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
