@@ -28,11 +28,20 @@ LAUNCHERS = {
 }
 
 
+def command_line(process: psutil.Process) -> str:
+    """The process's command line, or "" for one that ended while it was being listed (the launcher's short-lived
+    helpers can be zombies between the listing and this read)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 def workers_of(launcher: psutil.Process, count: int, log: Path, timeout: float = 200) -> list[psutil.Process]:
     """The launcher's `count` vit_finetune processes, once the training loop has logged a step."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        workers = [p for p in launcher.children(recursive=True) if "vit_finetune" in " ".join(p.cmdline())]
+        workers = [p for p in launcher.children(recursive=True) if "vit_finetune" in command_line(p)]
         if len(workers) == count and "train step" in log.read_text():
             return workers
         time.sleep(0.2)
