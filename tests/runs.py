@@ -39,6 +39,15 @@ def torchrun_command(processes: int = 2) -> list[str]:
             "--master_port", str(free_port())]
 
 
+def warm_launch_command(processes: int = 2, config_file: Path | None = None) -> list[str]:
+    """Like torchrun_command() (with a config file: like `accelerate launch --config_file C --num_processes N`), with
+    the ranks forked from one interpreter that imported the libraries once (tests/warm_launch.py): for the tests of
+    what the ranks do together, not of the launcher. `-m vit_finetune ...` follows."""
+    return [sys.executable, str(Path(__file__).resolve().parent / "warm_launch.py"), "--nproc_per_node",
+            str(processes), "--master_port", str(free_port()), *(["--config_file", str(config_file)] if config_file
+                                                                  else [])]
+
+
 def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:
     """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
 

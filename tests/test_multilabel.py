@@ -6,16 +6,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from runs import train
+from runs import train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
 from vit_finetune.augment import BatchAugmenter
@@ -206,22 +204,15 @@ def test_thresholds_chosen_on_a_held_out_part_are_labelled_and_saved(label_sets)
     assert "held out for choosing them" in (out / "README.md").read_text()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_processes_count_each_eval_image_once_and_match_one_process_evaluation(label_sets, tmp_path):
     out = tmp_path / "ddp"
     # 30 images, 20 % held out: 6 eval images over 2 processes x batch 4: Accelerate pads the last batch
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-         "-m", "vit_finetune", *RECIPE, "train.batch_size=4", "train.epochs=2", "data.eval_fraction=0.2",
-         "augment.mixup=true", f"model.base={label_sets['base']}", f"data.dataset={label_sets['jsonl']}",
-         f"output_dir={out}"],
+        [*warm_launch_command(), "-m", "vit_finetune", *RECIPE, "train.batch_size=4", "train.epochs=2",
+         "data.eval_fraction=0.2", "augment.mixup=true", f"model.base={label_sets['base']}",
+         f"data.dataset={label_sets['jsonl']}", f"output_dir={out}"],
         capture_output=True, text=True, timeout=360, cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]

@@ -8,6 +8,8 @@ On a machine without GPUs, Accelerate 1.15 does not set up FSDP (it falls back t
 tested here for real). PyTorch's FSDP2 and Accelerate's FSDP2 code paths do run on CPU over gloo once Accelerate's
 state says FSDP, which tests/fsdp_on_cpu.py makes it say (standing in for the GPUs, and nothing else); with two
 GPUs the same tests run on them for real. DeepSpeed cannot run on CPU here (see test_deepspeed_zero_runs_end_to_end).
+The shared FSDP run is launched by `accelerate launch --config_file` itself; the others take the same config through
+Accelerate's own parser with their ranks forked warm (tests/warm_launch.py), which spares each launch two imports.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 
 import fsdp_on_cpu
 import recorder
-from runs import assert_bit_identical, completed, free_port, launch_and_kill, torchrun_command, train
+from runs import assert_bit_identical, completed, free_port, launch_and_kill, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -47,6 +49,12 @@ def launcher(config: Path) -> list[str]:
 
 def accelerate_launch(config: Path, args: list[str]) -> list[str]:
     return [*launcher(config), "-m", "vit_finetune", *args]
+
+
+def warm_accelerate_launch(config: Path, args: list[str]) -> list[str]:
+    """The same launch with the ranks forked from one warm interpreter (tests/warm_launch.py): for the tests of what
+    sharding does; the shared FSDP run (fsdp_run) is launched by `accelerate launch` itself."""
+    return [*warm_launch_command(config_file=config), "-m", "vit_finetune", *args]
 
 
 def plain_env() -> dict:
@@ -162,8 +170,7 @@ def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to
     assert pictures <= {path.name for path in fsdp_run.glob("*.png")}  # drawn from the gathered predictions
 
     ddp = data["root"] / "ddp"
-    launch([*torchrun_command(), "-m", "vit_finetune",
-            *data["args"], f"output_dir={ddp}"], plain_env())
+    launch([*warm_launch_command(), "-m", "vit_finetune", *data["args"], f"output_dir={ddp}"], plain_env())
     sharded, replicated = load_file(str(fsdp_run / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
     assert sharded.keys() == replicated.keys()
     # Not bit-identical: FSDP reduce-scatters gradients and computes the clipping norm from shards, DDP all-reduces
@@ -183,9 +190,10 @@ def test_fsdp_run_killed_after_a_sharded_checkpoint_resumes_bit_identical(data, 
     out = data["root"] / "killed"
     killed = launch_and_kill([*data["args"], f"output_dir={out}"], data["root"] / "unused", lambda _out:
                              completed(out, 2).exists(), data["root"] / "killed.log", env=sharded_env(),
-                             launcher=launcher(FSDP_CONFIG))
+                             launcher=warm_launch_command(config_file=FSDP_CONFIG))
     assert killed.returncode != 0 and not (out / "metrics.json").exists()  # it died before the end
-    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "train.resume=auto"]), sharded_env())
+    launch(warm_accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "train.resume=auto"]),
+           sharded_env())
     assert_bit_identical(out / "model.safetensors", fsdp_run / "model.safetensors")
     resumed_from = json.loads((out / "run_info.json").read_text())["resumed_from"]
     assert resumed_from and Path(resumed_from).name.startswith("step-")  # it resumed rather than started over
@@ -201,7 +209,7 @@ def test_lora_under_fsdp_writes_the_adapter_and_the_merged_model(data, tmp_path)
     # No LoRA dropout: its random draws differ from process to process.
     lora = ["model.lora.r=4", "model.lora.dropout=0", "train.checkpoint_every_steps=null"]
     out = data["root"] / "lora"
-    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", *lora]), sharded_env())
+    launch(warm_accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", *lora]), sharded_env())
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     trained_b = [k for k in adapter if "lora_B" in k]
     assert trained_b and all(adapter[k].abs().sum() > 0 for k in trained_b)  # B starts at zero: it trained
@@ -224,8 +232,8 @@ def test_fsdp_with_bf16_computes_in_bf16_and_keeps_float32_weights(data, fsdp_ru
 
     out = data["root"] / "fsdp-bf16"
     # One epoch, no checkpoints: three steps are enough to compare with the float32 FSDP run's first three.
-    launch(accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "train.mixed_precision=bf16",
-                                           "train.epochs=1", "train.checkpoint_every_steps=null"]), sharded_env())
+    launch(warm_accelerate_launch(FSDP_CONFIG, [*data["args"], f"output_dir={out}", "train.mixed_precision=bf16",
+                                                "train.epochs=1", "train.checkpoint_every_steps=null"]), sharded_env())
     bf16 = [e["loss"] for e in json.loads((out / "history.json").read_text()) if "loss" in e]
     fp32 = [e["loss"] for e in json.loads((fsdp_run / "history.json").read_text()) if "loss" in e][:3]
     assert len(bf16) == 3 and all(map(math.isfinite, bf16))

@@ -1,10 +1,10 @@
 """Streaming (data.streaming=true): parquet (or WebDataset) shards read while training, from the loopback Hub or a
 local folder.
 
-- Two processes (torchrun, gloo) stream from a loopback Hub dataset repo: in each epoch the ranks train on disjoint
-  rows whose union is the whole train split; the eval split, of an odd size that the ranks share unevenly, is
-  counted once, and its metrics equal a one-process evaluation of the saved model on the same images; a run resumed
-  from one of its checkpoints ends with bit-identical weights.
+- Two processes (as torchrun starts them, gloo) stream from a loopback Hub dataset repo: in each epoch the ranks
+  train on disjoint rows whose union is the whole train split; the eval split, of an odd size that the ranks share
+  unevenly, is counted once, and its metrics equal a one-process evaluation of the saved model on the same images;
+  a run resumed from one of its checkpoints ends with bit-identical weights.
 - One process on a local folder: killed with SIGKILL and resumed with train.resume=auto (with DataLoader workers
   this time), it trains on the same batches and ends with bit-identical weights.
 - WebDataset tar shards train with data.label_names and train.max_steps, and evaluate like the same rows as parquet.
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical, completed, exists, launch_and_kill, torchrun_command, train
+from runs import assert_bit_identical, completed, exists, launch_and_kill, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CLASSES, TRAIN_PER_CLASS, EVAL_PER_CLASS = 3, 8, 3  # 24 train rows, 9 eval rows
@@ -114,8 +114,10 @@ def rows_per_rank_and_epoch(samples: list[dict], fingerprints: dict[str, int]) -
 # ---------------------------------------------------------------- two processes, from the loopback Hub
 
 
-def torchrun(args: list[str], record: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*torchrun_command(), "-m", "vit_finetune", *args], capture_output=True, text=True,
+def two_processes(args: list[str], record: Path) -> subprocess.CompletedProcess:
+    """2 processes as torchrun starts them, forked warm (tests/warm_launch.py): these tests are of the stream's
+    split between ranks, not of the launcher."""
+    return subprocess.run([*warm_launch_command(), "-m", "vit_finetune", *args], capture_output=True, text=True,
                           timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
 
 
@@ -134,7 +136,7 @@ def two_process_run(tables, hub_dataset) -> dict:
     out, record = root / "out", root / "record"
     args = [f"model.base={tables['base']}", f"data.dataset={hub_dataset}", *RECIPE, *FIXED_CROP,
             "train.checkpoint_every_steps=2", "train.keep_checkpoints=10"]
-    result = torchrun([*args, f"output_dir={out}"], record)
+    result = two_processes([*args, f"output_dir={out}"], record)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"root": root, "out": out, "record": record, "args": args}
 
@@ -174,11 +176,11 @@ def test_streamed_evaluation_counts_each_image_once_and_equals_one_process(table
 def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, tmp_path):
     """A sharded model's forward is a collective: the ranks' eval shares (5 and 4 rows, batch 4: 2 and 1 batches)
     must still be evaluated without a hang, each image once (on CPU, as tests/test_sharded.py explains)."""
-    from test_sharded import FSDP_CONFIG, accelerate_launch, launch, sharded_env
+    from test_sharded import FSDP_CONFIG, launch, sharded_env, warm_accelerate_launch
 
     out = tmp_path / "out"
-    launch(accelerate_launch(FSDP_CONFIG, [f"model.base={tables['base']}", f"data.dataset={tables['shards']}",
-                                           f"output_dir={out}", *RECIPE, "train.epochs=1"]), sharded_env())
+    launch(warm_accelerate_launch(FSDP_CONFIG, [f"model.base={tables['base']}", f"data.dataset={tables['shards']}",
+                                                f"output_dir={out}", *RECIPE, "train.epochs=1"]), sharded_env())
     metrics = json.loads((out / "metrics.json").read_text())
     reference = evaluate_in_one_process(out, tables["table"]["validation"])
     assert metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
@@ -206,14 +208,14 @@ def evaluate_in_one_process(output: Path, split) -> dict:
     return metrics
 
 
-def torchrun_killed_when(args: list[str], record: Path, marker: Path, log: Path) -> list[int]:
-    """torchrun with 2 processes, its ranks and itself SIGKILLed once `marker` exists; returns the ranks' pids.
-    (psutil comes with accelerate: torchrun starts the ranks in sessions of their own, out of a group kill's reach.)"""
+def two_processes_killed_when(args: list[str], record: Path, marker: Path, log: Path) -> list[int]:
+    """two_processes(), its ranks and itself SIGKILLed once `marker` exists; returns the ranks' pids. (psutil comes
+    with accelerate: the ranks run in sessions of their own, as under torchrun, out of a group kill's reach.)"""
     import psutil
 
     with open(log, "w") as out:
         launcher = subprocess.Popen(
-            [*torchrun_command(), "-m", "vit_finetune", *args],
+            [*warm_launch_command(), "-m", "vit_finetune", *args],
             stdout=out, stderr=subprocess.STDOUT, env=recorder.subprocess_env(record), cwd=REPO)
         deadline = time.monotonic() + 300
         while launcher.poll() is None and time.monotonic() < deadline and not marker.exists():
@@ -239,12 +241,12 @@ def test_two_processes_killed_and_resumed_end_with_identical_weights(tables, two
     root = two_process_run["root"]
     out = root / "killed"
     run = [*two_process_run["args"], f"output_dir={out}"]
-    killed = torchrun_killed_when(run, root / "r1", completed(out, 4), root / "1.log")
+    killed = two_processes_killed_when(run, root / "r1", completed(out, 4), root / "1.log")
     assert sorted(int(path.stem.split("-")[1]) for path in (root / "r1").glob("samples-*.jsonl")) == sorted(killed)
     assert not (out / "model.safetensors").exists()
     position = json.loads((completed(out, 4).parent / "stream_position_1.json").read_text())
     assert (position["pass"], position["offset"]) == (1, BATCH)  # 3 steps an epoch: 1 step into pass 1
-    result = torchrun([*run, "train.resume=auto"], root / "r2")
+    result = two_processes([*run, "train.resume=auto"], root / "r2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "at step 4" in result.stdout
 

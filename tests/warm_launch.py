@@ -1,0 +1,163 @@
+"""Test-only: `torchrun --nproc_per_node N -m vit_finetune ARGS`, or `accelerate launch --config_file C ...`, with the
+ranks forked from one interpreter that has imported the libraries once.
+
+    python tests/warm_launch.py --nproc_per_node 2 --master_port P [--config_file C] -m vit_finetune ARGS
+
+A fresh `python -m vit_finetune` spends about 5.5 CPU-s importing torch, transformers, datasets and accelerate before
+its first step, and torchrun imports torch once more for itself: a tiny two-process run costs about 16 CPU-s, of which
+about 3 are training. The tests whose subject is what the ranks do together (sharding, streaming, distributed
+evaluation, one rank talking to the Hub) launch through this; the tests of the launchers themselves keep the real
+ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py, and the shared FSDP
+run of test_sharded.py, launched by `accelerate launch --config_file`).
+
+Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
+elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
+and with a config file the variables Accelerate's own launcher derives from it (accelerate.utils.
+prepare_multi_gpu_env). The environment is set before the import, so what libraries read when imported (HF_ENDPOINT,
+HF_HUB_OFFLINE) is what a fresh process reads. The tests' site hooks (tests/observed_site/sitecustomize.py: the
+recorder, FSDP on CPU) run in each rank after the fork, as they would at a fresh rank's start, so each rank records
+under its own pid. As with torchrun, when one rank fails the others are sent SIGTERM (SIGKILL 30 s later) and the
+launcher exits 1; a SIGTERM or SIGINT to the launcher is passed on to the ranks. What a library draws once when it
+is imported is drawn once for all the ranks (transformers' session id, numpy's and random's seeds): a test that tells
+the ranks apart by such a thing keeps the real launcher (as tests/test_hub_roundtrip.py's does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+SITE = Path(__file__).resolve().parent / "observed_site"
+# The variables that make tests/observed_site/sitecustomize.py install a hook: held back from this process's own
+# start (the hooks are per rank) and given back to each rank.
+SITE_HOOK_VARIABLES = ("VIT_FINETUNE_RECORD", "VIT_FINETUNE_FSDP_ON_CPU")
+HELD = "WARM_LAUNCH_HELD_"
+STOP_GRACE_S = 30.0
+# What a rank spends its start-up importing; imported once here, before the fork. The package itself is not: each
+# rank imports it, so what happens when it loads (the tests' recorder registers then) happens in the rank.
+THIRD_PARTY_IMPORTS = ("torch", "accelerate", "datasets", "evaluate", "peft", "safetensors.torch",
+                       "transformers.models.vit.modeling_vit", "transformers.models.vit.image_processing_pil_vit")
+
+
+def hold_site_hooks_back(argv: list[str]) -> None:
+    """Restart this script with the site hooks' variables renamed, if any is set (a restart before any heavy import
+    costs a few milliseconds): sitecustomize ran at this process's start and would install them here."""
+    present = [name for name in SITE_HOOK_VARIABLES if name in os.environ]
+    if not present:
+        return
+    env = {name: value for name, value in os.environ.items() if name not in present}
+    env.update({HELD + name: os.environ[name] for name in present})
+    os.execve(sys.executable, [sys.executable, __file__, *argv], env)
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="warm_launch.py")
+    parser.add_argument("--nproc_per_node", type=int, required=True)
+    parser.add_argument("--master_port", type=int, required=True)
+    parser.add_argument("--config_file", help="an `accelerate launch` config file, read by Accelerate's own parser")
+    if "-m" not in argv:
+        parser.error("give the module to run as `-m vit_finetune ARGS`")
+    split = argv.index("-m")
+    options = parser.parse_args(argv[:split])
+    return options, argv[split + 1:]
+
+
+def accelerate_environment(config_file: str, processes: int, port: int, module_and_args: list[str]) -> dict[str, str]:
+    """The variables `accelerate launch --config_file C --num_processes N` sets for torchrun's ranks: its own parser,
+    its own validation (the config file's values), and its own multi-process environment."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", config_file, "--num_processes", str(processes),
+                                               "--main_process_port", str(port), "-m", *module_and_args])
+    args, _defaults, _mixed_precision_from_config = _validate_launch_command(args)
+    if not (args.multi_gpu or args.use_fsdp) or args.cpu or args.use_deepspeed:
+        raise SystemExit(f"{config_file}: Accelerate would not start this through torchrun; launch it for real")
+    return prepare_multi_gpu_env(args)
+
+
+def rank_environment(rank: int, processes: int, port: int) -> dict[str, str]:
+    """What torch's elastic agent sets in each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
+    less its own store: here rank 0 hosts the rendezvous store, as in a run without the agent."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def run_rank(environment: dict[str, str], module_and_args: list[str]) -> None:
+    """In the forked child: become the rank, then run `python -m MODULE ARGS` to its end (never returns)."""
+    os.setsid()  # torchrun starts each worker in a session of its own
+    os.environ.update(environment)
+    for name in SITE_HOOK_VARIABLES:
+        if HELD + name in os.environ:
+            os.environ[name] = os.environ.pop(HELD + name)
+    if str(SITE) in sys.path:
+        runpy.run_path(str(SITE / "sitecustomize.py"))
+    module, *arguments = module_and_args
+    sys.argv = [module, *arguments]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    sys.exit(0)
+
+
+def wait_for(ranks: dict[int, int]) -> int:
+    """Wait for every rank; once one fails, stop the others as torchrun does. Returns the launcher's exit code."""
+    failed = None
+    deadline = None
+    while ranks:
+        pid, status = os.waitpid(-1, os.WNOHANG) if deadline else os.waitpid(-1, 0)
+        if pid == 0:
+            if time.monotonic() > deadline:
+                for other in ranks:
+                    os.kill(other, signal.SIGKILL)
+                deadline = None
+            else:
+                time.sleep(0.05)
+            continue
+        rank = ranks.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and failed is None:
+            failed = rank
+            print(f"warm_launch: rank {rank} (pid {pid}) exited with {code}; stopping the others", file=sys.stderr,
+                  flush=True)
+            for other in ranks:
+                os.kill(other, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+    return 0 if failed is None else 1
+
+
+def main(argv: list[str]) -> int:
+    hold_site_hooks_back(argv)
+    options, module_and_args = parse(argv)
+    environment = {}
+    if options.config_file:
+        environment = accelerate_environment(options.config_file, options.nproc_per_node, options.master_port,
+                                             module_and_args)
+    os.environ.update(environment)  # before the import, as the ranks of a real launch have them from their start
+    if module_and_args[0] == "vit_finetune":
+        for name in THIRD_PARTY_IMPORTS:
+            importlib.import_module(name)
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = {}
+    for rank in range(options.nproc_per_node):
+        pid = os.fork()
+        if pid == 0:
+            run_rank(rank_environment(rank, options.nproc_per_node, options.master_port), module_and_args)
+        ranks[pid] = rank
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda number, _frame: [os.kill(pid, number) for pid in list(ranks)])
+    return wait_for(ranks)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
