@@ -110,12 +110,13 @@ def test_a_teacher_with_other_labels_is_refused_before_the_student_is_built(base
     assert not (out / "model.safetensors").exists() and not (out / "recipe.yaml").exists()
 
 
-def test_a_missing_teacher_is_refused_before_output_dir_is_touched(args, tmp_path):
+def test_a_missing_teacher_is_refused_before_output_dir_is_touched(args, tmp_path, capsys):
     out = tmp_path / "out"
-    result = run_cli(*args, f"output_dir={out}", f"train.distill.teacher={tmp_path / 'no-such-teacher'}")
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "train.distill.teacher=" in result.stderr and "folder not found" in result.stderr
-    assert "Traceback" not in result.stderr
+    code = train([*args, f"output_dir={out}", f"train.distill.teacher={tmp_path / 'no-such-teacher'}"])
+    error = capsys.readouterr().err
+    assert code == 2, error[-2000:]
+    assert "train.distill.teacher=" in error and "folder not found" in error
+    assert "Traceback" not in error
     assert not out.exists()
 
 
@@ -129,16 +130,18 @@ def test_distillation_keys_are_validated_together(args, tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
-def test_multi_label_runs_refuse_distillation(base, wrong_teacher, tmp_path):
-    explicit = run_cli(f"model.base={base}", f"data.dataset={tmp_path}", "data.multi_label=true",
-                       f"train.distill.teacher={wrong_teacher}", f"output_dir={tmp_path / 'a'}")
-    assert explicit.returncode == 2 and "single-label" in explicit.stderr, explicit.stderr[-2000:]
+def test_multi_label_runs_refuse_distillation(base, wrong_teacher, tmp_path, capsys):
+    explicit = train([f"model.base={base}", f"data.dataset={tmp_path}", "data.multi_label=true",
+                      f"train.distill.teacher={wrong_teacher}", f"output_dir={tmp_path / 'a'}"])
+    error = capsys.readouterr().err
+    assert explicit == 2 and "single-label" in error, error[-2000:]
     # Detected from a label file whose cells hold several labels: refused once the data says so, before training.
     labels = write_label_sets(tmp_path / "sets", images=12, classes=3)
-    detected = run_cli(f"model.base={base}", f"data.dataset={labels}", *RECIPE, f"output_dir={tmp_path / 'b'}",
-                       f"train.distill.teacher={wrong_teacher}")
-    assert detected.returncode != 0 and "single-label" in detected.stderr, detected.stderr[-2000:]
-    assert "Traceback" not in detected.stderr
+    detected = train([f"model.base={base}", f"data.dataset={labels}", *RECIPE, f"output_dir={tmp_path / 'b'}",
+                      f"train.distill.teacher={wrong_teacher}"])
+    error = capsys.readouterr().err
+    assert detected != 0 and "single-label" in error, error[-2000:]
+    assert "Traceback" not in error
     assert not (tmp_path / "b" / "model.safetensors").exists()
 
 
@@ -221,8 +224,10 @@ def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args
         train(run, callbacks=[kill_at(8)])
     checkpoint = out / "checkpoints" / "step-00000004"
     assert not any("teacher" in path.name for path in checkpoint.rglob("*"))
-    changed = run_cli(*run, "train.resume=auto", "train.distill.weight=0.25")
-    assert changed.returncode != 0 and "train.distill.weight" in changed.stderr, changed.stderr[-2000:]
+    capsys.readouterr()
+    changed = train([*run, "train.resume=auto", "train.distill.weight=0.25"])
+    error = capsys.readouterr().err
+    assert changed != 0 and "train.distill.weight" in error, error[-2000:]
 
     weights_file = teacher / "model.safetensors"
     original = weights_file.read_bytes()

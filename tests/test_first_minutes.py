@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -115,22 +116,30 @@ def test_a_quiet_run_called_in_process_gives_the_caller_its_logging_and_warnings
     assert logging.getLogger("transformers").isEnabledFor(logging.WARNING)
 
 
-@pytest.mark.slow
-def test_quiet_prints_only_the_result(base, images, tmp_path):
-    result = run_cli("--quiet", f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path / 'q'}",
-                     "model.image_size=32", "train.batch_size=8", "train.epochs=1", "data.num_workers=0")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines()[0].startswith("eval accuracy") and len(result.stdout.splitlines()) == 1
-    assert result.stderr.strip() == ""
-    assert json.loads((tmp_path / "q" / "metrics.json").read_text())["eval_carved_from_train"] is False
-
-
-@pytest.mark.slow
-def test_quiet_prints_no_library_warning(base, images, tmp_path):
-    """A LoRA run meets warnings from the libraries (transformers' deprecations under peft): --quiet hides them."""
-    result = run_cli("--quiet", f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path / 'q'}",
+@pytest.fixture(scope="module")
+def quiet_run(base, images, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `--quiet` run in a fresh interpreter (the libraries warn once per process, some as they are imported),
+    shared by the tests below. A LoRA run: it meets warnings from the libraries (transformers' deprecations under
+    peft) and writes everything a full run writes, the merged model included, and the adapter too."""
+    output = tmp_path_factory.mktemp("quiet") / "q"
+    result = run_cli("--quiet", f"model.base={base}", f"data.dataset={images}", f"output_dir={output}",
                      "model.image_size=32", "train.batch_size=8", "train.max_steps=2", "data.num_workers=0",
                      "model.lora={r: 4, alpha: 8}")
     assert result.returncode == 0, result.stderr[-2000:]
+    return result, output
+
+
+@pytest.mark.slow
+def test_quiet_prints_only_the_result(quiet_run):
+    result, output = quiet_run
+    assert result.stdout.splitlines()[0].startswith("eval accuracy") and len(result.stdout.splitlines()) == 1
+    assert result.stderr.strip() == ""
+    assert json.loads((output / "metrics.json").read_text())["eval_carved_from_train"] is False
+
+
+@pytest.mark.slow
+def test_quiet_prints_no_library_warning(quiet_run):
+    result, output = quiet_run
     assert result.stderr == ""
-    assert len(result.stdout.splitlines()) == 1 and (tmp_path / "q" / "adapter").is_dir()
+    assert len(result.stdout.splitlines()) == 1
+    assert (output / "adapter").is_dir() and (output / "model.safetensors").is_file()
