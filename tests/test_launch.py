@@ -136,9 +136,9 @@ def tiny_run_inputs(tmp_path_factory) -> dict:
                                      "pictures=false"]}
 
 
-def accelerate(*arguments: str) -> subprocess.CompletedProcess:
+def accelerate(*arguments: str, **extra_env: str) -> subprocess.CompletedProcess:
     """`accelerate launch ARGUMENTS` from the repository root, this checkout's package first."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **extra_env}
     return subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *arguments], capture_output=True,
                           text=True, timeout=240, env=env, cwd=REPO)
 
@@ -147,9 +147,12 @@ def accelerate(*arguments: str) -> subprocess.CompletedProcess:
 @pytest.mark.timeout(300)
 def test_accelerate_launch_cpu_with_two_processes_stops_before_loading_anything(tiny_run_inputs):
     out = tiny_run_inputs["root"] / "refused"
+    # Python lists every module each process imports (on stderr): the refusal comes before the training stack loads.
     result = accelerate("--cpu", "--num_processes", "2", "--quiet", "-m", "vit_finetune", *tiny_run_inputs["recipe"],
-                        f"output_dir={out}")
+                        f"output_dir={out}", PYTHONPROFILEIMPORTTIME="1")
     assert result.returncode != 0
+    imported = {line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
+    assert "vit_finetune.cli" in imported and not imported & {"transformers", "datasets", "evaluate"}
     error = next(line for line in result.stderr.splitlines() if line.startswith("error: "))
     assert "`accelerate launch --cpu --num_processes 2 --quiet -m vit_finetune` asked for 2 process(es)" in error
     instead = shlex.split(error.split("Run instead: ")[1].split("  (")[0])

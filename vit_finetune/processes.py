@@ -180,11 +180,18 @@ def parent_command_line() -> list[str] | None:
         return None
 
 
-def check_launch() -> str | None:
-    """lone_process_refusal for this process (cheap: reads the environment, and the parent only under Accelerate)."""
+class LaunchError(VitFinetuneError):
+    """A launch that started this process alone where several were asked for."""
+
+
+def refuse_a_lone_process() -> None:
+    """Raise LaunchError with lone_process_refusal's reason, if any (cheap: reads the environment, and the parent's
+    command line only under Accelerate's simple launcher)."""
     if SIMPLE_LAUNCHER_VARIABLE not in os.environ:
-        return None
-    return lone_process_refusal(os.environ, parent_command_line())
+        return
+    lone = lone_process_refusal(os.environ, parent_command_line())
+    if lone:
+        raise LaunchError(lone)
 
 
 # ------------------------------------------------------------------ a launcher that died

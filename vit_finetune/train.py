@@ -26,8 +26,8 @@ from . import distill, multilabel, pictures, progress as display, selection, sha
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
-from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, check_launch, let_gloo_threads_settle, local_main_first,
-                        unshared_folder_refusal, watch_launcher)
+from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
+                        refuse_a_lone_process, unshared_folder_refusal, watch_launcher)
 from .recipe import Recipe, write_recipe
 
 
@@ -284,9 +284,7 @@ def _compiles(recipe: Recipe, accelerator: Accelerator) -> bool:
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
     after those registered with vit_finetune.callbacks.register (see that module for the events)."""
-    lone = check_launch()  # `accelerate launch --cpu --num_processes 2` starts this process alone
-    if lone:
-        raise RunError(lone)
+    refuse_a_lone_process()  # `accelerate launch --cpu --num_processes 2` starts this process alone
     watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training
     check_output_dir(recipe)
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
