@@ -65,14 +65,20 @@ def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_n
         flag.restore()
 
 
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory) -> Path:
+    """One cache for both launches: the first generates the demo's images, the second reads them."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("launch", LAUNCHERS.values(), ids=LAUNCHERS.keys())
-def test_workers_stop_soon_after_their_launcher_is_killed(launch, tmp_path):
+def test_workers_stop_soon_after_their_launcher_is_killed(launch, demo_cache, tmp_path):
     out, log = tmp_path / "out", tmp_path / "log.txt"
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch, "--quiet", "-m", "vit_finetune", *DEMO,
                "train.log_every_steps=1",
                "train.checkpoint_every_steps=1000", f"output_dir={out}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "VIT_FINETUNE_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "VIT_FINETUNE_CACHE": str(demo_cache)}
     with open(log, "w") as handle:
         process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     workers = []
