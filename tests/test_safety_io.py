@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -50,14 +51,6 @@ def error_line(stderr: str) -> str:
     return next(line for line in reversed(stderr.splitlines()) if line.startswith("error: "))
 
 
-def cli(*args: str, stdin: str | None = None, env: dict | None = None, timeout: int = 120,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m vit_finetune ARGS` in a fresh interpreter, with `stdin` as its standard input."""
-    return subprocess.run([sys.executable, "-m", "vit_finetune", *args], input=stdin or "", capture_output=True,
-                          text=True, timeout=timeout, cwd=cwd or REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
-
-
 # ---------------------------------------------------------------- 1. a model's own code never runs
 
 
@@ -78,15 +71,17 @@ def remote_code_repo(hub, repo_id: str, trained: Path, marker: Path) -> None:
 
 @pytest.mark.parametrize("command", ["predict", "evaluate", "explain"])
 def test_a_models_own_code_never_runs_even_when_stdin_says_yes(command, trained, photo, images, hub, hub_repo_id,
-                                                              tmp_path):
+                                                              tmp_path, monkeypatch, capsys):
     marker = tmp_path / "remote-code-ran"
     remote_code_repo(hub, hub_repo_id, trained, marker)
     extra = {"predict": [str(photo)], "explain": [str(photo), "--output-dir", str(tmp_path / "ex")],
              "evaluate": ["--dataset", str(images), "--split", "validation"]}[command]
-    result = cli(command, hub_repo_id, *extra, stdin="y\n" * 20, timeout=180)
-    assert result.returncode == 1
-    error = error_line(result.stderr)
-    assert "trust_remote_code" not in result.stdout and "[y/N]" not in result.stdout  # nothing asked
+    # transformers asks "Do you wish to run the custom code? [y/N]" through input(), which reads sys.stdin: yes to all
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n" * 20))
+    assert main([command, hub_repo_id, *extra]) == 1
+    said = capsys.readouterr()
+    error = error_line(said.err)
+    assert "trust_remote_code" not in said.out and "[y/N]" not in said.out  # nothing asked
     assert hub_repo_id in error and "its own Python code" in error
     assert not marker.exists()
     assert not (tmp_path / "ex").exists()
