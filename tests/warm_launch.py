@@ -25,6 +25,7 @@ the ranks apart by such a thing keeps the real launcher (as tests/test_hub_round
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import runpy
@@ -148,6 +149,9 @@ def main(argv: list[str]) -> int:
 
     sys.stdout.flush()
     sys.stderr.flush()
+    # What the imports made lives as long as the ranks do: out of the collector's reach, a rank's collections and its
+    # exit do not write to (and so copy) every page of it. Measured: 1.1 CPU-s a rank instead of 2.3 on a tiny run.
+    gc.freeze()
     ranks = {}
     for rank in range(options.nproc_per_node):
         pid = os.fork()
