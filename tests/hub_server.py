@@ -310,6 +310,7 @@ class RequestRecord:
     client: tuple  # (host, port) of the client socket
     time: float = field(default_factory=time.time)
     faulted: bool = False
+    client_pid: int | None = None  # the process that holds the client socket, when HubServer.identify_clients is on
 
     @property
     def route(self) -> str:
@@ -498,6 +499,9 @@ class HubServer:
         self._in_flight = 0
         self._generation = 0
         self._settled = threading.Condition(self.lock)
+        # Which process sent each request (RequestRecord.client_pid): off by default, as it scans every process's
+        # sockets once per connection.
+        self.identify_clients = False
         self._secret = secrets.token_bytes(16)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -842,8 +846,19 @@ class _Handler(BaseHTTPRequestHandler):
             self.hub._record(RequestRecord(
                 method=method, path=self.path, status=self._status, user=self._user,
                 user_agent=self.headers.get("User-Agent", ""), client=tuple(self.client_address),
-                faulted=faulted,
+                faulted=faulted, client_pid=self._client_pid() if self.hub.identify_clients else None,
             ), generation)
+
+    def _client_pid(self) -> int | None:
+        """The pid of the process whose socket is this connection's other end (the same machine: loopback); found
+        once per connection, while it is open."""
+        if not hasattr(self, "_client_pid_found"):
+            import psutil
+
+            client = tuple(self.client_address)
+            self._client_pid_found = next((c.pid for c in psutil.net_connections("tcp")
+                                           if c.laddr and tuple(c.laddr) == client), None)
+        return self._client_pid_found
 
     def _reset_connection(self) -> None:
         """Close the socket with SO_LINGER 0, so the kernel sends a TCP reset and no answer reaches the client."""
