@@ -172,13 +172,15 @@ def install_in_subprocess(record_dir: str) -> None:
     sys.meta_path.insert(0, RegisterOnImport())
 
 
-def subprocess_env(record_dir: Path, **extra: str) -> dict:
-    """Environment for a `python -m vit_finetune` / `accelerate launch` that is observed by this module."""
+def subprocess_env(record_dir: Path | None, **extra: str) -> dict:
+    """Environment for a `python -m vit_finetune` / `accelerate launch` that is observed by this module (or, with no
+    record_dir, could be)."""
     from tiny import REPO
 
     tests = Path(__file__).resolve().parent
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(OBSERVED_SITE), str(tests), str(REPO)]),
-            ENV: str(record_dir), "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **extra}
+            **({ENV: str(record_dir)} if record_dir else {}), "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1", **extra}
 
 
 def writers_by_path(record_dir: Path, folder: Path) -> dict[str, set[str]]:

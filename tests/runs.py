@@ -48,6 +48,80 @@ def warm_launch_command(processes: int = 2, config_file: Path | None = None) -> 
                                                                   else [])]
 
 
+class WarmLauncher:
+    """Launch after launch of `-m vit_finetune ARGS` on 2 processes, as warm_launch_command() launches them, from one
+    warm interpreter (tests/warm_launch.py --serve): a test module's launches import the libraries once in all.
+    `env` is the environment the launcher starts with; a launch may change only what is read at run time."""
+
+    def __init__(self, env: dict[str, str], cwd: Path):
+        self.cwd = cwd
+        self.server = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "warm_launch.py"),
+                                        "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd)
+        self.pending = b""  # what the launcher has answered and no call has read yet
+
+    def start(self, args: list[str], env: dict[str, str], log: Path, config_file: Path | None = None) -> list[int]:
+        """Fork the ranks of one launch (its output in `log` and `log`.err); returns their pids."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        request = {"processes": 2, "config_file": str(config_file) if config_file else None,
+                   "module_and_args": ["vit_finetune", *args], "env": env, "cwd": str(self.cwd),
+                   "stdout": str(log), "stderr": str(log.with_suffix(".err"))}
+        self.server.stdin.write(json.dumps(request).encode() + b"\n")
+        self.server.stdin.flush()
+        answer = self._answer(timeout=120)
+        if "refused" in answer:
+            raise ValueError(answer["refused"])
+        return answer["pids"]
+
+    def wait(self, timeout: float = 400) -> int:
+        """The launch's exit code, once all its ranks have ended."""
+        return self._answer(timeout)["exit_code"]
+
+    def run(self, args: list[str], env: dict[str, str], log: Path,
+            config_file: Path | None = None) -> subprocess.CompletedProcess:
+        self.start(args, env, log, config_file)
+        code = self.wait()
+        return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
+
+    def run_and_kill(self, args: list[str], env: dict[str, str], log: Path, when: Callable[[], bool],
+                     config_file: Path | None = None, timeout: float = 300) -> tuple[int, list[int]]:
+        """A launch whose ranks are sent SIGKILL as soon as `when()` holds; returns its exit code and the ranks' pids."""
+        import os
+
+        ranks = self.start(args, env, log, config_file)
+        deadline = time.monotonic() + timeout
+        while not when() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended on its own first
+                pass
+        return self.wait(), ranks
+
+    def _answer(self, timeout: float) -> dict:
+        """The launcher's next answer line (read from the pipe's descriptor: a buffered reader could hold a second
+        answer where select() does not see it)."""
+        import os
+        import select
+
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.server.stdout], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(self.server.stdout.fileno(), 65536) if ready else b""
+            assert chunk, f"the warm launcher did not answer within {timeout} s (exit code {self.server.poll()})"
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.server.stdin.close()
+        try:
+            self.server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+
+
 def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:
     """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
 

@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical, completed, exists, launch_and_kill, train, warm_launch_command
+from runs import WarmLauncher, assert_bit_identical, completed, exists, launch_and_kill, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CLASSES, TRAIN_PER_CLASS, EVAL_PER_CLASS = 3, 8, 3  # 24 train rows, 9 eval rows
@@ -114,11 +113,17 @@ def rows_per_rank_and_epoch(samples: list[dict], fingerprints: dict[str, int]) -
 # ---------------------------------------------------------------- two processes, from the loopback Hub
 
 
-def two_processes(args: list[str], record: Path) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def warm() -> WarmLauncher:
     """2 processes as torchrun starts them, forked warm (tests/warm_launch.py): these tests are of the stream's
     split between ranks, not of the launcher."""
-    return subprocess.run([*warm_launch_command(), "-m", "vit_finetune", *args], capture_output=True, text=True,
-                          timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
+    launcher = WarmLauncher(recorder.subprocess_env(None), REPO)
+    yield launcher
+    launcher.close()
+
+
+def two_processes(warm: WarmLauncher, args: list[str], record: Path) -> subprocess.CompletedProcess:
+    return warm.run(args, recorder.subprocess_env(record), record.with_suffix(".log"))
 
 
 @pytest.fixture(scope="module")
@@ -131,12 +136,12 @@ def hub_dataset(tables, hub_server) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tables, hub_dataset) -> dict:
+def two_process_run(tables, hub_dataset, warm) -> dict:
     root = tables["root"] / "ddp"
     out, record = root / "out", root / "record"
     args = [f"model.base={tables['base']}", f"data.dataset={hub_dataset}", *RECIPE, *FIXED_CROP,
             "train.checkpoint_every_steps=2", "train.keep_checkpoints=10"]
-    result = two_processes([*args, f"output_dir={out}"], record)
+    result = two_processes(warm, [*args, f"output_dir={out}"], record)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"root": root, "out": out, "record": record, "args": args}
 
@@ -173,14 +178,14 @@ def test_streamed_evaluation_counts_each_image_once_and_equals_one_process(table
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="FSDP with 2 processes needs 2 GPUs (NCCL refuses two "
                     "ranks on one GPU); this machine has 1")
-def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, tmp_path):
+def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, warm, tmp_path):
     """A sharded model's forward is a collective: the ranks' eval shares (5 and 4 rows, batch 4: 2 and 1 batches)
     must still be evaluated without a hang, each image once (on CPU, as tests/test_sharded.py explains)."""
-    from test_sharded import FSDP_CONFIG, launch, sharded_env, warm_accelerate_launch
+    from test_sharded import FSDP_CONFIG, sharded_env, succeeded
 
     out = tmp_path / "out"
-    launch(warm_accelerate_launch(FSDP_CONFIG, [f"model.base={tables['base']}", f"data.dataset={tables['shards']}",
-                                                f"output_dir={out}", *RECIPE, "train.epochs=1"]), sharded_env())
+    succeeded(warm.run([f"model.base={tables['base']}", f"data.dataset={tables['shards']}", f"output_dir={out}",
+                        *RECIPE, "train.epochs=1"], sharded_env(), tmp_path / "fsdp.log", FSDP_CONFIG))
     metrics = json.loads((out / "metrics.json").read_text())
     reference = evaluate_in_one_process(out, tables["table"]["validation"])
     assert metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
@@ -208,24 +213,11 @@ def evaluate_in_one_process(output: Path, split) -> dict:
     return metrics
 
 
-def two_processes_killed_when(args: list[str], record: Path, marker: Path, log: Path) -> list[int]:
-    """two_processes(), its ranks and itself SIGKILLed once `marker` exists; returns the ranks' pids. (psutil comes
-    with accelerate: the ranks run in sessions of their own, as under torchrun, out of a group kill's reach.)"""
-    import psutil
-
-    with open(log, "w") as out:
-        launcher = subprocess.Popen(
-            [*warm_launch_command(), "-m", "vit_finetune", *args],
-            stdout=out, stderr=subprocess.STDOUT, env=recorder.subprocess_env(record), cwd=REPO)
-        deadline = time.monotonic() + 300
-        while launcher.poll() is None and time.monotonic() < deadline and not marker.exists():
-            time.sleep(0.005)
-        ranks = psutil.Process(launcher.pid).children(recursive=True)
-        for process in [*ranks, psutil.Process(launcher.pid)]:
-            process.send_signal(signal.SIGKILL)
-        psutil.wait_procs(ranks, timeout=60)
-        launcher.wait(timeout=60)
-    return [process.pid for process in ranks]
+def two_processes_killed_when(warm: WarmLauncher, args: list[str], record: Path, marker: Path) -> list[int]:
+    """two_processes(), both ranks SIGKILLed once `marker` exists; returns the ranks' pids."""
+    code, ranks = warm.run_and_kill(args, recorder.subprocess_env(record), record.with_suffix(".log"), marker.exists)
+    assert code != 0
+    return ranks
 
 
 def by_step_and_rank(*segments: list[dict]) -> dict[tuple[int, int], dict]:
@@ -235,18 +227,18 @@ def by_step_and_rank(*segments: list[dict]) -> dict[tuple[int, int], dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_killed_and_resumed_end_with_identical_weights(tables, two_process_run):
+def test_two_processes_killed_and_resumed_end_with_identical_weights(tables, two_process_run, warm):
     """SIGKILL to both ranks once checkpoint step 4 exists (inside the second epoch: each rank is mid-way through
     its second pass), then resume=auto: the same batches follow and the same weights come out."""
     root = two_process_run["root"]
     out = root / "killed"
     run = [*two_process_run["args"], f"output_dir={out}"]
-    killed = two_processes_killed_when(run, root / "r1", completed(out, 4), root / "1.log")
+    killed = two_processes_killed_when(warm, run, root / "r1", completed(out, 4))
     assert sorted(int(path.stem.split("-")[1]) for path in (root / "r1").glob("samples-*.jsonl")) == sorted(killed)
     assert not (out / "model.safetensors").exists()
     position = json.loads((completed(out, 4).parent / "stream_position_1.json").read_text())
     assert (position["pass"], position["offset"]) == (1, BATCH)  # 3 steps an epoch: 1 step into pass 1
-    result = two_processes([*run, "train.resume=auto"], root / "r2")
+    result = two_processes(warm, [*run, "train.resume=auto"], root / "r2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "at step 4" in result.stdout
 

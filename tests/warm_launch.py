@@ -2,13 +2,16 @@
 ranks forked from one interpreter that has imported the libraries once.
 
     python tests/warm_launch.py --nproc_per_node 2 --master_port P [--config_file C] -m vit_finetune ARGS
+    python tests/warm_launch.py --serve     (launch after launch, asked for on stdin: tests/runs.py WarmLauncher)
 
 A fresh `python -m vit_finetune` spends about 5.5 CPU-s importing torch, transformers, datasets and accelerate before
 its first step, and torchrun imports torch once more for itself: a tiny two-process run costs about 16 CPU-s, of which
 about 3 are training. The tests whose subject is what the ranks do together (sharding, streaming, distributed
 evaluation, one rank talking to the Hub) launch through this; the tests of the launchers themselves keep the real
-ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py, and the shared FSDP
-run of test_sharded.py, launched by `accelerate launch --config_file`).
+ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py, the frozen rank of
+test_resume_safety.py, and the shared FSDP run of test_sharded.py, launched by `accelerate launch --config_file`).
+With --serve, one launcher serves a test module's launches one after another: the import is paid once for them all,
+and a launch that would change a variable some library read at import is refused (READ_AT_RUN_TIME).
 
 Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
 elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
@@ -19,7 +22,8 @@ recorder, FSDP on CPU) run in each rank after the fork, as they would at a fresh
 under its own pid. As with torchrun, when one rank fails the others are sent SIGTERM (SIGKILL 30 s later) and the
 launcher exits 1; a SIGTERM or SIGINT to the launcher is passed on to the ranks. What a library draws once when it
 is imported is drawn once for all the ranks (transformers' session id, numpy's and random's seeds): a test that tells
-the ranks apart by such a thing keeps the real launcher (as tests/test_hub_roundtrip.py's does).
+the ranks apart by such a thing keeps the real launcher, or tells them apart otherwise (tests/test_hub_roundtrip.py
+names the process behind each request by its socket).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import json
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -101,7 +107,7 @@ def run_rank(environment: dict[str, str], module_and_args: list[str]) -> None:
     for name in SITE_HOOK_VARIABLES:
         if HELD + name in os.environ:
             os.environ[name] = os.environ.pop(HELD + name)
-    if str(SITE) in sys.path:
+    if str(SITE) in sys.path and any(name in os.environ for name in SITE_HOOK_VARIABLES):
         runpy.run_path(str(SITE / "sitecustomize.py"))
     module, *arguments = module_and_args
     sys.argv = [module, *arguments]
@@ -144,24 +150,90 @@ def main(argv: list[str]) -> int:
                                              module_and_args)
     os.environ.update(environment)  # before the import, as the ranks of a real launch have them from their start
     if module_and_args[0] == "vit_finetune":
-        for name in THIRD_PARTY_IMPORTS:
-            importlib.import_module(name)
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # What the imports made lives as long as the ranks do: out of the collector's reach, a rank's collections and its
-    # exit do not write to (and so copy) every page of it. Measured: 1.1 CPU-s a rank instead of 2.3 on a tiny run.
-    gc.freeze()
-    ranks = {}
-    for rank in range(options.nproc_per_node):
-        pid = os.fork()
-        if pid == 0:
-            run_rank(rank_environment(rank, options.nproc_per_node, options.master_port), module_and_args)
-        ranks[pid] = rank
+        import_and_freeze()
+    ranks = fork_ranks(options.nproc_per_node, options.master_port, module_and_args, before_rank=lambda: None)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda number, _frame: [os.kill(pid, number) for pid in list(ranks)])
     return wait_for(ranks)
 
 
+def import_and_freeze() -> None:
+    for name in THIRD_PARTY_IMPORTS:
+        importlib.import_module(name)
+    # What the imports made lives as long as the ranks do: out of the collector's reach, a rank's collections and its
+    # exit do not write to (and so copy) every page of it. Measured: 1.1 CPU-s a rank instead of 2.3 on a tiny run.
+    gc.freeze()
+
+
+def fork_ranks(processes: int, port: int, module_and_args: list[str], before_rank) -> dict[int, int]:
+    """pid -> rank of the forked ranks; each calls `before_rank()` first, then run_rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = {}
+    for rank in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            before_rank()
+            run_rank(rank_environment(rank, processes, port), module_and_args)
+        ranks[pid] = rank
+    return ranks
+
+
+# ------------------------------------------------------------------ --serve: launch after launch
+
+# The variables a launch may set differently from the server's own start: read when a run needs them, not when a
+# library is imported (HF_ENDPOINT, HF_HOME or OMP_NUM_THREADS are read at import, so a launch that changes them is
+# refused: it needs a fresh launcher). KMP_DUPLICATE_LIB_OK, which a library sets in the tests' process, is read by
+# Intel's OpenMP only; this torch loads GNU's.
+READ_AT_RUN_TIME = ("VIT_FINETUNE_", "ACCELERATE_", "FSDP_", "HF_TOKEN", "TOKENIZERS_PARALLELISM",
+                    "PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK")
+
+
+def changed_at_import(requested: dict[str, str], started: dict[str, str]) -> list[str]:
+    return sorted(name for name in set(requested) | set(started)
+                  if requested.get(name) != started.get(name) and not name.startswith(READ_AT_RUN_TIME))
+
+
+def serve() -> int:
+    """Read launches from stdin, one JSON object a line: {"processes", "config_file", "module_and_args", "env", "cwd",
+    "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} once its ranks are forked (each with that env and
+    cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have ended."""
+    started = dict(os.environ)
+    import_and_freeze()
+    channel = sys.stdout
+    for line in sys.stdin:
+        request = json.loads(line)
+        changed = changed_at_import(request["env"], started)
+        if changed:
+            print(json.dumps({"refused": f"these variables are read at import and differ from this launcher's: "
+                                         f"{changed}; launch for real"}), file=channel, flush=True)
+            continue
+        port = free_port()
+        environment = dict(request["env"])
+        if request["config_file"]:
+            environment.update(accelerate_environment(request["config_file"], request["processes"], port,
+                                                      request["module_and_args"]))
+
+        def become_the_launch(environment=environment) -> None:
+            os.chdir(request["cwd"])
+            os.environ.clear()
+            os.environ.update(environment)
+            for stream, path, mode in ((0, os.devnull, os.O_RDONLY),
+                                       (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
+                                       (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
+                os.dup2(os.open(path, mode, 0o644), stream)
+
+        ranks = fork_ranks(request["processes"], port, request["module_and_args"], become_the_launch)
+        print(json.dumps({"pids": sorted(ranks)}), file=channel, flush=True)
+        print(json.dumps({"exit_code": wait_for(ranks)}), file=channel, flush=True)
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))
