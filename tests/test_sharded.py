@@ -27,7 +27,7 @@ import torch
 
 import fsdp_on_cpu
 import recorder
-from runs import WarmLauncher, assert_bit_identical, completed, free_port, train, warm_launch_command
+from runs import WarmLauncher, assert_bit_identical, completed, free_port, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -49,11 +49,6 @@ def launcher(config: Path) -> list[str]:
 
 def accelerate_launch(config: Path, args: list[str]) -> list[str]:
     return [*launcher(config), "-m", "vit_finetune", *args]
-
-
-def warm_accelerate_launch(config: Path, args: list[str]) -> list[str]:
-    """The same launch with the ranks forked from one warm interpreter (tests/warm_launch.py)."""
-    return [*warm_launch_command(config_file=config), "-m", "vit_finetune", *args]
 
 
 def plain_env() -> dict:
