@@ -198,6 +198,9 @@ def serve() -> int:
     """Read launches from stdin, one JSON object a line: {"processes", "config_file", "module_and_args", "env", "cwd",
     "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} once its ranks are forked (each with that env and
     cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have ended."""
+    hooked = [name for name in SITE_HOOK_VARIABLES if name in os.environ]
+    if hooked:  # sitecustomize has installed them in this process already
+        raise SystemExit(f"--serve: start without {hooked}; give them to each launch that wants them")
     started = dict(os.environ)
     import_and_freeze()
     channel = sys.stdout
