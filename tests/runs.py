@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from vit_finetune.processes import reset_accelerate_state
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
           "train.log_every_steps=1", "data.num_workers=0", "pictures=false"]
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
+WARM_LAUNCH = Path(__file__).resolve().parent / "warm_launch.py"
 
 
 def free_port() -> int:
@@ -43,9 +45,9 @@ def warm_launch_command(processes: int = 2, config_file: Path | None = None) -> 
     """Like torchrun_command() (with a config file: like `accelerate launch --config_file C --num_processes N`), with
     the ranks forked from one interpreter that imported the libraries once (tests/warm_launch.py): for the tests of
     what the ranks do together, not of the launcher. `-m vit_finetune ...` follows."""
-    return [sys.executable, str(Path(__file__).resolve().parent / "warm_launch.py"), "--nproc_per_node",
-            str(processes), "--master_port", str(free_port()), *(["--config_file", str(config_file)] if config_file
-                                                                  else [])]
+    config = ["--config_file", str(config_file)] if config_file else []
+    return [sys.executable, str(WARM_LAUNCH), "--nproc_per_node", str(processes), "--master_port", str(free_port()),
+            *config]
 
 
 class WarmLauncher:
@@ -55,8 +57,8 @@ class WarmLauncher:
 
     def __init__(self, env: dict[str, str], cwd: Path):
         self.cwd = cwd
-        self.server = subprocess.Popen([sys.executable, str(Path(__file__).resolve().parent / "warm_launch.py"),
-                                        "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=cwd)
+        self.server = subprocess.Popen([sys.executable, str(WARM_LAUNCH), "--serve"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, env=env, cwd=cwd)
         self.pending = b""  # what the launcher has answered and no call has read yet
 
     def start(self, args: list[str], env: dict[str, str], log: Path, config_file: Path | None = None) -> list[int]:
@@ -85,8 +87,6 @@ class WarmLauncher:
     def run_and_kill(self, args: list[str], env: dict[str, str], log: Path, when: Callable[[], bool],
                      config_file: Path | None = None, timeout: float = 300) -> tuple[int, list[int]]:
         """A launch whose ranks are sent SIGKILL as soon as `when()` holds; returns its exit code and the ranks' pids."""
-        import os
-
         ranks = self.start(args, env, log, config_file)
         deadline = time.monotonic() + timeout
         while not when() and time.monotonic() < deadline:
@@ -101,7 +101,6 @@ class WarmLauncher:
     def _answer(self, timeout: float) -> dict:
         """The launcher's next answer line (read from the pipe's descriptor: a buffered reader could hold a second
         answer where select() does not see it)."""
-        import os
         import select
 
         deadline = time.monotonic() + timeout
