@@ -676,6 +676,14 @@ def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: 
                                       splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
 
 
+def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
+    """The train split preprocessed as evaluation does (the saved image processor, no augmentation): what a linear
+    probe fits the head on, so the head meets at evaluation the features it was fitted to."""
+    return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings,
+                                      eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
+                                      splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
+
+
 def blank_pixels(image_size: int, training: bool) -> torch.Tensor:
     """What stands in for a skipped bad image: uint8 like a train crop (normalised later, on the device), float like
     the pixels the image processor makes for evaluation."""

@@ -1,0 +1,43 @@
+"""The training methods (train.method) and the rule that chooses one for `auto`.
+
+finetune trains every weight (or LoRA's adapters) from a new head; linear_probe fits only the head, on the frozen
+backbone's features (probe.py); lp_ft fits the head so, then fine-tunes from it (LP-FT, Kumar et al., ICLR 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a train.method does: fit the head on frozen features first, and/or take optimiser steps."""
+
+    probes: bool
+    fine_tunes: bool
+
+
+METHODS = {
+    "finetune": Method(probes=False, fine_tunes=True),
+    "linear_probe": Method(probes=True, fine_tunes=False),
+    "lp_ft": Method(probes=True, fine_tunes=True),
+}
+
+
+def auto_method(images_per_class: float, epochs: float, pretrained: bool, streaming: bool) -> tuple[str, str]:
+    """The method train.method=auto stands for, and why."""
+    if streaming:
+        return "finetune", "a stream is not read whole before training, which the probe needs"
+    if not pretrained:
+        return "finetune", "model.pretrained=false: random features are not worth probing"
+    return "lp_ft", f"{images_per_class:,.0f} training images per class, {epochs:,.1f} epochs"
+
+
+def card_text(method: str, metrics: dict, tuning: str) -> str:
+    """The card's line on how the model was trained; `tuning`: what the fine-tuning trained (full or LoRA's)."""
+    if not METHODS[method].probes:
+        return tuning
+    probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features of "
+                  f"{metrics.get('probe_images', 0):,} training images, C={metrics.get('probe_c', float('nan')):.3g}"
+                  + (f" chosen by {metrics['probe_folds']}-fold cross-validation)" if metrics.get("probe_folds") else ")"))
+    return probe_text if method == "linear_probe" else f"{probe_text}, then {tuning} from that head"
