@@ -305,11 +305,19 @@ def run_cell(cell: Cell, base: Path, root: Path) -> dict:
 # ---------------------------------------------------------------- the table and the picture
 
 
+# Toolkit rows measured while training resized every image bilinearly, whatever the image processor's filter (the
+# real base's is bicubic, as evaluation and pipeline() resize): kept in the file, marked "training_resize": "bilinear",
+# and left out of the tables. Linear-probe and peer rows never used that path.
+OUTDATED = "training_resize"
+
+
 def read_results(root: Path) -> list[dict]:
     path = root / "results.jsonl"
     first = {}
     for line in (path.read_text().splitlines() if path.exists() else []):
         run = json.loads(line)
+        if run.get(OUTDATED) == "bilinear":
+            continue
         run.setdefault("per_class", DATASETS[run["dataset"]].train_per_class)
         first.setdefault(result_key(run), run)
     return list(first.values())

@@ -24,13 +24,26 @@ METHODS = {
 }
 
 
+# The range the transfer study measured the methods over (docs/training.md, "Transfer on a real base"): training
+# images per class and epochs (images seen / training images). Outside it, auto keeps to fine-tuning, the method every
+# reference recipe uses at scale.
+MEASURED_IMAGES_PER_CLASS = (10, 500)
+MEASURED_EPOCHS = (0.5, 10)
+
+
 def auto_method(images_per_class: float, epochs: float, pretrained: bool, streaming: bool) -> tuple[str, str]:
     """The method train.method=auto stands for, and why."""
     if streaming:
         return "finetune", "a stream is not read whole before training, which the probe needs"
     if not pretrained:
         return "finetune", "model.pretrained=false: random features are not worth probing"
-    return "lp_ft", f"{images_per_class:,.0f} training images per class, {epochs:,.1f} epochs"
+    low, high = MEASURED_IMAGES_PER_CLASS
+    first, last = MEASURED_EPOCHS
+    size = f"{images_per_class:,.0f} training images per class, {epochs:,.1f} epochs"
+    if not (low <= images_per_class <= high and first <= epochs <= last):
+        return "finetune", (f"{size}: the methods were not measured beyond {low}-{high} images per class and "
+                            f"{first:g}-{last:g} epochs, so fine-tuning, as at scale")
+    return "lp_ft", size
 
 
 def card_text(method: str, metrics: dict, tuning: str) -> str:

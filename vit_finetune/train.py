@@ -207,8 +207,10 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
 
+    resample = data.resample_of(processor)  # training resizes as evaluation does
+
     def train_pixels(image, index, epoch):
-        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data)
+        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data, resample)
 
     if streamed:  # data.class_balance is refused with streaming (the recipe says why)
         train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
