@@ -228,62 +228,13 @@ def adamw_kernel() -> str:
     return "fused" if "cpu" in FUSED_ADAMW_DEVICES else "per-tensor loop"
 
 
-def pil_eval_transform(size: int, mean, std):
-    """The example's eval transform, Resize(size) (shorter side, bilinear, antialiased as PIL is) + CenterCrop,
-    ToTensor, Normalize, written with PIL because torchvision cannot be imported here."""
-    import torch
-    from PIL import Image
-
-    mean_t, std_t = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
-
-    def transform(image: Image.Image):
-        width, height = image.size
-        scale = size / min(width, height)
-        image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.BILINEAR)
-        left, top = (image.width - size) // 2, (image.height - size) // 2
-        image = image.crop((left, top, left + size, top + size))
-        tensor = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1).float().div(255)
-        return (tensor - mean_t) / std_t
-    return transform
-
-
 def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
-    """transformers' run_image_classification.py recipe, with this cell's size, steps, batch, lr and seed."""
-    import datasets
-    import transformers
-    from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
-
-    from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
+    """transformers' image-classification example recipe (scripts/peer_example.py) with this cell's size, steps,
+    batch, lr and seed, evaluated once at the end."""
+    from peer_example import train_peer
 
     lr = PEER_LR if cell.lr is None else cell.lr
-    splits = datasets.load_from_disk(str(data))
-    labels = splits["train"].features["label"].names
-    processor = AutoImageProcessor.from_pretrained(base)
-    train_transform = ExampleTrainTransform(cell.size, processor.image_mean, processor.image_std)
-    eval_transform = pil_eval_transform(cell.size, processor.image_mean, processor.image_std)
-
-    def eval_batch(batch: dict) -> dict:
-        batch["pixel_values"] = [eval_transform(image.convert("RGB")) for image in batch["image"]]
-        return batch
-
-    train_set, eval_set = splits["train"], splits["validation"]
-    train_set.set_transform(ExampleBatchTransform(train_transform))
-    eval_set.set_transform(eval_batch)
-    # The new head is reported as MISSING in transformers' load report: expected here, and no error.
-    transformers.logging.set_verbosity_error()
-    model = AutoModelForImageClassification.from_pretrained(
-        base, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        ignore_mismatched_sizes=True)
-    transformers.logging.set_verbosity_warning()
-    args = TrainingArguments(
-        output_dir=str(root / "runs" / cell.name()), per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH, max_steps=cell.steps, learning_rate=lr, lr_scheduler_type="linear",
-        warmup_steps=0, seed=cell.seed, dataloader_num_workers=0, remove_unused_columns=False, report_to="none",
-        save_strategy="no", eval_strategy="no", disable_tqdm=True, use_cpu=True, logging_steps=cell.steps)
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, data_collator=example_collate_fn)
-    trainer.train()
-    predictions = trainer.predict(eval_set)
-    accuracy = float(np.mean(predictions.predictions.argmax(-1) == predictions.label_ids))
+    accuracy = train_peer(data, base, cell.size, cell.steps, BATCH, lr, cell.seed, root / "runs" / cell.name())
     return {"accuracy": accuracy, "crop_scale": [0.08, 1.0], "horizontal_flip": True, "lr_used": lr, "head_lr_used": lr}
 
 

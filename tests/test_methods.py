@@ -6,6 +6,8 @@ Through the real CLI on the tests' tiny ViT and colour folders, and on the probe
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import pipeline
 
-from runs import SimulatedKill, assert_bit_identical, history, kill_at, train
+from runs import SimulatedKill, assert_bit_identical, history, kill_at, train, warm_launch_command
+from tiny import REPO
 from vit_finetune import evaluation, methods, probe
 from vit_finetune.recipe import load_recipe
 
@@ -48,7 +51,7 @@ def test_a_linear_probe_changes_only_the_head_and_saves_a_model_pipeline_runs(pr
     assert saved["classifier.weight"].abs().sum() > 0  # fitted, not the zero head a fine-tune starts from
     metrics = metrics_of(probed)
     assert metrics["method"] == "linear_probe" and metrics["steps"] == 0
-    assert metrics["probe_images"] == 24 and metrics["probe_folds"] == 5 and metrics["probe_c"] in probe.STRENGTHS
+    assert metrics["probe"]["images"] == 24 and metrics["probe"]["folds"] == 5 and metrics["probe"]["c"] in probe.STRENGTHS
     # Plain transformers runs the folder, and agrees with the metrics the run reported on the same eval images.
     classify = pipeline("image-classification", model=str(probed))
     files = sorted((images / "validation").glob("*/*.png"))
@@ -92,6 +95,23 @@ def test_two_linear_probes_of_the_same_recipe_are_bit_identical(probed, args, tm
     assert_bit_identical(tmp_path / "again" / "model.safetensors", probed / "model.safetensors")
 
 
+@pytest.mark.slow
+def test_two_processes_fit_the_head_one_process_fits(probed, args, tmp_path):
+    """Each process computes the features of its share of the images; gathered in the split's order, they fit the
+    same head (the 24 images split 12 + 12, in batches of 4)."""
+    out = tmp_path / "two"
+    result = subprocess.run([*warm_launch_command(), "-m", "vit_finetune", *args, "train.method=linear_probe",
+                             f"output_dir={out}"], capture_output=True, text=True, timeout=360, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    two_probe, one_probe = metrics_of(out)["probe"], metrics_of(probed)["probe"]
+    assert two_probe["cv_loss"] == pytest.approx(one_probe["cv_loss"], rel=1e-4)  # other thread counts: last bits
+    assert {**two_probe, "cv_loss": None} == {**one_probe, "cv_loss": None}
+    two, one = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
+    for key in HEAD:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
 # ---------------------------------------------------------------- LP-FT
 
 
@@ -103,7 +123,7 @@ def test_lp_ft_fine_tunes_from_the_probe_head(probed, args, tmp_path):
     for key in HEAD:
         torch.testing.assert_close(started_from[key], probe_head[key], rtol=0, atol=1e-6)
     metrics = metrics_of(still)
-    assert metrics["method"] == "lp_ft" and metrics["steps"] == 12 and metrics["probe_images"] == 24
+    assert metrics["method"] == "lp_ft" and metrics["steps"] == 12 and metrics["probe"]["images"] == 24
     # With a real lr the first steps start from a fitted head: far below the zero head's loss, ln 3.
     tuned, plain = tmp_path / "tuned", tmp_path / "plain"
     assert train([*args, "train.method=lp_ft", f"output_dir={tuned}"]) == 0
@@ -125,8 +145,7 @@ def test_lp_ft_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_ru
     assert train([*run, f"output_dir={out}", "train.resume=auto"]) == 0  # the probe is not run again
     assert history(out) == history(reference)
     assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
-    assert {k: v for k, v in metrics_of(out).items() if k.startswith("probe")} == \
-        {k: v for k, v in metrics_of(reference).items() if k.startswith("probe")}
+    assert metrics_of(out)["probe"] == metrics_of(reference)["probe"]
 
 
 def test_lp_ft_with_lora_saves_the_probe_head_beside_the_adapter(probed, args, tmp_path):
@@ -135,6 +154,14 @@ def test_lp_ft_with_lora_saves_the_probe_head_beside_the_adapter(probed, args, t
     merged, probe_head = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
     for key in HEAD:
         torch.testing.assert_close(merged[key], probe_head[key], rtol=0, atol=1e-6)
+
+
+def test_lp_ft_distils_from_a_teacher_after_the_probe(probed, args, tmp_path):
+    out = tmp_path / "student"
+    assert train([*args, "train.method=lp_ft", f"train.distill={{teacher: {probed}, mode: soft}}",
+                  f"output_dir={out}"]) == 0
+    metrics = metrics_of(out)
+    assert metrics["method"] == "lp_ft" and metrics["probe"]["images"] == 24 and metrics["steps"] == 12
 
 
 def test_a_multi_label_linear_probe_chooses_thresholds(base, tmp_path):
@@ -172,14 +199,19 @@ def test_a_probe_refuses_a_stream(method):
 
 
 def test_auto_is_conservative_outside_what_was_measured():
-    inside = methods.auto_method(40, 2.4, pretrained=True, streaming=False)
-    assert inside[0] in methods.METHODS and inside[0] != "finetune" or "measured" in inside[1]
-    for images_per_class, epochs in ((methods.MEASURED_IMAGES_PER_CLASS[1] * 4, 3.0),
-                                     (40, methods.MEASURED_EPOCHS[1] * 4)):
+    low, high = methods.MEASURED_IMAGES_PER_CLASS
+    first, last = methods.MEASURED_EPOCHS
+    probe_below = methods.PROBE_ALONE_BELOW_EPOCHS
+    # Inside the measured range: the probe alone on short schedules, LP-FT on longer ones.
+    assert methods.auto_method(high, (first + probe_below) / 2, pretrained=True, streaming=False)[0] == "linear_probe"
+    assert methods.auto_method(low, (probe_below + last) / 2, pretrained=True, streaming=False)[0] == "lp_ft"
+    # Beyond it, on either axis: fine-tuning, saying why.
+    for images_per_class, epochs in ((high * 4, probe_below + 1), (low / 2, probe_below + 1),
+                                     (low, last * 2), (high, first / 2)):
         method, why = methods.auto_method(images_per_class, epochs, pretrained=True, streaming=False)
-        assert method == "finetune" and "not measured" in why
-    assert methods.auto_method(40, 2.4, pretrained=False, streaming=False)[0] == "finetune"
-    assert methods.auto_method(40, 2.4, pretrained=True, streaming=True)[0] == "finetune"
+        assert method == "finetune" and "not here" in why, (images_per_class, epochs)
+    assert methods.auto_method(40, 3.0, pretrained=False, streaming=False)[0] == "finetune"
+    assert methods.auto_method(40, 3.0, pretrained=True, streaming=True)[0] == "finetune"
 
 
 def test_a_run_prints_the_method_auto_chose_and_saves_it_resolved(args, tmp_path, capsys):

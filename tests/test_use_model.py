@@ -42,7 +42,7 @@ def test_evaluate_reproduces_the_runs_metrics_exactly(trained, tmp_path):
     assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "eval")]) == 0
     saved = json.loads((trained / "metrics.json").read_text())
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    training_only = {"steps", "skipped_images"}
+    training_only = {"steps", "skipped_images", "method", "probe"}
     assert {k: v for k, v in saved.items() if k not in training_only} == again  # equality, eval_loss included
     for picture in ("confusion_matrix.png", "misclassified.png"):
         assert (tmp_path / "eval" / picture).read_bytes()[:4] == b"\x89PNG"

@@ -56,8 +56,8 @@ class ProbeResult:
 
     def as_metrics(self) -> dict:
         """What metrics.json (and each checkpoint, for a resumed run's) says of the probe; its time is in run_info."""
-        return {"probe_images": self.images, "probe_features": self.features, "probe_c": self.c,
-                "probe_cv_loss": None if math.isnan(self.cv_loss) else self.cv_loss, "probe_folds": self.folds}
+        return {"images": self.images, "features": self.features, "c": self.c,
+                "cv_loss": None if math.isnan(self.cv_loss) else self.cv_loss, "folds": self.folds}
 
     @property
     def seconds(self) -> float:

@@ -501,7 +501,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method)
-    metrics.update(state.probe or {})
+    if state.probe is not None:
+        metrics["probe"] = state.probe
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
