@@ -1,4 +1,4 @@
-"""The loopback Hub (tests/hub_server.py) against the real, unmodified clients.
+"""The loopback Hub (tests/hub_server/) against the real, unmodified clients.
 
 No mocks: huggingface_hub, transformers and datasets talk HTTP to the server started by the
 `hub_server` fixture (tests/conftest.py), through HF_ENDPOINT.
