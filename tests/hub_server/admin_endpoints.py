@@ -1,5 +1,4 @@
-"""The loopback Hub's account and repo administration: whoami, creating, deleting and moving repos, their settings,
-branches and tags."""
+"""The loopback Hub's account and repo administration: whoami, creating repos, branches and tags."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ _REPO_ID_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 class AdminEndpoints(Request):
-    """Accounts, repos, settings, branches and tags (routes.Handler calls these)."""
+    """Whoami, and creating repos, branches and tags (routes.Handler calls these)."""
 
     # account --------------------------------------------------------------------------------------
     def _whoami(self) -> None:
@@ -33,7 +32,7 @@ class AdminEndpoints(Request):
             "avatarUrl": "",
             "orgs": [],
             "auth": {"type": "access_token",
-                     "accessToken": {"displayName": "loopback", "role": self._role, "createdAt": now_iso()}},
+                     "accessToken": {"displayName": "loopback", "role": "write", "createdAt": now_iso()}},
         })
 
     # repos ----------------------------------------------------------------------------------------
@@ -52,7 +51,7 @@ class AdminEndpoints(Request):
 
     def _create_repo(self) -> None:
         payload = self._json_body()
-        self._require_write()
+        self._require_token()
         repo_type, repo_id = self._parse_repo_payload(payload if isinstance(payload, dict) else {})
         private = payload.get("private")
         if "visibility" in payload:
@@ -62,80 +61,27 @@ class AdminEndpoints(Request):
                 raise HubError(409, "You already created this repo", body={
                     "error": "You already created this repo", "url": self._repo_url(repo_type, repo_id)})
             repo = self.hub.store.create_repo(repo_type, repo_id, bool(private), owner=self._user)
-            self.hub.store.save()
         self._send_json(200, {"url": self._repo_url(repo_type, repo_id), "name": repo_id, "id": repo["uid"]})
 
-    def _delete_repo(self) -> None:
-        payload = self._json_body()
-        self._require_write()
-        repo_type, repo_id = self._parse_repo_payload(payload if isinstance(payload, dict) else {})
-        with self.hub.lock:
-            self._repo_for_write(repo_type, repo_id)
-            self.hub.store.repos.pop(self.hub.store.key(repo_type, repo_id))
-            self.hub.store.save()
-        self._send_json(200, {})
-
-    def _move_repo(self) -> None:
-        payload = self._json_body()
-        self._require_write()
-        repo_type = payload.get("type") or "model"
-        src, dst = payload.get("fromRepo"), payload.get("toRepo")
-        with self.hub.lock:
-            repo = self._repo_for_write(repo_type, src)
-            if self.hub.store.get(repo_type, dst) is not None:
-                raise HubError(409, f"{dst} already exists")
-            self.hub.store.repos.pop(self.hub.store.key(repo_type, src))
-            repo["id"] = dst
-            self.hub.store.repos[self.hub.store.key(repo_type, dst)] = repo
-            self.hub.store.save()
-        self._send_json(200, {})
-
-    def _settings(self, repo_type: str, repo_id: str) -> None:
-        payload = self._json_body()
-        with self.hub.lock:
-            repo = self._repo_for_write(repo_type, repo_id)
-            if "private" in payload:
-                repo["private"] = bool(payload["private"])
-            if "visibility" in payload:
-                repo["private"] = payload["visibility"] != "public"
-            if "gated" in payload:
-                repo["gated"] = payload["gated"]
-            self.hub.store.save()
-        self._send_json(200, {})
-
     # branches and tags ----------------------------------------------------------------------------
-    def _branch(self, method: str, repo_type: str, repo_id: str, branch: str) -> None:
-        payload = self._json_body() if method == "POST" else (self._drain_body() or {})
+    def _create_branch(self, repo_type: str, repo_id: str, branch: str) -> None:
+        payload = self._json_body()
         with self.hub.lock:
             repo = self._repo_for_write(repo_type, repo_id)
-            if method == "DELETE":
-                if branch not in repo["branches"] or branch == "main":
-                    raise HubError(404 if branch != "main" else 403, f"Cannot delete branch {branch}",
-                                   "RevisionNotFound" if branch != "main" else None)
-                del repo["branches"][branch]
-            else:
-                if branch in repo["branches"]:
-                    raise HubError(409, f"Reference already exists: refs/heads/{branch}")
-                start = payload.get("startingPoint") if isinstance(payload, dict) else None
-                repo["branches"][branch] = self.hub.store.resolve_revision(repo, start or "main")
-            self.hub.store.save()
+            if branch in repo["branches"]:
+                raise HubError(409, f"Reference already exists: refs/heads/{branch}")
+            start = payload.get("startingPoint") if isinstance(payload, dict) else None
+            repo["branches"][branch] = self.hub.store.resolve_revision(repo, start or "main")
         self._send_json(200, {})
 
-    def _tag(self, method: str, repo_type: str, repo_id: str, arg: str) -> None:
-        payload = self._json_body() if method == "POST" else (self._drain_body() or {})
+    def _create_tag(self, repo_type: str, repo_id: str, revision: str) -> None:
+        payload = self._json_body()
         with self.hub.lock:
             repo = self._repo_for_write(repo_type, repo_id)
-            if method == "DELETE":
-                if arg not in repo["tags"]:
-                    raise HubError(404, f"Tag {arg} not found", "RevisionNotFound")
-                del repo["tags"][arg]
-            else:
-                tag = payload.get("tag") if isinstance(payload, dict) else None
-                if not tag:
-                    raise HubError(400, "Missing tag")
-                if tag in repo["tags"]:
-                    raise HubError(409, f"Tag {tag} already exists")
-                repo["tags"][tag] = self.hub.store.resolve_revision(repo, arg)
-            self.hub.store.save()
+            tag = payload.get("tag") if isinstance(payload, dict) else None
+            if not tag:
+                raise HubError(400, "Missing tag")
+            if tag in repo["tags"]:
+                raise HubError(409, f"Tag {tag} already exists")
+            repo["tags"][tag] = self.hub.store.resolve_revision(repo, revision)
         self._send_json(200, {})
-

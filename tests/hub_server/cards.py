@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import yaml  # a dependency of huggingface_hub
+
 
 def split_front_matter(content: str) -> tuple[str | None, str]:
     """Return (yaml_text or None, body) for a README with '---' front matter."""
@@ -22,32 +24,7 @@ def split_front_matter(content: str) -> tuple[str | None, str]:
 
 
 def load_yaml(text: str) -> Any:
-    try:
-        import yaml  # PyYAML is a hard dependency of huggingface_hub
-    except ImportError:  # pragma: no cover - fallback for environments without PyYAML
-        return _mini_yaml(text)
     return yaml.safe_load(text)
-
-
-def _mini_yaml(text: str) -> dict:  # pragma: no cover - only used without PyYAML
-    """Very small YAML subset: `key: value` and `key:` followed by `- item` lines."""
-    out: dict[str, Any] = {}
-    key = None
-    for raw in text.splitlines():
-        if not raw.strip() or raw.lstrip().startswith("#"):
-            continue
-        if raw.lstrip().startswith("- ") and key is not None:
-            if not isinstance(out.get(key), list):
-                out[key] = []
-            out[key].append(raw.lstrip()[2:].strip().strip("'\""))
-            continue
-        if ":" not in raw or raw.startswith(" "):
-            continue
-        key, _, value = raw.partition(":")
-        key = key.strip()
-        value = value.strip()
-        out[key] = value.strip("'\"") if value else None
-    return out
 
 
 def _looks_like_local_path(value: str) -> bool:

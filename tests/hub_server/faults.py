@@ -56,11 +56,6 @@ class RequestRecord:
     faulted: bool = False
     client_pid: int | None = None  # the process that holds the client socket, when HubServer.identify_clients is on
 
-    @property
-    def route(self) -> str:
-        """The path without the query string."""
-        return self.path.split("?", 1)[0]
-
 
 class Faults:
     """The injected fault rules: a request takes the first rule it matches (HubServer.inject_faults)."""

@@ -1,5 +1,5 @@
-"""What clients read from the loopback Hub: repo listings and info (with the tags and pipeline_tag the Hub infers),
-tree and paths-info listings, refs and commit history, and the files themselves (`resolve`, with Range reads)."""
+"""What clients read from the loopback Hub: repo info (with the tags and pipeline_tag the Hub infers), tree and
+paths-info listings, refs and commit history, and the files themselves (`resolve`, with Range reads)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from .errors import HubError
 from .request import Request
 
 TREE_PAGE_SIZE = 1000
-TREE_PAGE_SIZE_EXPANDED = 50
 COMMITS_PAGE_SIZE = 50
 
 # architecture suffix -> pipeline tag (the Hub infers pipeline_tag from config.json this way)
@@ -37,24 +36,9 @@ _ARCH_SUFFIX_TO_TASK = [
 
 
 class ReadEndpoints(Request):
-    """Listings, repo info, trees, refs, history and downloads (routes.Handler calls these)."""
+    """Repo info, trees, refs, history and downloads (routes.Handler calls these)."""
 
-    # listing and repo info ------------------------------------------------------------------------
-    def _list_repos(self, repo_type: str) -> None:
-        search = (self._query.get("search") or [""])[0]
-        author = (self._query.get("author") or [None])[0]
-        out = []
-        with self.hub.lock:
-            for repo in self.hub.store.repos.values():
-                if repo["type"] != repo_type or (repo["private"] and self._user is None):
-                    continue
-                if search and search not in repo["id"]:
-                    continue
-                if author and repo["id"].split("/")[0] != author:
-                    continue
-                out.append(self._info_payload(repo, repo["branches"]["main"], blobs=False, listing=True))
-        self._send_json(200, out)
-
+    # repo info ------------------------------------------------------------------------------------
     def _card_metadata(self, files: dict) -> dict:
         entry = files.get("README.md")
         if entry is None:
@@ -76,7 +60,7 @@ class ReadEndpoints(Request):
             return {}
         return data if isinstance(data, dict) else {}
 
-    def _info_payload(self, repo: dict, sha: str, blobs: bool, listing: bool = False) -> dict:
+    def _info_payload(self, repo: dict, sha: str) -> dict:
         commit = repo["commits"][sha]
         files = commit["files"]
         repo_type = repo["type"]
@@ -138,73 +122,33 @@ class ReadEndpoints(Request):
             if any(p.endswith(".parquet") for p in files):
                 tags.append("format:parquet")
         out["tags"] = list(dict.fromkeys(tags))
-        if listing:
-            return out
         if card:
             out["cardData"] = card
-        siblings = []
-        for path in sorted(files):
-            entry = files[path]
-            sib: dict[str, Any] = {"rfilename": path}
-            if blobs:
-                sib["size"] = entry["size"]
-                sib["blobId"] = entry["oid"]
-                if entry["lfs"]:
-                    sib["lfs"] = {"size": entry["size"], "sha256": entry["sha256"],
-                                  "pointerSize": entry["pointer_size"]}
-            siblings.append(sib)
-        out["siblings"] = siblings
+        out["siblings"] = [{"rfilename": path} for path in sorted(files)]
         out["spaces"] = []
         out["usedStorage"] = sum(e["size"] for e in files.values())
         return out
 
     def _repo_info(self, repo_type: str, repo_id: str, revision: str) -> None:
-        blobs = (self._query.get("blobs") or ["false"])[0].lower() in ("1", "true")
         with self.hub.lock:
             repo = self._repo_for_read(repo_type, repo_id)
             sha = self.hub.store.resolve_revision(repo, revision)
-            payload = self._info_payload(repo, sha, blobs=blobs)
+            payload = self._info_payload(repo, sha)
         self._send_json(200, payload, headers={"X-Repo-Commit": sha})
 
     # tree / paths-info ----------------------------------------------------------------------------
-    def _last_commit_for(self, repo: dict, sha: str, path: str, is_dir: bool) -> dict:
-        hist = self.hub.store.history(repo, sha)
-
-        def view(commit: dict):
-            files = commit["files"]
-            if is_dir:
-                prefix = path + "/" if path else ""
-                return {p: e["sha256"] for p, e in files.items() if p.startswith(prefix)}
-            e = files.get(path)
-            return (e["sha256"], e["lfs"]) if e else None
-
-        target = hist[0]
-        current = view(hist[0])
-        for older in hist[1:]:
-            if view(older) != current:
-                break
-            target = older
-        return {"id": target["id"], "title": target["title"], "date": target["date"]}
-
-    def _entry_json(self, repo: dict, sha: str, path: str, entry: dict | None, expand: bool,
-                    files: dict) -> dict:
+    @staticmethod
+    def _entry_json(path: str, entry: dict | None, files: dict) -> dict:
         if entry is None:  # directory
             prefix = path + "/"
             digest = hashlib.sha1()
             for p in sorted(files):
                 if p.startswith(prefix):
                     digest.update(f"{p}\0{files[p]['oid']}\n".encode())
-            out: dict[str, Any] = {"type": "directory", "oid": digest.hexdigest(), "size": 0, "path": path}
-            if expand:
-                out["lastCommit"] = self._last_commit_for(repo, sha, path, is_dir=True)
-            return out
-        out = {"type": "file", "oid": entry["oid"], "size": entry["size"], "path": path}
+            return {"type": "directory", "oid": digest.hexdigest(), "size": 0, "path": path}
+        out: dict[str, Any] = {"type": "file", "oid": entry["oid"], "size": entry["size"], "path": path}
         if entry["lfs"]:
             out["lfs"] = {"oid": entry["sha256"], "size": entry["size"], "pointerSize": entry["pointer_size"]}
-        if expand:
-            out["lastCommit"] = self._last_commit_for(repo, sha, path, is_dir=False)
-            out["securityFileStatus"] = {"status": "safe", "avScan": {"virusFound": False, "virusNames": None},
-                                         "pickleImportScan": None}
         return out
 
     @staticmethod
@@ -219,10 +163,8 @@ class ReadEndpoints(Request):
     def _tree(self, repo_type: str, repo_id: str, revision: str, path: str) -> None:
         q = self._query
         recursive = (q.get("recursive") or ["false"])[0].lower() in ("1", "true")
-        expand = (q.get("expand") or ["false"])[0].lower() in ("1", "true")
-        default_limit = TREE_PAGE_SIZE_EXPANDED if expand else TREE_PAGE_SIZE
         try:
-            limit = max(1, min(int((q.get("limit") or [default_limit])[0]), default_limit))
+            limit = max(1, min(int((q.get("limit") or [TREE_PAGE_SIZE])[0]), TREE_PAGE_SIZE))
         except ValueError:
             raise HubError(400, "Invalid limit")
         cursor = (q.get("cursor") or [""])[0]
@@ -247,11 +189,11 @@ class ReadEndpoints(Request):
                 except Exception:
                     raise HubError(400, "Invalid cursor")
             page = names[start:start + limit]
-            entries = [self._entry_json(repo, sha, p, None if p in dirs else files[p], expand, files) for p in page]
+            entries = [self._entry_json(p, None if p in dirs else files[p], files) for p in page]
         headers = {"X-Repo-Commit": sha}
         if start + limit < len(names):
             next_cursor = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-            params = {"recursive": str(recursive), "expand": str(expand), "limit": str(limit), "cursor": next_cursor}
+            params = {"recursive": str(recursive), "limit": str(limit), "cursor": next_cursor}
             url = f"{self._base_url()}{self.path.split('?', 1)[0]}?{urllib.parse.urlencode(params)}"
             headers["Link"] = f'<{url}>; rel="next"'
         self._send_json(200, entries, headers=headers)
@@ -261,10 +203,6 @@ class ReadEndpoints(Request):
         paths = body.get("paths", []) if isinstance(body, dict) else []
         if isinstance(paths, str):
             paths = [paths]
-        expand_v = body.get("expand", False) if isinstance(body, dict) else False
-        if isinstance(expand_v, list):
-            expand_v = expand_v[0] if expand_v else False
-        expand = str(expand_v).lower() in ("1", "true")
         with self.hub.lock:
             repo = self._repo_for_read(repo_type, repo_id)
             sha = self.hub.store.resolve_revision(repo, revision)
@@ -274,9 +212,9 @@ class ReadEndpoints(Request):
             for p in paths:
                 p = p.strip("/")
                 if p in files:
-                    out.append(self._entry_json(repo, sha, p, files[p], expand, files))
+                    out.append(self._entry_json(p, files[p], files))
                 elif p in dirs:
-                    out.append(self._entry_json(repo, sha, p, None, expand, files))
+                    out.append(self._entry_json(p, None, files))
         self._send_json(200, out, headers={"X-Repo-Commit": sha})
 
     # refs / commits -------------------------------------------------------------------------------

@@ -43,17 +43,11 @@ class Request(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         self._dispatch("PUT")
 
-    def do_DELETE(self) -> None:
-        self._dispatch("DELETE")
-
-    def do_PATCH(self) -> None:
-        self._dispatch("PATCH")
-
     # plumbing -------------------------------------------------------------------------------------
     def _dispatch(self, method: str) -> None:
         self._status = 0
         self._body_consumed = False
-        self._user, self._role, self._bad_token = self._authenticate()
+        self._user, self._bad_token = self._authenticate()
         raw_path, _, query = self.path.partition("?")
         self._query = urllib.parse.parse_qs(query, keep_blank_values=True)
         self._segments = [urllib.parse.unquote(s) for s in raw_path.split("/")[1:]]
@@ -122,18 +116,17 @@ class Request(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _authenticate(self) -> tuple[str | None, str | None, bool]:
+    def _authenticate(self) -> tuple[str | None, bool]:
+        """(the token's user, whether a token was sent that is not valid)."""
         auth = self.headers.get("Authorization")
         if not auth:
-            return None, None, False
+            return None, False
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return None, None, True
+            return None, True
         with self.hub.lock:
-            found = self.hub.tokens.get(token.strip())
-        if found is None:
-            return None, None, True
-        return found[0], found[1], False
+            user = self.hub.tokens.get(token.strip())
+        return user, user is None
 
     def _base_url(self) -> str:
         host = self.headers.get("Host") or f"{self.hub.host}:{self.hub.port}"
@@ -230,11 +223,6 @@ class Request(BaseHTTPRequestHandler):
         if self._user is None:
             raise HubError(401, "You must be authenticated to access this endpoint (missing bearer token)")
 
-    def _require_write(self) -> None:
-        self._require_token()
-        if self._role != "write":
-            raise HubError(403, "This token does not have write access")
-
     def _repo_for_read(self, repo_type: str, repo_id: str) -> dict:
         """The repo, or the same 401/404 + RepoNotFound answers the Hub gives."""
         if self._bad_token:
@@ -247,7 +235,4 @@ class Request(BaseHTTPRequestHandler):
 
     def _repo_for_write(self, repo_type: str, repo_id: str) -> dict:
         self._require_token()
-        repo = self._repo_for_read(repo_type, repo_id)
-        if self._role != "write":
-            raise HubError(403, "This token does not have write access to this repo")
-        return repo
+        return self._repo_for_read(repo_type, repo_id)

@@ -78,21 +78,12 @@ class Handler(AdminEndpoints, ReadEndpoints, UploadEndpoints):
             raise HubError(404, "Not found")
         if s == ["whoami-v2"] and method in ("GET", "HEAD"):
             return self._whoami()
-        if s == ["agent-harnesses"]:
-            return self._send_json(200, {"standardEnvVars": [], "harnesses": {}})
         if s == ["validate-yaml"] and method == "POST":
             return self._validate_yaml()
-        if s[0] == "repos" and len(s) == 2:
-            if s[1] == "create" and method == "POST":
-                return self._create_repo()
-            if s[1] == "delete" and method == "DELETE":
-                return self._delete_repo()
-            if s[1] == "move" and method == "POST":
-                return self._move_repo()
-        if s[0] in ("models", "datasets", "spaces"):
+        if s == ["repos", "create"] and method == "POST":
+            return self._create_repo()
+        if s[0] in ("models", "datasets", "spaces") and len(s) > 1:
             repo_type = s[0][:-1]
-            if len(s) == 1 and method in ("GET", "HEAD"):
-                return self._list_repos(repo_type)
             repo_id, rest = self._split_repo(s[1:], repo_type)
             return self._route_repo(method, repo_type, repo_id, rest)
         raise HubError(404, f"Not found: {method} {self.path}")
@@ -116,12 +107,10 @@ class Handler(AdminEndpoints, ReadEndpoints, UploadEndpoints):
             return self._list_commits(repo_type, repo_id, "/".join(rest[1:]))
         if kw == "refs" and len(rest) == 1 and get:
             return self._refs(repo_type, repo_id)
-        if kw == "branch" and len(rest) >= 2 and method in ("POST", "DELETE"):
-            return self._branch(method, repo_type, repo_id, "/".join(rest[1:]))
-        if kw == "tag" and len(rest) >= 2 and method in ("POST", "DELETE"):
-            return self._tag(method, repo_type, repo_id, "/".join(rest[1:]))
-        if kw == "settings" and method == "PUT":
-            return self._settings(repo_type, repo_id)
+        if kw == "branch" and len(rest) >= 2 and method == "POST":
+            return self._create_branch(repo_type, repo_id, "/".join(rest[1:]))
+        if kw == "tag" and len(rest) >= 2 and method == "POST":
+            return self._create_tag(repo_type, repo_id, "/".join(rest[1:]))
         if kw in ("xet-write-token", "xet-read-token"):
             self._drain_body()
             raise HubError(400, "Xet storage is not supported by the loopback Hub: set HF_HUB_DISABLE_XET=1")

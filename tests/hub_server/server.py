@@ -21,7 +21,7 @@ from typing import Iterable
 from .errors import HubError
 from .faults import FaultRule, Faults, RequestLog, RequestRecord
 from .routes import Handler
-from .storage import LFS_SIZE_THRESHOLD, REPO_TYPES, Store
+from .storage import REPO_TYPES, Store
 
 DEFAULT_TOKEN = "hf_test_token"
 
@@ -30,23 +30,20 @@ class HubServer:
     """A Hub-compatible HTTP server on 127.0.0.1, serving from a daemon thread.
 
     Args:
-        storage_dir: directory for blobs and the repo state (``state.json``); reused if it exists.
-        tokens: ``{token: user}`` or ``{token: (user, "read" | "write")}``. Default ``{"hf_test_token": "user"}``.
+        storage_dir: directory for the blobs (the repos themselves are kept in memory).
+        tokens: ``{token: user}``, each token with write access. Default ``{"hf_test_token": "user"}``.
         host, port: where to bind (port 0 = any free port).
-        lfs_threshold: files at least this large go through LFS whatever their name (Hub: 10 MB).
     """
 
     def __init__(self, storage_dir: str | os.PathLike, tokens: dict | None = None, host: str = "127.0.0.1",
-                 port: int = 0, lfs_threshold: int = LFS_SIZE_THRESHOLD):
+                 port: int = 0):
         self.storage_dir = pathlib.Path(storage_dir)
         self.storage_dir.mkdir(parents=True, exist_ok=True)
-        self.tokens: dict[str, tuple[str, str]] = {}
-        for token, value in (tokens if tokens is not None else {DEFAULT_TOKEN: "user"}).items():
-            self.tokens[token] = (value, "write") if isinstance(value, str) else (value[0], value[1])
+        self.tokens: dict[str, str] = dict(tokens if tokens is not None else {DEFAULT_TOKEN: "user"})
         self.host = host
         self._requested_port = port
         self.lock = threading.RLock()
-        self.store = Store(self.storage_dir, lfs_threshold)
+        self.store = Store(self.storage_dir)
         self.faults = Faults(self.lock)
         self.log = RequestLog(self.lock)
         # Which process sent each request (RequestRecord.client_pid): off by default, as it scans every process's
@@ -78,12 +75,6 @@ class HubServer:
             self._thread.join(timeout=5)
         self._httpd = None
         self._thread = None
-
-    def __enter__(self) -> "HubServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     @property
     def port(self) -> int:
@@ -133,9 +124,9 @@ class HubServer:
         self.log.add(record, generation)
 
     # auth -----------------------------------------------------------------------------------------
-    def add_token(self, token: str, user: str, role: str = "write") -> None:
+    def add_token(self, token: str, user: str) -> None:
         with self.lock:
-            self.tokens[token] = (user, role)
+            self.tokens[token] = user
 
     # seeding / inspection helpers (used by tests; no HTTP involved) -------------------------------
     def add_repo(self, repo_id: str, files: dict[str, bytes | str | os.PathLike] | None = None,
@@ -154,7 +145,6 @@ class HubServer:
             sha = repo["branches"]["main"]
             if files:
                 sha = self._commit_files_locked(repo, files, commit_message)
-            self.store.save()
             return sha
 
     def commit_files(self, repo_id: str, files: dict[str, bytes | str | os.PathLike] | None = None,
@@ -163,9 +153,7 @@ class HubServer:
         """Commit `files` (added/overwritten) and `deletions` to `branch` directly. Returns the commit sha."""
         with self.lock:
             repo = self._get_repo_or_raise(repo_type, repo_id)
-            sha = self._commit_files_locked(repo, files or {}, commit_message, deletions, branch)
-            self.store.save()
-            return sha
+            return self._commit_files_locked(repo, files or {}, commit_message, deletions, branch)
 
     def _commit_files_locked(self, repo: dict, files: dict, message: str, deletions: Iterable[str] = (),
                              branch: str = "main") -> str:
@@ -223,7 +211,6 @@ class HubServer:
     def set_private(self, repo_id: str, private: bool, repo_type: str = "model") -> None:
         with self.lock:
             self._get_repo_or_raise(repo_type, repo_id)["private"] = bool(private)
-            self.store.save()
 
     def lfs_files(self, repo_id: str, repo_type: str = "model", revision: str = "main") -> set[str]:
         """Paths stored as LFS at `revision`."""
@@ -231,15 +218,6 @@ class HubServer:
             repo = self._get_repo_or_raise(repo_type, repo_id)
             sha = self._resolve_rev(repo, revision)
             return {p for p, e in repo["commits"][sha]["files"].items() if e["lfs"]}
-
-    def list_repos(self, repo_type: str | None = None) -> list[str]:
-        with self.lock:
-            return sorted(r["id"] for r in self.store.repos.values() if repo_type in (None, r["type"]))
-
-    def delete_repo(self, repo_id: str, repo_type: str = "model") -> None:
-        with self.lock:
-            self.store.repos.pop(self.store.key(repo_type, repo_id), None)
-            self.store.save()
 
     # internals ------------------------------------------------------------------------------------
     @staticmethod

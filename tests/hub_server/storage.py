@@ -1,10 +1,10 @@
 """The loopback Hub's storage: repos, their commits and branches, and the blobs their files point to.
 
-A repo is a dict: branches and tags (name -> commit sha), and commits (sha -> title, parents and files), all saved
-to `state.json` after each change. A commit's files map each path to an entry naming its blob by sha256, with the
-git object id the Hub reports for it: the blob's own for a regular file, its LFS pointer's for an LFS file. Blobs
-live on disk under `blobs/`, each written once, atomically. Which files go through LFS follows the repo's
-`.gitattributes` and the size of the file, as on the Hub.
+A repo is a dict kept in memory: branches and tags (name -> commit sha), and commits (sha -> title, parents and
+files). A commit's files map each path to an entry naming its blob by sha256, with the git object id the Hub
+reports for it: the blob's own for a regular file, its LFS pointer's for an LFS file. Blobs live on disk under
+`blobs/`, each written once, atomically. Which files go through LFS follows the repo's `.gitattributes` and the
+file's size, as on the Hub.
 """
 
 from __future__ import annotations
@@ -84,26 +84,14 @@ def match_pattern(path: str, pattern: str) -> bool:
 class Store:
     """Repos, commits and blobs. All access goes through `lock` (held by the server)."""
 
-    def __init__(self, root: pathlib.Path, lfs_threshold: int = LFS_SIZE_THRESHOLD):
+    def __init__(self, root: pathlib.Path):
         self.root = root
-        self.lfs_threshold = lfs_threshold
         self.blob_dir = root / "blobs"
         self.tmp_dir = root / "tmp"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
-        self.state_path = root / "state.json"
         self.repos: dict[str, dict] = {}  # key "type:id"
         self._counter = 0
-        if self.state_path.exists():
-            data = json.loads(self.state_path.read_text())
-            self.repos = data.get("repos", {})
-            self._counter = data.get("counter", 0)
-
-    # persistence ----------------------------------------------------------------------------------
-    def save(self) -> None:
-        tmp = self.state_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"repos": self.repos, "counter": self._counter}))
-        os.replace(tmp, self.state_path)
 
     # blobs ----------------------------------------------------------------------------------------
     def blob_path(self, sha256: str) -> pathlib.Path:
@@ -238,7 +226,7 @@ class Store:
     def is_lfs(self, path: str, size: int, sample: bytes, patterns: list[str]) -> bool:
         if size == 0:
             return False
-        if size >= self.lfs_threshold:
+        if size >= LFS_SIZE_THRESHOLD:
             return True
         if any(match_pattern(path, p) for p in patterns):
             return True

@@ -122,14 +122,6 @@ class UploadEndpoints(Request):
                     lines.append(json.loads(raw))
                 except ValueError:
                     raise HubError(400, "Invalid NDJSON line in commit payload")
-        if "application/json" in self.headers.get("Content-Type", "") and len(lines) == 1 and "summary" in lines[0]:
-            # the legacy JSON format: {"summary", "description", "files", "lfsFiles", "deletedFiles"}
-            j = lines[0]
-            lines = [{"key": "header", "value": {"summary": j.get("summary"), "description": j.get("description", ""),
-                                                 "parentCommit": j.get("parentCommit")}}]
-            lines += [{"key": "file", "value": v} for v in j.get("files", [])]
-            lines += [{"key": "lfsFile", "value": v} for v in j.get("lfsFiles", [])]
-            lines += [{"key": "deletedFile", "value": v} for v in j.get("deletedFiles", [])]
         if not lines or lines[0].get("key") != "header":
             raise HubError(400, "The commit payload must start with a header line")
         header = lines[0].get("value") or {}
@@ -160,7 +152,7 @@ class UploadEndpoints(Request):
             for line in lines[1:]:
                 key, value = line.get("key"), line.get("value") or {}
                 path = str(value.get("path", "")).lstrip("/")
-                if key in ("file", "lfsFile", "deletedFile", "deletedFolder") and not path:
+                if key in ("file", "lfsFile", "deletedFile") and not path:
                     raise HubError(400, f"Missing path in {key} operation")
                 if ".." in path.split("/") or path.startswith(".git/") or path == ".git":
                     raise HubError(400, f"Invalid path {path!r}")
@@ -187,13 +179,6 @@ class UploadEndpoints(Request):
                     if path not in tree:
                         raise HubError(404, f"A file with this name doesn't exist: {path}", "EntryNotFound")
                     del tree[path]
-                elif key == "deletedFolder":
-                    prefix = path.rstrip("/") + "/"
-                    doomed = [p for p in tree if p.startswith(prefix)]
-                    if not doomed:
-                        raise HubError(404, f"A folder with this name doesn't exist: {path}", "EntryNotFound")
-                    for p in doomed:
-                        del tree[p]
                 else:
                     raise HubError(400, f"Unknown commit operation {key!r}")
             pr_url = None
@@ -204,7 +189,6 @@ class UploadEndpoints(Request):
                 pr_url = f"{self._repo_url(repo_type, repo_id)}/discussions/{num}"
             sha = store.make_commit(repo, branch, tree, summary, header.get("description") or "",
                                     author=self._user, create_branch=True, parent=base_sha)
-            store.save()
         self._send_json(200, {
             "success": True,
             "commitOid": sha,
