@@ -6,6 +6,7 @@ test harness, names only helper modules, functions and variables that exist in t
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -200,6 +201,7 @@ def module_file(folder: Path, name: str) -> Path | None:
     return None
 
 
+@functools.cache
 def defined_names(module: Path) -> dict[str, ast.AST]:
     """A module's top-level names: functions, classes, assignments and imports."""
     names: dict[str, ast.AST] = {}
