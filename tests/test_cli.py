@@ -202,6 +202,14 @@ def test_a_missing_dataset_folder(capsys, base, tmp_path):
     assert "nowhere" in error
 
 
+def test_a_base_folder_without_a_config_is_named_with_the_fix(capsys, images, tmp_path):
+    (tmp_path / "half-copied").mkdir()
+    (tmp_path / "half-copied" / "model.safetensors").write_bytes(b"")
+    error = fails(capsys, [f"model.base={tmp_path / 'half-copied'}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
+    assert "half-copied" in error and "holds no config.json" in error and "save_pretrained" in error
+    assert not (tmp_path / "o").exists()
+
+
 def test_corrupt_image_is_named_by_path(capsys, base, tmp_path):
     folder = write_colour_folder(tmp_path / "imgs", classes=2, train=3, validation=2)
     (folder / "validation" / "red" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
