@@ -192,6 +192,18 @@ def test_evaluate_reproduces_a_multi_label_runs_metrics_exactly(trained, tmp_pat
 
 
 @pytest.mark.slow
+def test_an_int8_export_of_a_multi_label_model_scores_its_label_sets(trained, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+    assert main(["export", str(trained), "--onnx", "--quantize", "int8", "--output", str(tmp_path / "onnx")]) == 0
+    quantized = json.loads((tmp_path / "onnx" / "export.json").read_text())["quantized"]
+    saved = json.loads((trained / "metrics.json").read_text())
+    # The float graph equals PyTorch, so its exact-match accuracy with the saved thresholds is the run's own.
+    assert quantized["images"] == saved["eval_samples"] and quantized["agreement_of"] == "label-set"
+    assert quantized["float_accuracy"] == pytest.approx(saved["accuracy"])
+    assert 0 <= quantized["top1_agreement"] <= 1
+
+
+@pytest.mark.slow
 def test_thresholds_chosen_on_a_held_out_part_are_labelled_and_saved(label_sets):
     out = label_sets["root"] / "holdout"
     assert train([*RECIPE, "train.epochs=1", f"model.base={label_sets['base']}", f"data.dataset={label_sets['jsonl']}",

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from runs import train
+from test_output_dir import error_line, snapshot, tmpfs  # noqa: F401 (tmpfs: a fixture)
 from vit_finetune import synthetic
 from vit_finetune.cli import main
 
@@ -116,6 +120,55 @@ def test_a_folder_of_the_users_is_never_an_export_target(demo_run, tmp_path, cap
     assert main(["export", str(demo_run), "--onnx", "--output", str(mine)]) == 1
     assert "not an ONNX export of this toolkit" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep me"
+
+
+def test_a_folder_that_only_holds_a_file_named_export_json_is_not_taken_for_an_export(demo_run, tmp_path, capsys):
+    mine = tmp_path / "mine"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "precious.txt").write_text("keep me")
+    (mine / "sub" / "deep.txt").write_text("me too")
+    (mine / "export.json").write_text("{}")
+    before = snapshot(mine)
+    assert main(["export", str(demo_run), "--onnx", "--output", str(mine)]) == 1
+    assert "not an ONNX export of this toolkit" in error_line(capsys.readouterr().err)
+    assert snapshot(mine) == before
+
+
+def test_a_re_export_replaces_only_what_the_export_wrote(exported, demo_run, tmp_path, capsys):
+    """Through a link to an earlier export (int8 included) where the user added files; beside it, the staging folder
+    of an export that was killed."""
+    earlier = tmp_path / "served"
+    shutil.copytree(exported, earlier)
+    (earlier / "Dockerfile").write_text("FROM python:3.11\n")
+    (earlier / "app").mkdir()
+    (earlier / "app" / "server.py").write_text("print('mine')\n")
+    link = tmp_path / "current"
+    link.symlink_to(earlier)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".served.partial-{int(dead.stdout)}-x1y2"  # an export killed mid-way leaves this
+    killed.mkdir()
+    assert main(["export", str(demo_run), "--onnx", "--output", str(link)]) == 0, capsys.readouterr().err[-2000:]
+    assert link.is_symlink() and link.resolve() == earlier  # written through the link, which stays
+    assert (earlier / "Dockerfile").read_text() == "FROM python:3.11\n"
+    assert (earlier / "app" / "server.py").read_text() == "print('mine')\n"
+    report = json.loads((earlier / "export.json").read_text())
+    assert report["files"] == ["config.json", "export.json", "model.onnx", "preprocessor_config.json"]
+    assert not (earlier / "model_quantized.onnx").exists()  # the earlier int8 graph: stale beside the new float one
+    assert not killed.exists() and not [p.name for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+def test_an_export_on_a_full_disk_is_an_error_and_keeps_the_earlier_export(exported, demo_run, tmpfs, capsys):
+    disk = tmpfs(sum(p.stat().st_size for p in exported.iterdir()) // 1024 + 256)
+    earlier = disk / "onnx"
+    shutil.copytree(exported, earlier)
+    before = snapshot(earlier)
+    left = shutil.disk_usage(disk).free
+    (disk / "filler").write_bytes(b"\0" * (left - 8192))  # a few KB left: the graph cannot be written
+    assert main(["export", str(demo_run), "--onnx", "--output", str(earlier)]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "cannot be written" in error and "No space left" in error and "earlier export is as it was" in error
+    assert snapshot(earlier) == before
+    assert sorted(p.name for p in disk.iterdir()) == ["filler", "onnx"]  # no staging folder left behind
 
 
 def test_bad_export_requests_fail_before_work(demo_run, tmp_path, capsys):
