@@ -4,6 +4,7 @@ reported with its line, all at once, before anything trains."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import datasets
@@ -90,6 +91,24 @@ def test_every_bad_row_is_reported_at_once_with_its_line(tmp_path):
     for line, words in expected.items():
         assert words in lines[line], (line, lines[line])
     assert "'Cat' (line 2)" in lines[3] and "7 problem(s)" in message and "/etc/passwd" in lines[4]
+
+
+@pytest.mark.timeout(120)  # a FIFO read would wait for a writer: the test fails instead of hanging
+def test_a_loop_of_links_and_a_fifo_in_a_label_file_are_named_on_their_lines(base, tmp_path, capsys):
+    from vit_finetune.cli import main
+
+    paths = images(tmp_path / "set", 2)
+    (tmp_path / "set" / "pics" / "a.png").symlink_to("b.png")
+    (tmp_path / "set" / "pics" / "b.png").symlink_to("a.png")
+    os.mkfifo(tmp_path / "set" / "pics" / "camera.png")
+    label_file = write_csv(tmp_path / "set" / "labels.csv", "file_name,label",
+                           [f"{paths[0]},cat", f"{paths[1]},dog", "pics/a.png,cat", "pics/camera.png,dog"])
+    assert main([f"model.base={base}", f"data.dataset={label_file}", f"output_dir={tmp_path / 'out'}"]) == 1
+    error = capsys.readouterr().err
+    assert "Traceback" not in error and "save_to_disk" not in error  # the fix of a folder dataset: not this one
+    assert "line 4: 'pics/a.png' is a loop of symbolic links" in error
+    assert "line 5: image file 'pics/camera.png' is not a regular file" in error
+    assert not (tmp_path / "out" / "metrics.json").exists()
 
 
 def test_jsonl_rows_that_are_not_objects_or_lists_with_an_empty_label_name_their_lines(tmp_path):

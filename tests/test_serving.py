@@ -230,49 +230,116 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture
-def served(demo_run, tmp_path):
-    """`python -m vit_finetune app RUN --port P` as a user starts it; its URL once it answers."""
-    import subprocess
-    import sys
-    import time
-    import urllib.request
+class Tracker:
+    """A loopback HTTP server standing for any outside address: it records every request that reaches it."""
 
-    from tiny import REPO
+    def __init__(self):
+        import http.server
+        import threading
 
-    port = free_port()
-    log = tmp_path / "app.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "vit_finetune", "app", str(demo_run), "--port", str(port)],
-                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
-    url = f"http://127.0.0.1:{port}/"
-    try:
+        requests = self.requests = []
+
+        class Record(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                requests.append(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Record)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+class Page:
+    """`python -m vit_finetune app MODEL --port P` as a user starts it, its temporary files under `temp` (TMPDIR):
+    started on first use, again after a test stopped it."""
+
+    def __init__(self, model: Path, temp: Path, log: Path):
+        self.model, self.temp, self.log, self.process, self.url = model, temp, log, None, None
+
+    def start(self) -> str:
+        import os
+        import subprocess
+        import sys
+        import time
+        import urllib.request
+
+        from tiny import REPO
+
+        if self.process is not None and self.process.poll() is None:
+            return self.url
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}/"
+        with open(self.log, "a") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "vit_finetune", "app", str(self.model), "--port",
+                                             str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(self.temp)})
         deadline = time.monotonic() + 400  # gradio's import alone takes 30 s on a loaded 2-core machine
         while True:
-            assert process.poll() is None, f"the app exited: {log.read_text()[-3000:]}"
+            assert self.process.poll() is None, f"the app exited: {self.log.read_text()[-3000:]}"
             try:
-                urllib.request.urlopen(url, timeout=5)
-                break
+                urllib.request.urlopen(self.url, timeout=5)
+                return self.url
             except OSError:
-                assert time.monotonic() < deadline, f"the app did not answer: {log.read_text()[-3000:]}"
+                assert time.monotonic() < deadline, f"the app did not answer: {self.log.read_text()[-3000:]}"
                 time.sleep(1)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+
+    def stop(self) -> int:
+        """SIGTERM, as a service manager stops it; its exit code."""
+        if self.process is None:
+            return 0
+        self.process.terminate()
+        return self.process.wait(timeout=60)
 
 
-def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture(browser, served, demo_run, tmp_path):
+@pytest.fixture(scope="module")
+def tracker() -> Tracker:
+    tracker = Tracker()
+    yield tracker
+    tracker.server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hostile_model(demo_run, tracker, tmp_path_factory) -> Path:
+    """The demo run handed over by someone who named its labels as Markdown and HTML that fetch from the tracker."""
+    model = tmp_path_factory.mktemp("hostile") / "demo"
+    shutil.copytree(demo_run, model, ignore=shutil.ignore_patterns("onnx"))
+    config = json.loads((model / "config.json").read_text())
+    labels = [config["id2label"][str(i)] for i in range(len(config["id2label"]))]
+    labels[:4] = [f"![t]({tracker.url}/markdown.png)", f"<img src={tracker.url}/html.png>",
+                  f"[link]({tracker.url}/link)", f"<script>fetch('{tracker.url}/script')</script>"]
+    config.update(id2label={str(i): label for i, label in enumerate(labels)},
+                  label2id={label: i for i, label in enumerate(labels)})
+    (model / "config.json").write_text(json.dumps(config))
+    return model
+
+
+@pytest.fixture(scope="module")
+def page(hostile_model, tmp_path_factory) -> Page:
+    folder = tmp_path_factory.mktemp("page")
+    (folder / "tmp").mkdir()
+    page = Page(hostile_model, folder / "tmp", folder / "app.log")
+    yield page
+    page.stop()
+
+
+def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture(browser, page, hostile_model, tracker,
+                                                                                tmp_path):
+    """With labels that are Markdown and HTML fetching an outside address: shown as text, and nothing is fetched."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     chromium, chromedriver = browser
+    served = page.start()
     image = sorted(_demo_validation_folder().rglob("*.png"))[0]
-    assert main(["predict", str(demo_run), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
+    assert main(["predict", str(hostile_model), str(image), "--top-k", "5", "--output", str(tmp_path / "p.jsonl")]) == 0
     expected = json.loads((tmp_path / "p.jsonl").read_text())["predictions"]
+    labels = json.loads((hostile_model / "config.json").read_text())["id2label"]
 
     options = webdriver.ChromeOptions()
     options.binary_location = chromium
@@ -282,19 +349,75 @@ def test_the_app_page_shows_predicts_labels_the_rollout_and_the_position_picture
     try:
         browser.get(served)
         wait = WebDriverWait(browser, 180)
+        header = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#header"))[0]
         upload = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#image input[type=file]"))[0]
         upload.send_keys(str(image))
         names = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#labels dt") or None)
         shown = [(n.text, n.find_element(By.XPATH, "following-sibling::dd").text) for n in names]
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#rollout img"))
         positions = [img.get_attribute("src") for img in browser.find_elements(By.CSS_SELECTOR, "#positions img")]
+        header_text = header.text
+        header_markup = header.find_elements(By.CSS_SELECTOR, "img, a, script")
+        fetched = [entry["name"] for entry in browser.execute_script("return performance.getEntriesByType('resource')")]
         screenshot = tmp_path / "app.png"
         browser.save_screenshot(str(screenshot))
     finally:
         browser.quit()
     assert shown == [(guess["label"], f"{round(guess['score'] * 100)}%") for guess in expected]
+    assert all(label in header_text for label in list(labels.values())[:4])  # the labels as typed, as text
+    assert not header_markup
+    assert not tracker.requests and not [url for url in fetched if url.startswith(tracker.url)]
     assert positions and positions[0]  # the demo moved the model from 32 to 64 px: its picture is shown
     assert screenshot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_page_refuses_what_predict_refuses_by_name_and_stopping_it_removes_every_upload(page, tmp_path):
+    from gradio_client import Client, handle_file
+    from PIL import Image
+
+    client = Client(page.start(), verbose=False)
+    (tmp_path / "notes.png").write_text("my notes, not an image\n")
+    Image.new("1", (13000, 13000)).save(tmp_path / "huge.png")  # 169 megapixels in a 20 KB file
+    for name, reason in (("notes.png", "cannot identify image file 'notes.png'"), ("huge.png", "89478485")):
+        with pytest.raises(Exception) as refused:
+            client.predict(handle_file(str(tmp_path / name)), api_name="/classify")
+        message = str(refused.value)
+        assert name in message and reason in message, message
+        assert str(page.temp) not in message and "/tmp" not in message  # nothing of the server's folders
+    top, picture = client.predict(handle_file(str(sorted(_demo_validation_folder().rglob("*.png"))[0])),
+                                  api_name="/classify")
+    assert len(top["confidences"]) == 5 and Path(picture).is_file()
+    assert [p for p in page.temp.rglob("*") if p.is_file()]  # the uploads are on disk while the page runs
+    assert page.stop() == 0
+    log = page.log.read_text()
+    assert "Traceback" not in log and "serving" in log
+    assert not [p for p in page.temp.rglob("*") if p.is_file()], "uploads or pictures left after the page stopped"
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(demo_run, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["app", str(demo_run), "--port", str(port)]) == 1
+    said = capsys.readouterr()
+    assert f"port {port}" in error_line(said.err) and "another --port" in said.err
+    assert "serving" not in said.out
+
+
+@pytest.mark.parametrize("name", ["null", "true", "1e3"])
+def test_the_space_readme_keeps_a_repo_name_yaml_would_read_as_another_type(name, demo_run, hub, hub_token,
+                                                                             monkeypatch, capsys):
+    import yaml
+    from huggingface_hub import hf_hub_download
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    repo_id = f"user/{name}"
+    assert main(["push", str(demo_run), "--repo-id", repo_id, "--space-app"]) == 0, capsys.readouterr().err[-2000:]
+    front = Path(hf_hub_download(repo_id, "space/README.md")).read_text().split("---")[1]
+    assert yaml.safe_load(front)["title"] == name and yaml.safe_load(front)["models"] == [repo_id]
 
 
 def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_run, hub, hub_token, hub_repo_id,

@@ -205,6 +205,7 @@ def predict_command(argv: list[str]) -> int:
     if bool(args.images) == bool(args.dataset):
         raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
     sources = None if args.dataset else inference.collect_images(args.images)
+    inference.refuse_output_among_inputs(args.output, sources or [], args.dataset)
     inference.model_location(args.model)
     sources = sources or inference.dataset_images(args.dataset, args.split)
     if args.runtime == "torch":
@@ -281,11 +282,12 @@ def export_command(argv: list[str]) -> int:
 def app_command(argv: list[str]) -> int:
     args = _app_parser().parse_args(argv)
     from . import inference
-    from .app import AppError, require_gradio, serve
+    from .app import AppError, refuse_a_taken_port, require_gradio, serve
 
     if not 0 < args.port < 65536:
         raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
-    inference.model_location(args.model)  # a wrong path fails before gradio's imports
+    inference.model_location(args.model)  # a wrong path or a taken port fails before gradio's imports
+    refuse_a_taken_port(args.port)
     require_gradio()
     serve(args.model, args.port, args.top_k)
     return 0
@@ -310,7 +312,7 @@ def push_command(argv: list[str]) -> int:
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
-    print(f"pushed to {push_folder(output_dir, repo_id, private)}")
+    print(f"pushed to {push_folder(output_dir, repo_id, private, args.space_app)}")
     if args.space_app:
         from .app import push_space_app
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from . import data
 from .data import SKIPPED_LABEL
-from .errors import EXIT_USAGE, VitFinetuneError
+from .errors import EXIT_USAGE, VitFinetuneError, shortened
 from .recipe import DistillSettings
 
 
@@ -49,12 +49,18 @@ def teacher_config(settings: DistillSettings):
     """The teacher's config.json alone (no weights), read without running any code of its own."""
     from transformers import AutoConfig
 
+    from .inference import InputError, refuse_own_code
+
     location = teacher_location(settings)
+    try:
+        refuse_own_code(f"train.distill.teacher={settings.teacher!r}", location)
+    except InputError as error:
+        raise DistillError(str(error)) from None
     try:
         config = AutoConfig.from_pretrained(location, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
-                           f"({str(error)[:300]}); give a run's output_dir or an image classifier's Hub id") from None
+                           f"({shortened(error)}); give a run's output_dir or an image classifier's Hub id") from None
     if getattr(config, "problem_type", None) == "multi_label_classification":
         raise DistillError(f"train.distill.teacher={settings.teacher!r} is a multi-label classifier; distillation "
                            "follows a single-label teacher's top class or softmax. Give a single-label teacher")

@@ -4,15 +4,16 @@ predict in batches, write CSV or JSONL, and evaluate it on any split of any data
 
 from __future__ import annotations
 
-import csv
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
+from .spreadsheet import csv_writer
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
 # fail in a fraction of a second, before seconds of imports.
@@ -61,6 +62,25 @@ def model_location(name: str) -> str:
     return name
 
 
+OWN_CODE = ("{name} ships its own Python code (an auto_map in its config), which vit_finetune never runs: it would "
+            "run with your permissions. Use a model of a supported family saved with save_pretrained (no auto_map), "
+            "such as a run's output_dir")
+
+
+def refuse_own_code(name: str, location: str) -> None:
+    """A model whose config maps its classes to its own Python code (`auto_map`) is refused, read from config.json
+    alone, even when its model_type is a built-in one: loaded with the built-in class instead, it would silently not
+    be the model its author wrote."""
+    from transformers import PretrainedConfig
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(location)
+    except (OSError, ValueError):  # unreadable: loading it says why
+        return
+    if isinstance(raw, dict) and raw.get("auto_map"):
+        raise InputError(OWN_CODE.format(name=name))
+
+
 def load_classifier(name: str, device: str = "cpu", eager_attention: bool = False):
     """(model in eval mode on `device`, its saved image processor). Eager attention returns attention weights,
     which explain needs and training never does (it is slower).
@@ -72,6 +92,7 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
     from transformers.utils import SAFE_WEIGHTS_NAME
 
     location = model_location(name)
+    refuse_own_code(name, location)
     extra = {"attn_implementation": "eager"} if eager_attention else {}
     try:
         model = AutoModelForImageClassification.from_pretrained(location, trust_remote_code=False, **extra)
@@ -81,10 +102,8 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
                          "copy or download the model again") from None
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
-            raise InputError(f"{name} ships its own Python code (an auto_map in its config), which vit_finetune "
-                             "never runs: it would run with your permissions. Use a model of a supported family saved "
-                             "with save_pretrained (no auto_map), such as a run's output_dir") from None
-        raise InputError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
+            raise InputError(OWN_CODE.format(name=name)) from None
+        raise InputError(f"{name} could not be loaded as an image classifier: {shortened(error, 400)}") from None
     return model.to(device).eval(), processor
 
 
@@ -122,6 +141,9 @@ def collect_images(specs: list[str]) -> list[ImageSource]:
         if kind == "folder":
             matches = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         elif kind == "file":
+            if not path.is_file():  # reading a FIFO waits for a writer that never comes; a device never ends
+                raise InputError(f"image path {spec!r} is not a regular file (a FIFO, socket or device); give image "
+                                 "files, folders or globs")
             matches = [path]
         else:
             matches = glob_files(spec)
@@ -232,7 +254,7 @@ def write_label_sets_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
     """A multi-label model's CSV: each image's labels over their thresholds and their scores, ';'-joined."""
     count = 0
     with open(path, "w", newline="") as out:
-        writer = csv.writer(out)
+        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
         writer.writerow(["image", "error", "labels", "scores"])
         for row in rows:
             writer.writerow([row["image"], row["error"] or "", ";".join(guess["label"] for guess in row["predictions"]),
@@ -245,7 +267,7 @@ def write_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
     header = ["image", "error"] + [f"{kind}_{rank}" for rank in range(1, top_k + 1) for kind in ("label", "score")]
     count = 0
     with open(path, "w", newline="") as out:
-        writer = csv.writer(out)
+        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
         writer.writerow(header)
         for row in rows:
             ranked = [value for guess in row["predictions"] for value in (guess["label"], f"{guess['score']:.6f}")]
@@ -303,6 +325,26 @@ def writer_for(output: str | None, overwrite: bool = False):
     if kind == "file" and not overwrite:
         raise InputError(f"--output {output!r} already exists; pass --overwrite to replace it, or choose a new name")
     return WRITERS[suffix]
+
+
+def refuse_output_among_inputs(output: str | None, sources: list[ImageSource], dataset: str | None) -> None:
+    """--output may not be a file predict reads: an image it was given, or the --dataset's label file, which
+    --overwrite would replace with the predictions. Compared resolved (`~`, `..`, symlinks)."""
+    from .labels import LabelFileError, label_file_of
+
+    if output is None:
+        return
+    target = os.path.realpath(Path(output).expanduser())
+    reads = [Path(source.name) for source in sources]
+    if dataset is not None:
+        try:
+            reads.append(label_file_of(Path(dataset).expanduser()))
+        except LabelFileError:  # two label files: the dataset's own error says so when it loads
+            pass
+    for read in reads:
+        if read is not None and os.path.realpath(read) == target:
+            raise InputError(f"--output {output!r} is {str(read)!r}, a file this command reads; writing the "
+                             "predictions there would replace it. Fix: choose another --output")
 
 
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:

@@ -183,13 +183,20 @@ def check_path(cell: Any, folder: Path, column: str, where: str, problems: list[
         problems.append(f"{where}: {excerpt(given)} is an absolute path; give it relative to the label file's "
                         f"folder {str(folder)!r}")
         return None
-    resolved = (folder / given).resolve()
+    try:
+        resolved = (folder / given).resolve()
+    except RuntimeError:  # Python 3.11: "Symlink loop"
+        problems.append(f"{where}: {excerpt(given)} is a loop of symbolic links in {str(folder)!r}; point it at an "
+                        "image file")
+        return None
     if not resolved.is_relative_to(folder):
         problems.append(f"{where}: {excerpt(given)} leaves the label file's folder {str(folder)!r}; images must "
                         "lie in it or below it")
         return None
     if not resolved.is_file():
-        problems.append(f"{where}: image file {excerpt(given)} not found in {str(folder)!r}")
+        found = "is not a regular file (a FIFO, socket or device, which reading would hang on)" if resolved.exists() \
+            else "not found"
+        problems.append(f"{where}: image file {excerpt(given)} {found} in {str(folder)!r}")
         return None
     return resolved
 

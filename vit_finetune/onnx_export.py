@@ -30,7 +30,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 
 # torch is imported where it is used: the command line reads RUNTIMES and QUANTIZATIONS for its help.
 
@@ -284,7 +284,7 @@ def own_eval_split(name: str, model, processor):
     try:
         return eval_split_of(name, model, processor)
     except VitFinetuneError as error:
-        print(f"the run's eval split cannot be loaded here ({str(error)[:300]}); checking on other images")
+        print(f"the run's eval split cannot be loaded here ({shortened(error)}); checking on other images")
         return None
 
 
@@ -432,17 +432,39 @@ def quantization_summary(figures: dict) -> str:
             f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over {figures['images']} images")
 
 
+def load_errors() -> tuple[type[Exception], ...]:
+    """What onnxruntime raises for a file that is not a graph it can run (its types derive from Exception alone)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return (state.Fail, state.InvalidArgument, state.InvalidProtobuf, state.InvalidGraph, state.NoSuchFile,
+            state.NoModel, state.NotImplemented, state.RuntimeException)
+
+
 class OnnxClassifier:
     """An exported graph behind what inference.predict_rows uses of a model: .config, .device, and a call that
-    returns an object with .logits."""
+    returns an object with .logits. A damaged file, or a graph that does not take pixel_values and give logits as
+    `export --onnx` writes them, is an InputError naming the file and the fix."""
 
     def __init__(self, folder: Path, file: str):
         from transformers import AutoConfig
         import torch
 
+        from .inference import InputError, refuse_own_code
 
-        self.config = AutoConfig.from_pretrained(folder)
-        self.runner = session(folder / file)
+        quantize = "".join(f" --quantize {kind}" for kind, (name, _) in QUANTIZATIONS.items() if name == file)
+        again = f"Export it again: python -m vit_finetune export MODEL --onnx{quantize} --output {folder}"
+        refuse_own_code(str(folder), str(folder))
+        try:
+            self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            self.runner = session(folder / file)
+        except (OSError, ValueError, *load_errors()) as error:
+            raise InputError(f"{folder / file} cannot be loaded as an ONNX classifier ({shortened(error)}). "
+                             f"{again}") from None
+        inputs = [given.name for given in self.runner.get_inputs()]
+        outputs = [given.name for given in self.runner.get_outputs()]
+        if inputs != ["pixel_values"] or "logits" not in outputs:
+            raise InputError(f"{folder / file} takes {inputs} and gives {outputs}; predict feeds it pixel_values "
+                             f"alone and reads logits, as an export of this toolkit does. {again}")
         self.device = torch.device("cpu")  # onnxruntime's CPU provider: the installed onnxruntime is CPU-only
 
     def __call__(self, pixel_values: torch.Tensor) -> SimpleNamespace:

@@ -48,13 +48,9 @@ def foreign_entries(output_dir: Path) -> list[str]:
     return sorted(entry.name for entry in Path(output_dir).iterdir() if entry.name not in ours)
 
 
-def resolved(path: Path) -> Path:
-    """`path` absolute, `~` and symlinks resolved; a loop of links or an unreadable part: absolute as written."""
-    path = Path(path).expanduser()
-    try:
-        return path.resolve()
-    except (OSError, RuntimeError):  # RuntimeError: Python 3.11's "Symlink loop"
-        return Path(os.path.abspath(path))
+def resolved(path: Path | str) -> Path:
+    """`path` absolute, `~`, `..` and symlinks resolved (realpath: a loop of links stops the resolving, not the run)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
 
 
 def dataset_folder(recipe: Recipe) -> Path | None:

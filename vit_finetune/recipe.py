@@ -622,10 +622,14 @@ def format_keys(recipe: Recipe) -> str:
                    for (key, value), meaning in zip(shown.items(), key_descriptions().values()))
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _location(error: dict[str, Any]) -> str:
     location = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-"))
     # Pydantic appends the union member it tried (e.g. "lora.LoraSettings"); keep only recipe keys.
-    location = re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+    return re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = _location(error)
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
@@ -682,8 +686,9 @@ def deepest(data: Any, limit: int = MAX_RECIPE_DEPTH) -> tuple[int, str]:
     return found
 
 
-def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Type and check a recipe mapping; raise RecipeError listing every problem."""
+def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str, ...] = ()) -> Recipe:
+    """Type and check a recipe mapping; raise RecipeError listing every problem, those of a key set on the command
+    line (`overridden`) marked as such: the recipe file does not hold them."""
     depth, key = deepest(data)
     if depth > MAX_RECIPE_DEPTH:
         raise RecipeError([f"{key or 'the recipe'} is nested more than {MAX_RECIPE_DEPTH} levels deep (lists or "
@@ -696,7 +701,11 @@ def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as error:
-        problems = list(dict.fromkeys(_describe(e) for e in error.errors()))
+        def from_command_line(e: dict[str, Any]) -> bool:
+            return any(f"{_location(e)}.".startswith(f"{key}.") for key in overridden)
+
+        problems = list(dict.fromkeys(_describe(e) + (" (set on the command line)" if from_command_line(e) else "")
+                                      for e in error.errors()))
         raise RecipeError(problems, source) from None
 
 
@@ -707,7 +716,10 @@ def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
     if name_or_path:
         path = find_recipe(name_or_path)
         data, source = read_yaml(path), str(path)
-    return validate(apply_overrides(data, list(overrides)), source)
+    overridden = tuple(override.partition("=")[0].strip() for override in overrides)
+    if overridden:
+        source = f"{source} with the command line's overrides"
+    return validate(apply_overrides(data, list(overrides)), source, overridden)
 
 
 def to_yaml(recipe: Recipe) -> str:
