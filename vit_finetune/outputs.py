@@ -84,7 +84,8 @@ def read_path_refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
     """Why a folder this run reads lies where the run writes: overwrite=true first clears what earlier runs wrote
     (the names in `run_names`) and the run then replaces them, so a model loaded from there would be gone (or changed
     under a resume) and a dataset would get the run's files among its own. Paths are compared resolved (`~`,
-    relative parts, symlinks), and nothing is written to find out."""
+    relative parts, symlinks), and nothing is written to find out. train.resume is not among them: a resume reads
+    the run's own checkpoints by design, and the recipe refuses it with overwrite=true, which would clear them."""
     out = resolved(recipe.output_dir)
     shown = excerpt(str(recipe.output_dir))
     written = [out / name for name in run_names]
