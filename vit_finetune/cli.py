@@ -89,7 +89,8 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     parser.add_argument("--onnx", action="store_true", help="export to ONNX (the one format for now; required)")
     parser.add_argument("--output", type=Path, help="the folder to write (default: MODEL/onnx, or ./NAME-onnx for a "
-                                                    "Hub id); an earlier export there is replaced, nothing else")
+                                                    "Hub id); of an earlier export there, only the files it wrote "
+                                                    "(export.json lists them) are replaced")
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="also write model_quantized.onnx (dynamic int8) and measure its CPU speed-up and accuracy "
                              "change on the run's eval split")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import VitFinetuneError, shortened
+from .labels import LabelFileError, label_file_of
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
 from .spreadsheet import csv_writer
 
@@ -330,8 +331,6 @@ def writer_for(output: str | None, overwrite: bool = False):
 def refuse_output_among_inputs(output: str | None, sources: list[ImageSource], dataset: str | None) -> None:
     """--output may not be a file predict reads: an image it was given, or the --dataset's label file, which
     --overwrite would replace with the predictions. Compared resolved (`~`, `..`, symlinks)."""
-    from .labels import LabelFileError, label_file_of
-
     if output is None:
         return
     target = os.path.realpath(Path(output).expanduser())

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO
 
 from .checkpoint import PARTIAL_PREFIX, describe_write_error, replace_atomically
-from .recipe import Recipe, excerpt
+from .labels import READERS
+from .recipe import BUILTIN_PREFIX, Recipe, _is_dir, _is_file, excerpt
 
 MANIFEST = ".vit_finetune_manifest.json"
 LOCK = ".vit_finetune.lock"
@@ -57,8 +58,6 @@ def dataset_folder(recipe: Recipe) -> Path | None:
     """The local folder the data is read from, if any: an image or saved-dataset folder, or a label file's folder
     (its images lie in it or below). A Hub id has none."""
     from .data import BUILTIN_SHAPES, cache_dir
-    from .labels import READERS
-    from .recipe import _is_dir, _is_file
 
     if recipe.data.dataset == BUILTIN_SHAPES:
         return cache_dir() / "shapes"
@@ -71,8 +70,6 @@ def dataset_folder(recipe: Recipe) -> Path | None:
 def model_folders(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, value) of each local model folder the run loads: model.base, train.distill.teacher (a Hub id or a
     builtin: model has none). A resume loads both again, so neither may change during the run."""
-    from .recipe import BUILTIN_PREFIX, _is_dir
-
     keys = [("model.base", recipe.model.base)]
     if recipe.train.distill is not None:
         keys.append(("train.distill.teacher", recipe.train.distill.teacher))
