@@ -51,8 +51,9 @@ def refuse_a_taken_port(port: int) -> None:
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as error:
+            other = port + 1 if port < 65535 else DEFAULT_PORT
             raise AppError(f"port {port} on 127.0.0.1 cannot be used ({error.strerror or error}): another program "
-                           f"listens there. Pass another --port, e.g. --port {port + 1 if port < 65535 else 7860}") from None
+                           f"listens there. Pass another --port, e.g. --port {other}") from None
 
 
 def position_picture(name: str, location: str) -> str | None:

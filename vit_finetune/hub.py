@@ -151,7 +151,8 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
         return f"the Hub has no {repo_type} {repo_id!r} (or it is private: log in with `hf auth login`)"
     except Exception as error:  # connection errors, timeouts, a Hub answering 5xx: all mean "not reachable"
         return (f"the Hub ({huggingface_hub.constants.ENDPOINT}) is unreachable ({type(error).__name__}: "
-                f"{shortened(error, 160)}) and {repo_id!r} is not in the local cache. Fix: {UNREACHABLE_FIX[repo_type]}")
+                f"{shortened(error, 160)}) and {repo_id!r} is not in the local cache. "
+                f"Fix: {UNREACHABLE_FIX[repo_type]}")
     return None
 
 

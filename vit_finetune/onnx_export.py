@@ -91,8 +91,9 @@ def claimed_names(folder: Path) -> set[str] | None:
 
 
 def check_target(target: Path) -> set[str]:
-    """What an export may replace in `target` (the names an earlier export there claimed); anything else in it is
-    the user's: a folder holding only that is refused, a name an export writes held by the user's file too."""
+    """What an export may replace in `target`: the names an earlier export there claimed. Anything else is the
+    user's: a folder that holds anything and is no export of ours is refused, and so is a file of the user's under a
+    name an export writes."""
     if target.is_symlink() and not target.exists():
         raise ExportError(f"--output {target} is a link to a folder that does not exist; give a folder")
     if target.exists() and not target.is_dir():
@@ -225,7 +226,8 @@ def answers_for(config) -> Answers:
     from .multilabel import is_multi_label, saved_thresholds
 
     if not is_multi_label(config):
-        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b, lambda labels: labels != SKIPPED_LABEL)
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
+                       lambda labels: labels != SKIPPED_LABEL)
     labels = [config.id2label[i] for i in range(config.num_labels)]
     thresholds = torch.tensor(saved_thresholds(config, labels))
     return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds, lambda a, b: (a == b.bool()).all(-1),
@@ -420,8 +422,9 @@ def unwritable(target: Path, error: OSError) -> ExportError:
     from .checkpoint import describe_write_error
 
     existing = next(folder for folder in [target, *target.parents] if folder.exists())
-    return ExportError(f"--output {target} cannot be written ({describe_write_error(error, existing)}); nothing there was "
-                       "replaced: an earlier export is as it was. Free disk space, or choose another --output")
+    reason = describe_write_error(error, existing)
+    return ExportError(f"--output {target} cannot be written ({reason}); nothing there was replaced: an earlier "
+                       "export is as it was. Free disk space, or choose another --output")
 
 
 def quantization_summary(figures: dict) -> str:
@@ -429,7 +432,8 @@ def quantization_summary(figures: dict) -> str:
                 f"({figures['accuracy_change']:+.4f})" if "float_accuracy" in figures else "no labelled eval split")
     return (f"{figures['kind']}: {figures['speedup']:.2f}x the float graph's CPU speed "
             f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {accuracy}, "
-            f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over {figures['images']} images")
+            f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over "
+            f"{figures['images']} images")
 
 
 def load_errors() -> tuple[type[Exception], ...]:
