@@ -12,7 +12,7 @@ import os
 import random
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,7 +54,8 @@ class Splits:
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels)
+    multi_label: bool = False  # each row's label is a list of class ids (a set of labels), which may be empty
+    notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains
 
 
 # ---------------------------------------------------------------- loading
@@ -74,8 +75,9 @@ def refuse_unreachable(settings: DataSettings) -> None:
         raise DataError(f"data.dataset={name!r}: {problem}")
 
 
-def open_dataset(settings: DataSettings):
-    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder."""
+def open_dataset(settings: DataSettings, notes: list[str] | None = None):
+    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder; what the run
+    should say of it (a label file found multi-label) is added to `notes`."""
     import datasets
 
     from . import labels
@@ -88,7 +90,7 @@ def open_dataset(settings: DataSettings):
     try:
         label_file = labels.label_file_of(source)
         if label_file is not None:
-            loaded = labels.load_label_file(label_file, settings)
+            loaded = labels.load_label_file(label_file, settings, notes)
         elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
         elif source.is_dir():
@@ -220,7 +222,8 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     """Train and eval splits with detected columns, ClassLabel labels and optional subsampling."""
     import datasets
 
-    loaded = open_dataset(settings)
+    notes: list[str] = []
+    loaded = open_dataset(settings, notes)
     if settings.train_split not in loaded:
         raise DataError(f"data.train_split={settings.train_split!r} not in the dataset; its splits are {list(loaded)}")
     train = loaded[settings.train_split]
@@ -238,6 +241,9 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
     multi_label = is_label_set(train.features[label_column]) if settings.multi_label is None else settings.multi_label
+    if multi_label and settings.multi_label is None and not notes:  # a label file's note already says why
+        notes.append(f"data.dataset={excerpt(settings.dataset)} is multi-label (a set of labels per image: a sigmoid "
+                     f"score and a threshold per label) because its label column {label_column!r} is a list of labels")
     if multi_label:
         train = as_label_sets(train, label_column, settings.dataset)
     elif not isinstance(train.features[label_column], datasets.ClassLabel):
@@ -262,7 +268,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
-                  multi_label=multi_label)
+                  multi_label=multi_label, notes=notes)
 
 
 def is_label_set(feature) -> bool:
@@ -305,6 +311,64 @@ def hold_out_eval(train, settings: DataSettings, label_column: str | None, class
             "images per class, or a dataset split to evaluate on (data.eval_split)"
         ) from None
     return carved["train"], carved["test"]
+
+
+def training_facts(splits: Splits) -> dict:
+    """What metrics.json records of the training split: the labels no training image holds (the model cannot learn
+    them; their eval scores measure nothing learned) and, for label sets, how many images hold none of the labels."""
+    import pyarrow.compute as pc
+
+    column = splits.train.with_format("arrow")[splits.label_column]
+    ids = pc.list_flatten(column) if splits.multi_label else column
+    ids = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
+    counts = np.bincount(ids[ids >= 0], minlength=len(splits.labels))  # -1: a ClassLabel's "no label"
+    facts = {"labels_without_train_images": [label for label, n in zip(splits.labels, counts) if n == 0]}
+    if splits.multi_label:
+        facts["train_images_without_labels"] = int((pc.list_value_length(column).to_numpy() == 0).sum())
+    return facts
+
+
+def training_facts_notes(facts: dict, train_images: int) -> list[str]:
+    """The console's lines on training_facts."""
+    notes = []
+    missing = facts["labels_without_train_images"]
+    if missing:
+        notes.append(f"{len(missing)} label(s) have no training image: {excerpt(missing)}; the model cannot learn "
+                     "them, and their eval scores (and, multi-label, their thresholds) measure nothing learned. Add "
+                     "training images of them, or leave them out of the dataset")
+    if facts.get("train_images_without_labels"):
+        notes.append(f"{facts['train_images_without_labels']} of the {train_images} training images have none of the "
+                     "labels: each is a negative for every label")
+    return notes
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
+    """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
+    if tuple(scale) == (1.0, 1.0) and width != height:
+        # No crop asked, and a draw of the whole area at another aspect than the image's own never fits. (A square
+        # image takes the draws below, which give it whole too: its random stream stays as measured.)
+        return whole_image_box(width, height)
+    area = width * height
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        crop_w = int(round(np.sqrt(target_area * aspect)))
+        crop_h = int(round(np.sqrt(target_area / aspect)))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            left = rng.randint(0, width - crop_w)
+            top = rng.randint(0, height - crop_h)
+            return left, top, left + crop_w, top + crop_h
+    return whole_image_box(width, height)
+
+
+def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
+    into [3/4, 4/3]. Evaluation resizes the whole image, so within that range training without a crop sees what
+    evaluation sees."""
+    crop_w = min(width, round(height * 4 / 3))
+    crop_h = min(height, round(width * 4 / 3))
+    left, top = (width - crop_w) // 2, (height - crop_h) // 2
+    return left, top, left + crop_w, top + crop_h
 
 
 # Image files (an image folder) up to this many bytes in all are hashed, so a resume notices a file changed in place

@@ -36,6 +36,9 @@ ADAPTER_DIR = "adapter"
 STAGING = ".staging-final"
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
+# What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
+TRAINING_ONLY_METRICS = ("steps", "skipped_images", "labels_without_train_images", "train_images_without_labels",
+                         "distillation")
 METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1",
                 "map": "mAP", "micro_f1": "Micro F1"}  # the last two: multi-label runs (accuracy: exact match)
 

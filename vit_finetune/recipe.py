@@ -174,8 +174,9 @@ class DataSettings(Strict):
         "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
         "null = the label column's ClassLabel names"))
     multi_label: bool | None = Field(None, description=(
-        "each image has a set of labels (sigmoid scores, binary cross-entropy, per-class thresholds); null = "
-        "detect: a label file whose cells hold lists, or a dataset whose label column is a list of ClassLabel"))
+        "each image has a set of labels, which may be empty (sigmoid scores, binary cross-entropy, per-class "
+        "thresholds); null = detect: a label file whose cells hold lists, or a dataset whose label column is a list of "
+        "ClassLabel (the run says which)"))
     label_separator: str = Field(";", description=(
         "label files: the character joining several labels in one cell, e.g. 'cat;dog'; '' = never split"))
     shuffle_buffer: StrictInt = Field(1000, gt=0, description=(

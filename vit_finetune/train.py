@@ -160,6 +160,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
+    data_facts = check_training_data(splits, recipe, accelerator)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
     teacher = None
@@ -216,7 +217,23 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         identity["teacher_weights"] = teacher.digest
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
-                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher)
+                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher,
+                 data_facts=data_facts)
+
+
+def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
+                        accelerator: Accelerator) -> dict:
+    """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
+    no label); returns what metrics.json records of the training split. A stream is not read ahead of training: only
+    what its metadata says is known."""
+    notes = list(getattr(splits, "notes", []))
+    facts = {} if recipe.data.streaming else data.training_facts(splits)
+    if not recipe.data.streaming:
+        notes += data.training_facts_notes(facts, len(splits.train))
+    if accelerator.is_main_process:
+        for note in notes:
+            display.say(f"data: {note}")
+    return facts
 
 
 def caches_teacher_logits(recipe: Recipe) -> bool:
@@ -416,7 +433,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images)
+    metrics.update(steps=state.step, skipped_images=state.skipped_images, **parts.data_facts)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
