@@ -336,3 +336,30 @@ def test_images_with_no_label_train_as_negatives_and_metrics_count_them(unlabell
     assert metrics["macro_f1_absent_classes"] == ["cyan"] and metrics["per_class"]["cyan"]["ap"] is None
     card = (out / "README.md").read_text()
     assert "2 of the 17 eval images hold none of the labels" in card and "left out of macro F1 and mAP: cyan" in card
+
+
+@pytest.mark.slow
+def test_predict_explain_and_the_page_give_an_image_the_same_labels(unlabelled, tmp_path, capsys):
+    from vit_finetune.app import build_app, classifier
+
+    out, images = unlabelled["out"], unlabelled["validation"]
+    given = predicted_sets(out, images, tmp_path)
+    assert any(len(labels_of) >= 2 for labels_of in given)  # so that --top-k 1 has something to cut
+    assert predicted_sets(out, images, tmp_path, "--top-k", "1") == [labels_of[:1] for labels_of in given]
+    capsys.readouterr()
+    assert main(["explain", str(out), *map(str, images), "--output-dir", str(tmp_path / "explain")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for image, labels_of in zip(images, given):
+        line = next(line for line in printed if line.startswith(f"{image}: "))
+        shown = line.split(": ", 1)[1].split(" -> ")[0]
+        assert [] if shown == "no label" else [part.rsplit(" ", 1)[0] for part in shown.split(", ")] == labels_of
+    assert f"{len(images)} picture(s) in {(tmp_path / 'explain').resolve()}" in printed[-1]
+    classify, _config, _size = classifier(str(out), top_k=5)
+    for image, labels_of in zip(images[:6], given):
+        shown, picture, verdict = classify(str(image))
+        assert list(shown) == labels_of[:5] and Path(picture).is_file()
+        assert all(f"**{label}**" in verdict for label in labels_of[:5])
+    # The page's pictures carry their titles as headings, not as gradio's label badge drawn over the picture's own
+    components = build_app(str(out)).config["components"]
+    pictures = [c["props"] for c in components if c["type"] == "image" and c["props"].get("elem_id") != "image"]
+    assert pictures and not any(props["show_label"] for props in pictures)

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import VitFinetuneError
+from .export import markdown_text
 from .pictures import POSITION_FILE
 
 DEFAULT_PORT = 7860
@@ -47,7 +48,10 @@ def position_picture(name: str, location: str) -> str | None:
 
 
 def classifier(name: str, top_k: int):
-    """classify(PIL image) -> ({label: probability} of the top k, path of the rollout picture)."""
+    """classify(image file) -> ({label: score} of the labels the model gives the image, as predict lists them; the
+    rollout picture's path; a line saying which labels pass, for a multi-label model against its thresholds). The
+    file is decoded as predict decodes it (the model's data.alpha_background included)."""
+    from .data import BadImageError, decode_image, decoding_settings
     from .explain import check_supported, draw_explanation, explain_pixels
     from .families import FAMILIES
     from .inference import load_classifier
@@ -55,23 +59,43 @@ def classifier(name: str, top_k: int):
     model, processor = load_classifier(name, "cpu", eager_attention=True)  # eager: rollout needs the weights
     check_supported(model.config)
     size = FAMILIES[model.config.model_type].image_size(model.config)
+    settings = decoding_settings(model.config)
     pictures = Path(tempfile.mkdtemp(prefix="vit-finetune-app-"))
 
-    def classify(image):
-        if image is None:
-            return None, None
-        image = image.convert("RGB")
+    def classify(path):
+        if path is None:
+            return None, None, ""
+        try:
+            image = decode_image({"path": str(path), "bytes": None}, 0, settings)
+        except BadImageError as error:
+            return None, None, str(error)
         pixels = processor(images=image, return_tensors="pt")["pixel_values"]
         explanation = explain_pixels(model, pixels, "rollout", None, top_k)
-        path = Path(tempfile.mkstemp(suffix=".rollout.png", dir=pictures)[1])
-        draw_explanation(image, explanation, size, "rollout", path)
-        return dict(explanation.top), str(path)
+        picture = Path(tempfile.mkstemp(suffix=".rollout.png", dir=pictures)[1])
+        draw_explanation(image, explanation, size, "rollout", picture)
+        shown = explanation.given[:top_k]
+        return dict(shown), str(picture), verdict(explanation, top_k)
 
     return classify, model.config, size
 
 
+def verdict(explanation, top_k: int) -> str:
+    """The page's line under the labels: for a multi-label model, which labels pass their thresholds and the best
+    of those that do not; nothing for a single-label one (its labels are its top k)."""
+    if explanation.thresholds is None:
+        return ""
+    given = {label for label, _ in explanation.given}
+    passing = ", ".join(f"**{markdown_text(label)}** {score:.2f} (threshold {explanation.thresholds[label]:.2f})"
+                        for label, score in explanation.given[:top_k])
+    below = ", ".join(f"{markdown_text(label)} {score:.2f} (threshold {explanation.thresholds[label]:.2f})"
+                      for label, score in explanation.top if label not in given)
+    return (f"Labels given (score at or over the label's threshold): {passing or 'none'}."
+            + (f" Below their thresholds: {below}." if below else ""))
+
+
 def build_app(name: str, top_k: int = 5):
-    """The page as a gradio Blocks (not yet served)."""
+    """The page as a gradio Blocks (not yet served). Each picture's title is a heading above it: gradio's label
+    badge would cover the title drawn at the top of the picture."""
     from .inference import model_location
 
     gradio = require_gradio()
@@ -83,14 +107,16 @@ def build_app(name: str, top_k: int = 5):
         gradio.Markdown(f"## {name}\nA {config.model_type} classifier at {size}x{size} px with {len(labels)} labels "
                         f"({', '.join(labels[:10])}{', ...' if len(labels) > 10 else ''}). Drop an image to classify it.")
         with gradio.Row():
-            image = gradio.Image(type="pil", label="image", elem_id="image")
-            top = gradio.Label(num_top_classes=top_k, label="top labels", elem_id="labels")
-        rollout = gradio.Image(label="attention rollout: where the model looked", elem_id="rollout",
-                               interactive=False)
+            image = gradio.Image(type="filepath", label="image", elem_id="image")
+            with gradio.Column():
+                top = gradio.Label(num_top_classes=top_k, label="labels the model gives", elem_id="labels")
+                passing = gradio.Markdown(elem_id="verdict")
+        gradio.Markdown("### Attention rollout: where the model looked")
+        rollout = gradio.Image(show_label=False, elem_id="rollout", interactive=False)
         if picture:
-            gradio.Image(picture, label="position embeddings, before and after the move to the new resolution",
-                         elem_id="positions", interactive=False)
-        image.change(classify, inputs=image, outputs=[top, rollout])
+            gradio.Markdown("### Position embeddings, before and after the move to the new resolution")
+            gradio.Image(picture, show_label=False, elem_id="positions", interactive=False)
+        image.change(classify, inputs=image, outputs=[top, rollout, passing])
     return page
 
 

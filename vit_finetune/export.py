@@ -21,6 +21,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
+from .data import alpha_card_text
 from .families import FAMILIES
 from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
 
@@ -200,7 +201,7 @@ from transformers import pipeline
 {usage_snippet(load_from or name)}
 classify("photo.jpg")
 ```
-
+{alpha_card_text(recipe.data)}
 ## Results ({eval_set_text(metrics, recipe)})
 {weights_text(recipe, metrics)}
 

@@ -4,8 +4,9 @@ The loss is binary cross-entropy per class (with data.class_balance=weights, eac
 its negatives / positives). The labels reach the loss as (B, C) rows of 0/1 (-1 for a bad image skipped, which
 trains nothing); Mixup/CutMix blend two rows by the mix's weight, as they blend two one-hot rows for one label.
 Each class's threshold is chosen on the eval split for train.threshold_metric, saved in the model's config
-(`label_thresholds`) and used by `predict`; the metrics (mAP, micro/macro F1, exact match, per class precision,
-recall, AP and threshold) are measured at those thresholds.
+(`label_thresholds`) and used by `predict`, `explain` and the page (labels_given); the metrics (mAP, micro/macro F1,
+exact match, per class precision, recall, AP and threshold) are measured at those thresholds. An image may hold none
+of the labels (a negative for every one); metrics.json counts those, and the images the model gives no label.
 """
 
 from __future__ import annotations
@@ -174,6 +175,15 @@ def summarise(scores: np.ndarray, rows: np.ndarray, losses: np.ndarray, labels: 
                               "ap": None if np.isnan(a) else float(a), "threshold": float(t), "support": int(n)}
                       for label, p, r, f, a, t, n in zip(labels, precision, recall, f1, ap, thresholds, actual)},
     }
+
+
+def labels_given(scores: list[float], labels: list[str], thresholds: list[float],
+                 at_most: int | None = None) -> list[tuple[str, float]]:
+    """What a multi-label model gives one image: each label whose score reaches its threshold, highest first (the
+    `at_most` highest when given). predict, explain and the page all list these."""
+    over = sorted(((label, score) for label, score, threshold in zip(labels, scores, thresholds) if score >= threshold),
+                  key=lambda pair: -pair[1])
+    return over if at_most is None else over[:at_most]
 
 
 def saved_thresholds(config, labels: list[str]) -> list[float]:

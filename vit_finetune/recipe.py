@@ -66,6 +66,15 @@ def expand_home(value: str | None) -> str | None:
     return expanded
 
 
+ALPHA_COLOUR = re.compile(r"^(white|black|#[0-9a-fA-F]{6})$")
+
+
+def _colour(value: str) -> str:
+    if not ALPHA_COLOUR.match(value):
+        raise ValueError("must be white, black or a colour written #rrggbb, e.g. #ffffff")
+    return value
+
+
 def names_fit(value: str | None) -> str | None:
     """A path's every name within NAME_MAX bytes; a longer one fails in the file system (ENAMETOOLONG) at first use."""
     for name in (value or "").split("/"):
@@ -158,6 +167,13 @@ class DataSettings(Strict):
         "flip training crops left-right with probability 0.5; on for photos, off by default: wrong for digits, "
         "text and anything a mirror changes"))
     skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
+    alpha_background: Annotated[str, AfterValidator(_colour)] | None = Field(None, description=(
+        "lay images with transparency on this colour (white, black or #rrggbb) before their alpha channel is "
+        "dropped, in training, evaluation, predict, explain, export and the page (saved with the model, named in its "
+        "card); null = drop alpha as pipeline() does (a drawing kept only in the alpha channel is lost)"))
+    allow_flat_images: bool = Field(False, description=(
+        "train even when most of the training images checked decode to one flat colour (the run refuses otherwise, "
+        "naming the fix)"))
     min_image_side: StrictInt = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
     max_image_pixels: StrictInt = Field(89_478_485, gt=0,
         description="larger images are refused (PIL's decompression-bomb limit)")

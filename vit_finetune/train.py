@@ -174,6 +174,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                             on_resample=lambda before, after: tables.update(before=before, after=after))
     if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
         model.config.problem_type = multilabel.PROBLEM_TYPE
+    if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
+        setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
     if teacher is not None and vit.has_distillation_token(model):
         model = vit.with_distillation_head(model)  # DeiT: its distillation token gets a head of its own
     if recipe.model.lora is not None:
@@ -224,12 +226,16 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
 def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
                         accelerator: Accelerator) -> dict:
     """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
-    no label); returns what metrics.json records of the training split. A stream is not read ahead of training: only
-    what its metadata says is known."""
+    no label) and refuse training images that are mostly one flat colour; returns what metrics.json records of the
+    training split. A stream is not read ahead of training: only what its metadata says is known."""
     notes = list(getattr(splits, "notes", []))
     facts = {} if recipe.data.streaming else data.training_facts(splits)
     if not recipe.data.streaming:
         notes += data.training_facts_notes(facts, len(splits.train))
+        flat = data.flat_images(splits, recipe.data, recipe.train.seed)
+        if flat.refuses(recipe.data):
+            raise RunError(f"{flat.problem(recipe.data)}; or set data.allow_flat_images=true to train anyway")
+        notes += [flat.problem(recipe.data)] if flat.flat else []
     if accelerator.is_main_process:
         for note in notes:
             display.say(f"data: {note}")
