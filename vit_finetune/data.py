@@ -708,7 +708,7 @@ class ImageClassificationDataset(Dataset):
         if label == SKIPPED_LABEL:
             return [SKIPPED_LABEL] * self.label_sets_of
         row = [0] * self.label_sets_of
-        for class_id in label:
+        for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
             row[class_id] = 1
         return row
 

@@ -184,8 +184,9 @@ class DataSettings(Strict):
         "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
     streaming: bool = Field(False, description=(
         "read data.dataset as a stream of parquet or WebDataset .tar shards (a Hub dataset id or a local folder) "
-        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column (or "
-        "data.label_names) and an eval split; each process reads its own shards (docs/data.md, 'Streaming')"))
+        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column, or a "
+        "list of ClassLabel for multi-label (or data.label_names), and an eval split;"
+        " each process reads its own shards (docs/data.md, 'Streaming')"))
     label_names: list[str] | None = Field(None, description=(
         "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
         "null = the label column's ClassLabel names"))
@@ -219,9 +220,6 @@ class DataSettings(Strict):
         if self.streaming and given:
             raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
                              "whole before training); set them to null, or data.streaming=false")
-        if self.streaming and self.multi_label:
-            raise ValueError("data.multi_label=true cannot be combined with data.streaming=true (a stream's labels "
-                             "are single class ids); set data.streaming=false")
         if self.multi_label and self.class_balance == "sampler":
             raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
                              "use class_balance=weights (a positive weight per class) or null")
