@@ -440,6 +440,9 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, **parts.data_facts)
+    if parts.teacher is not None:
+        metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
+                                                 training_seconds)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
@@ -453,6 +456,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                            thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
+        if "distillation" in metrics:
+            display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
         print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
