@@ -644,10 +644,16 @@ def auto_crop_scale(images_seen: int) -> tuple[tuple[float, float], str]:
     """The random-resized-crop area range data.crop_scale=auto stands for, and why, for a run that sees
     `images_seen` training images."""
     if images_seen <= AUTO_CROP_MEASURED_UP_TO:
-        return (1.0, 1.0), (f"no random crop: every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} images seen "
-                            "lost to no crop or tied (docs/training.md: Small data)")
-    return (1.0, 1.0), (f"no random crop: crops are not measured beyond {AUTO_CROP_MEASURED_UP_TO:,} images seen, "
-                        "so auto stays conservative")
+        return (1.0, 1.0), (f"every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} training images seen lost to "
+                            "no crop or tied (docs/training.md: Small data)")
+    return (1.0, 1.0), (f"crops are not measured beyond {AUTO_CROP_MEASURED_UP_TO:,} training images seen, so auto "
+                        "stays at no crop")
+
+
+def crop_in_words(scale: tuple[float, float]) -> str:
+    """A crop area range as the console names it."""
+    low, high = scale
+    return "no random crop" if (low, high) == (1.0, 1.0) else f"random crops of {low:.0%} to {high:.0%} of the area"
 
 
 def train_transform(image: Image.Image, size: int, rng: random.Random, settings: DataSettings) -> torch.Tensor:

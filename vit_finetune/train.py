@@ -265,8 +265,9 @@ def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> 
     said = []
     if recipe.data.crop_scale == "auto":
         crop_scale, why = data.auto_crop_scale(images_seen)
-        said.append(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen: {why}; "
-                    "set data.crop_scale=[low, high] to choose")
+        # One short sentence, the reason on a line of its own.
+        said.append(f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, high] to choose)\n"
+                    f"  why: this run sees {images_seen:,} training images; {why}")
         recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
     if recipe.train.lr == "auto":
         lr, why = optim.auto_lr(recipe.model.lora is not None)
