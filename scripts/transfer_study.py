@@ -201,10 +201,30 @@ def pil_eval_transform(size: int, mean, std):
     return transform
 
 
+def peer_model(base: Path, labels: list[str]):
+    """The peer's model, loaded as transformers' example loads it: a new head for these labels. transformers reports
+    that head as an incompatible num_labels and a MISSING (or MISMATCH) load report, which read like errors; it is
+    the head swap the example intends, so one line says it instead."""
+    from transformers import AutoModelForImageClassification
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        model = AutoModelForImageClassification.from_pretrained(
+            base, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={n: i for i, n in enumerate(labels)}, ignore_mismatched_sizes=True)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    print(f"peer: a new head for {len(labels)} labels on {base.name}, as the example makes it (transformers' load "
+          "report of the replaced head is not shown)")
+    return model
+
+
 def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     """transformers' run_image_classification.py recipe, with this cell's size, steps, batch, lr and seed."""
     import datasets
-    from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
+    from transformers import AutoImageProcessor, Trainer, TrainingArguments
 
     from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
 
@@ -222,9 +242,7 @@ def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     train_set, eval_set = splits["train"], splits["validation"]
     train_set.set_transform(ExampleBatchTransform(train_transform))
     eval_set.set_transform(eval_batch)
-    model = AutoModelForImageClassification.from_pretrained(
-        base, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        ignore_mismatched_sizes=True)
+    model = peer_model(base, labels)
     args = TrainingArguments(
         output_dir=str(root / "runs" / cell.name()), per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=BATCH, max_steps=cell.steps, learning_rate=lr, lr_scheduler_type="linear",

@@ -69,17 +69,17 @@ def position_picture(name: str, location: str) -> str | None:
         return None
 
 
-def read_upload(path: str):
-    """An uploaded file as predict reads an image (decode_image: its size limit, EXIF orientation, RGB); a file it
-    cannot read is a gradio.Error naming the user's file, never the server's folder."""
+def read_upload(path: str, settings):
+    """An uploaded file as predict reads an image (decode_image with the model's decoding settings: its size limit,
+    EXIF orientation, the alpha background it trained with, RGB); a file it cannot read is a gradio.Error naming the
+    user's file, never the server's folder."""
     import gradio
 
     from .data import BadImageError, decode_image
-    from .recipe import DataSettings
 
     name = Path(path).name  # Gradio keeps the upload's own name: cache/<hash>/<name>
     try:
-        return decode_image({"path": path, "bytes": None}, 0, DataSettings())
+        return decode_image({"path": path, "bytes": None}, 0, settings)
     except BadImageError as error:
         # Named as the user named it, without the server's folder; the message's advice is for training.
         reason = str(error).replace(path, name).split(". Fix the file")[0].removeprefix("bad image ")
@@ -87,10 +87,12 @@ def read_upload(path: str):
 
 
 def classifier(name: str, top_k: int, scratch: Path):
-    """classify(uploaded file) -> ({label: probability} of the top k, the rollout picture); the pictures are drawn
+    """classify(uploaded file) -> ({label: score} of the labels the model gives the image, as predict lists them; the
+    rollout picture; for a multi-label model a line saying which labels pass their thresholds). The pictures are drawn
     in `scratch` and read back, so none is kept."""
     from PIL import Image
 
+    from .data import decoding_settings
     from .explain import check_supported, draw_explanation, explain_pixels
     from .families import FAMILIES
     from .inference import load_classifier
@@ -98,11 +100,12 @@ def classifier(name: str, top_k: int, scratch: Path):
     model, processor = load_classifier(name, "cpu", eager_attention=True)  # eager: rollout needs the weights
     check_supported(model.config)
     size = FAMILIES[model.config.model_type].image_size(model.config)
+    settings = decoding_settings(model.config)
 
     def classify(upload: str | None):
         if upload is None:
-            return None, None
-        image = read_upload(upload)
+            return None, None, ""
+        image = read_upload(upload, settings)
         pixels = processor(images=image, return_tensors="pt")["pixel_values"]
         explanation = explain_pixels(model, pixels, "rollout", None, top_k)
         handle, path = tempfile.mkstemp(suffix=".rollout.png", dir=scratch)
@@ -113,9 +116,25 @@ def classifier(name: str, top_k: int, scratch: Path):
                 picture = drawn.copy()
         finally:
             os.unlink(path)
-        return dict(explanation.top), picture
+        return dict(explanation.given[:top_k]), picture, verdict_html(explanation, top_k)
 
     return classify, model.config, size
+
+
+def verdict_html(explanation, top_k: int) -> str:
+    """The line under the labels, as escaped text: for a multi-label model, which labels pass their thresholds and
+    the best of those that do not; nothing for a single-label one (its labels are its top k)."""
+    if explanation.thresholds is None:
+        return ""
+    given = {label for label, _ in explanation.given}
+
+    def shown(label: str, score: float) -> str:
+        return f"{html.escape(str(label))} {score:.2f} (threshold {explanation.thresholds[label]:.2f})"
+
+    passing = ", ".join(f"<b>{shown(label, score)}</b>" for label, score in explanation.given[:top_k])
+    below = ", ".join(shown(label, score) for label, score in explanation.top if label not in given)
+    return (f"<p>Labels given (score at or over the label's threshold): {passing or 'none'}."
+            + (f" Below their thresholds: {below}." if below else "") + "</p>")
 
 
 def header_html(name: str, config, size: int) -> str:
@@ -129,7 +148,8 @@ def header_html(name: str, config, size: int) -> str:
 
 def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
     """The page as a gradio Blocks (not yet served); its pictures are drawn in `scratch` (a new temporary folder
-    if None)."""
+    if None). Each picture's title is a heading above it: gradio's label badge would cover the title drawn at the top
+    of the picture."""
     from .inference import model_location
 
     gradio = require_gradio()
@@ -141,13 +161,15 @@ def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
         gradio.HTML(header_html(name, config, size), elem_id="header")
         with gradio.Row():
             image = gradio.File(label="image", file_types=["image"], type="filepath", elem_id="image")
-            top = gradio.Label(num_top_classes=top_k, label="top labels", elem_id="labels")
-        rollout = gradio.Image(label="attention rollout: where the model looked", elem_id="rollout",
-                               interactive=False)
+            with gradio.Column():
+                top = gradio.Label(num_top_classes=top_k, label="labels the model gives", elem_id="labels")
+                passing = gradio.HTML(elem_id="verdict")
+        gradio.HTML("<h3>Attention rollout: where the model looked</h3>")
+        rollout = gradio.Image(show_label=False, elem_id="rollout", interactive=False)
         if picture:
-            gradio.Image(picture, label="position embeddings, before and after the move to the new resolution",
-                         elem_id="positions", interactive=False)
-        image.change(classify, inputs=image, outputs=[top, rollout])
+            gradio.HTML("<h3>Position embeddings, before and after the move to the new resolution</h3>")
+            gradio.Image(picture, show_label=False, elem_id="positions", interactive=False)
+        image.change(classify, inputs=image, outputs=[top, rollout, passing])
     return page
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 from .onnx_export import QUANTIZATIONS, RUNTIMES
 
 
+TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
+              "their saved thresholds, at most k of them, highest first (default: all of them)")
 # predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
 DATASET_SPLIT = "validation"
 
@@ -67,14 +69,15 @@ def _model_command_parser(command: str, description: str, batches: bool = True) 
 
 
 def _predict_parser() -> argparse.ArgumentParser:
-    parser = _model_command_parser("predict", "Top-k labels and scores for each image; an unreadable image gets "
-                                    "its error in its row and the rest go on.")
+    parser = _model_command_parser("predict", "The labels a model gives each image, with their scores: a "
+                                    "single-label model's top k, a multi-label model's labels over their thresholds. "
+                                    "An unreadable image gets its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
     parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
     parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
                         help="onnx / onnx-int8: the graph `export --onnx [--quantize int8]` wrote (MODEL may be the "
                              "export folder itself), run by onnxruntime on the CPU")
@@ -108,7 +111,9 @@ def _app_parser() -> argparse.ArgumentParser:
                                                  "top labels and where it looked (needs gradio).")
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     parser.add_argument("--port", type=int, default=7860, help="the port on 127.0.0.1 (default: 7860)")
-    parser.add_argument("--top-k", type=at_least_one, default=5, help="labels shown per image (default: 5)")
+    parser.add_argument("--top-k", type=at_least_one, default=5,
+                        help="labels shown per image (default: 5): a single-label model's best, a multi-label model's "
+                             "over their thresholds")
     return parser
 
 
@@ -130,8 +135,11 @@ def _explain_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
                         help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
     parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
-    parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
-    parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--output-dir", type=Path, default=Path("explain"),
+                        help="where the PNGs go (default: explain/ in the current folder); the command prints it")
+    parser.add_argument("--top-k", type=at_least_one, default=5,
+                        help="scores drawn per image (default: 5); a multi-label model's labels over their thresholds "
+                             "are marked, and all of them printed")
     parser.add_argument("--overwrite", action="store_true", help="replace pictures --output-dir already holds")
     return parser
 
@@ -228,7 +236,8 @@ def predict_command(argv: list[str]) -> int:
     if write is None:
         inference.write_text(rows)
         return 0
-    count = inference.write_output(write, rows, Path(args.output).expanduser(), min(args.top_k, model.config.num_labels))
+    columns = min(args.top_k or inference.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
+    count = inference.write_output(write, rows, Path(args.output).expanduser(), columns)
     print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                 f"{unreadable[:5]}" if unreadable else ""))
     return 0
@@ -259,7 +268,7 @@ def explain_command(argv: list[str]) -> int:
 
     written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
                              args.top_k)
-    print(f"{len(written)} picture(s) in {args.output_dir}")
+    print(f"{len(written)} picture(s) in {args.output_dir.resolve()}")
     return 0
 
 

@@ -196,22 +196,40 @@ def dataset_images(dataset: str, split: str) -> list[ImageSource]:
             for index, cell in enumerate(table[image_column])]
 
 
-def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch_size: int,
+DEFAULT_TOP_K = 5  # a single-label model's labels listed per image when --top-k is not given
+
+
+def label_scores(config, logits):
+    """Each label's score, as pipeline() gives it: a sigmoid per label for a multi-label model, else a softmax."""
+    from .multilabel import is_multi_label
+
+    return logits.sigmoid() if is_multi_label(config) else logits.softmax(-1)
+
+
+def labels_given(config, scores: list[float], top_k: int | None = None) -> list[tuple[str, float]]:
+    """What a model gives one image, best first: a single-label model its top_k labels (DEFAULT_TOP_K when None); a
+    multi-label model each label whose score reaches its saved threshold (at most top_k when given). predict,
+    explain and the page all show these."""
+    from . import multilabel
+
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    if multilabel.is_multi_label(config):
+        return multilabel.labels_given(scores, labels, multilabel.saved_thresholds(config, labels), top_k)
+    ranked = sorted(range(len(scores)), key=lambda index: -scores[index])[:top_k or DEFAULT_TOP_K]
+    return [(labels[index], scores[index]) for index in ranked]
+
+
+def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None, batch_size: int,
                  show_progress: bool = True) -> Iterator[dict]:
-    """One row per image, in order: its top-k labels and scores, or the reason it could not be read. A multi-label
-    model's row holds every label whose sigmoid score reaches its saved threshold, highest first."""
+    """One row per image, in order: the labels the model gives it with their scores (labels_given), or the reason
+    it could not be read. Images are decoded as the model's training decoded them (data.decoding_settings)."""
     import torch
 
-    from . import multilabel
-    from .data import BadImageError, decode_image
+    from .data import BadImageError, decode_image, decoding_settings
     from .progress import progress
 
-    settings = DataSettings()
+    settings = decoding_settings(model.config)
     device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
-    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    multi = multilabel.is_multi_label(model.config)
-    thresholds = torch.tensor(multilabel.saved_thresholds(model.config, labels)) if multi else None
-    k = model.config.num_labels if multi else min(top_k, model.config.num_labels)
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
         batch = sources[start:start + batch_size]
@@ -221,22 +239,18 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
                 images.append(decode_image(source.encoded, start + position, settings, source.folders))
             except BadImageError as error:
                 errors[position] = str(error)
-        scores = iter(())
+        given = iter(())
         if images:
             pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
             with torch.no_grad():
                 logits = model(pixel_values=pixels).logits.float()
-            probabilities = logits.sigmoid() if multi else logits.softmax(-1)
-            over = probabilities.cpu() >= thresholds if multi else torch.ones_like(probabilities, dtype=torch.bool)
-            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)], over.tolist()))
+            given = iter([labels_given(model.config, row, top_k) for row in label_scores(model.config, logits).tolist()])
         for position, source in enumerate(batch):
             if position in errors:
                 yield {"image": source.name, "error": errors[position], "predictions": []}
                 continue
-            values, indices, chosen = next(scores)
             yield {"image": source.name, "error": None,
-                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)
-                                   if chosen[i]]}
+                   "predictions": [{"label": label, "score": score} for label, score in next(given)]}
         bar.update(len(batch))
         bar.set_postfix(unreadable=len(errors))
     bar.close()
@@ -449,7 +463,8 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
         table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
-        settings, split_fields = dataset_settings(dataset), {"eval_split": split, "eval_carved_from_train": False}
+        settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
+        split_fields = {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
     multi = multilabel.is_multi_label(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,

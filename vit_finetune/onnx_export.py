@@ -169,15 +169,16 @@ class ParityImages:
     source: str  # where they came from, in words
 
 
-def parity_images(images: list | None, eval_set, processor, image_size: int) -> ParityImages:
-    """Real pixels for the check: the user's images, else the first eval images of the run, else rendered shapes."""
+def parity_images(images: list | None, eval_set, processor, image_size: int, config=None) -> ParityImages:
+    """Real pixels for the check: the user's images (decoded as the model `config` was trained on), else the first
+    eval images of the run, else rendered shapes."""
     import torch
 
-    from .data import decode_image
-    from .recipe import DataSettings
+    from .data import decode_image, decoding_settings
 
     if images:
-        decoded = [decode_image(source.encoded, index, DataSettings(), source.folders) for index, source in enumerate(images)]
+        settings = decoding_settings(config)
+        decoded = [decode_image(source.encoded, index, settings, source.folders) for index, source in enumerate(images)]
         source = f"{len(decoded)} image(s) given with --images"
     elif eval_set is not None and len(eval_set):
         count = min(PARITY_IMAGES, len(eval_set))
@@ -372,7 +373,7 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
     image_size = FAMILIES[model.config.model_type].image_size(model.config)
     chosen = own_eval_split(name, model, processor)
     eval_set = chosen.dataset if chosen is not None else None
-    parity = parity_images(images, eval_set, processor, image_size)
+    parity = parity_images(images, eval_set, processor, image_size, model.config)
 
     try:
         target.parent.mkdir(parents=True, exist_ok=True)

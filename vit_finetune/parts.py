@@ -36,3 +36,4 @@ class Parts:
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
     teacher: Teacher | None = None  # train.distill: the frozen classifier the student also learns from
     teacher_cache: TeacherLogitsCache | None = None  # train.distill.cache_logits: its logits of every training image
+    data_facts: dict = field(default_factory=dict)  # what metrics.json records of the training split (data.training_facts)

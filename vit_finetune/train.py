@@ -160,6 +160,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
+    data_facts = check_training_data(splits, recipe, accelerator)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
     teacher = None
@@ -173,6 +174,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
                             on_resample=lambda before, after: tables.update(before=before, after=after))
     if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
         model.config.problem_type = multilabel.PROBLEM_TYPE
+    if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
+        setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
     if teacher is not None and vit.has_distillation_token(model):
         model = vit.with_distillation_head(model)  # DeiT: its distillation token gets a head of its own
     if recipe.model.lora is not None:
@@ -216,7 +219,27 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         identity["teacher_weights"] = teacher.digest
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
-                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher)
+                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher,
+                 data_facts=data_facts)
+
+
+def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
+                        accelerator: Accelerator) -> dict:
+    """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
+    no label) and refuse training images that are mostly one flat colour; returns what metrics.json records of the
+    training split. A stream is not read ahead of training: only what its metadata says is known."""
+    notes = list(getattr(splits, "notes", []))
+    facts = {} if recipe.data.streaming else data.training_facts(splits)
+    if not recipe.data.streaming:
+        notes += data.training_facts_notes(facts, len(splits.train))
+        flat = data.flat_images(splits, recipe.data, recipe.train.seed)
+        if flat.refuses(recipe.data):
+            raise RunError(f"{flat.problem(recipe.data)}; or set data.allow_flat_images=true to train anyway")
+        notes += [flat.problem(recipe.data)] if flat.flat else []
+    if accelerator.is_main_process:
+        for note in notes:
+            display.say(f"data: {note}")
+    return facts
 
 
 def caches_teacher_logits(recipe: Recipe) -> bool:
@@ -242,8 +265,9 @@ def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> 
     said = []
     if recipe.data.crop_scale == "auto":
         crop_scale, why = data.auto_crop_scale(images_seen)
-        said.append(f"data.crop_scale=auto -> {list(crop_scale)} for {images_seen:,} training images seen: {why}; "
-                    "set data.crop_scale=[low, high] to choose")
+        # One short sentence, the reason on a line of its own.
+        said.append(f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, high] to choose)\n"
+                    f"  why: this run sees {images_seen:,} training images; {why}")
         recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
     if recipe.train.lr == "auto":
         lr, why = optim.auto_lr(recipe.model.lora is not None)
@@ -416,7 +440,10 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images)
+    metrics.update(steps=state.step, skipped_images=state.skipped_images, **parts.data_facts)
+    if parts.teacher is not None:
+        metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
+                                                 training_seconds)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
@@ -430,6 +457,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                            thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
+        if "distillation" in metrics:
+            display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
         print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
