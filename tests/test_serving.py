@@ -89,13 +89,32 @@ def test_predict_with_the_onnx_runtime_gives_the_torch_labels(exported, demo_run
     assert main(["predict", str(demo_run), *images, "--runtime", runtime, "--output", str(tmp_path / "onnx.csv")]) == 0
     torch_rows, onnx_rows = read_csv(tmp_path / "torch.csv"), read_csv(tmp_path / "onnx.csv")
     assert len(onnx_rows) == 24 and [r["image"] for r in onnx_rows] == [r["image"] for r in torch_rows]
-    assert [r["label_1"] for r in onnx_rows] == [r["label_1"] for r in torch_rows]
+    agree = sum(o["label_1"] == t["label_1"] for o, t in zip(onnx_rows, torch_rows))
     if runtime == "onnx":
+        assert agree == 24
         assert all(float(o["score_1"]) == pytest.approx(float(t["score_1"]), abs=1e-5)
                    for o, t in zip(onnx_rows, torch_rows))
+    else:  # int8 rounds every weight, so close calls flip (which ones depends on onnxruntime and the CPU's kernels):
+        # predict must give the int8 graph's own labels, run here directly on the processor's pixels.
+        assert [r["label_1"] for r in onnx_rows] == int8_graph_labels(exported, images)
+        assert agree >= 12, agree  # and still mostly the model's
     # The export folder itself is a model one can name.
     assert main(["predict", str(exported), images[0], "--runtime", runtime, "--output", str(tmp_path / "e.csv")]) == 0
-    assert read_csv(tmp_path / "e.csv")[0]["label_1"] == torch_rows[0]["label_1"]
+    assert read_csv(tmp_path / "e.csv")[0]["label_1"] == onnx_rows[0]["label_1"]
+
+
+def int8_graph_labels(exported: Path, images: list[str]) -> list[str]:
+    """The top label of each image from onnxruntime on model_quantized.onnx, fed the export's image processor."""
+    import onnxruntime
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(exported)
+    names = json.loads((exported / "config.json").read_text())["id2label"]
+    session = onnxruntime.InferenceSession(str(exported / "model_quantized.onnx"), providers=["CPUExecutionProvider"])
+    pixels = processor(images=[Image.open(path).convert("RGB") for path in images], return_tensors="np")["pixel_values"]
+    logits = session.run(None, {"pixel_values": pixels.astype("float32")})[0]
+    return [names[str(index)] for index in logits.argmax(-1)]
 
 
 def _demo_validation_folder() -> Path:
