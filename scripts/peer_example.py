@@ -49,12 +49,31 @@ def eval_transform(size: int, mean, std):
     return transform
 
 
+def peer_model(base: Path, labels: list[str]):
+    """The peer's model, loaded as the example loads it: a new head for these labels. transformers reports that head
+    as an incompatible num_labels and a MISSING (or MISMATCH) load report, which read like errors; it is the head swap
+    the example intends, so one line says it instead."""
+    from transformers import AutoModelForImageClassification
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        model = AutoModelForImageClassification.from_pretrained(
+            base, num_labels=len(labels), id2label=dict(enumerate(labels)),
+            label2id={n: i for i, n in enumerate(labels)}, ignore_mismatched_sizes=True)
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    print(f"peer: a new head for {len(labels)} labels on {Path(base).name}, as the example makes it (transformers' load "
+          "report of the replaced head is not shown)")
+    return model
+
+
 def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batch_size: int, learning_rate: float,
                seed: int, output_dir: Path, eval_every_epoch: bool = False) -> float:
     """The example's run on `dataset`; returns the final eval accuracy."""
     import datasets
-    import transformers
-    from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
+    from transformers import AutoImageProcessor, Trainer, TrainingArguments
 
     from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
 
@@ -71,12 +90,7 @@ def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batc
     train_set, eval_set = splits["train"], splits["validation"]
     train_set.set_transform(ExampleBatchTransform(train_transform))
     eval_set.set_transform(eval_batch)
-    # The new head is reported as MISSING in transformers' load report: expected, and not an error.
-    transformers.logging.set_verbosity_error()
-    network = AutoModelForImageClassification.from_pretrained(
-        model, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)},
-        ignore_mismatched_sizes=True)
-    transformers.logging.set_verbosity_warning()
+    network = peer_model(model, labels)
     per_epoch = "epoch" if eval_every_epoch else "no"
     args = TrainingArguments(
         output_dir=str(output_dir), per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,

@@ -1,5 +1,5 @@
 # --- loopback Hub ---
-# A Hub-compatible server on 127.0.0.1 (tests/hub_server.py) that the real huggingface_hub /
+# A Hub-compatible server on 127.0.0.1 (tests/hub_server/) that the real huggingface_hub /
 # transformers / datasets / peft clients talk to. huggingface_hub reads HF_ENDPOINT when it is
 # imported, so the environment is set here, at conftest import, before any test module imports it.
 #

@@ -197,9 +197,27 @@ def test_an_output_folder_holding_a_finished_run_is_refused_and_untouched(capsys
     assert snapshot(trained) == before
 
 
+def test_a_problem_set_on_the_command_line_is_not_blamed_on_the_recipe_file(capsys, tmp_path):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("train:\n  lr: fast\n")
+    error = fails(capsys, ["--recipe", str(recipe), "train.epochs=many", "--print"], code=2)
+    assert error.startswith(f"error: {recipe} with the command line's overrides has 2 problem(s)")
+    lines = {line.strip().split("=")[0]: line for line in error.splitlines() if line.strip().startswith("- ")}
+    assert lines["- train.epochs"].endswith("(set on the command line)")
+    assert not lines["- train.lr"].endswith("(set on the command line)")  # that one is the file's
+
+
 def test_a_missing_dataset_folder(capsys, base, tmp_path):
     error = fails(capsys, [f"model.base={base}", f"data.dataset={tmp_path / 'nowhere'}", f"output_dir={tmp_path}/o"])
     assert "nowhere" in error
+
+
+def test_a_base_folder_without_a_config_is_named_with_the_fix(capsys, images, tmp_path):
+    (tmp_path / "half-copied").mkdir()
+    (tmp_path / "half-copied" / "model.safetensors").write_bytes(b"")
+    error = fails(capsys, [f"model.base={tmp_path / 'half-copied'}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
+    assert "half-copied" in error and "holds no config.json" in error and "save_pretrained" in error
+    assert not (tmp_path / "o").exists()
 
 
 def test_corrupt_image_is_named_by_path(capsys, base, tmp_path):

@@ -264,7 +264,11 @@ def test_a_run_prints_the_auto_crop_it_chose_and_saves_it_resolved_and_overridab
 
     assert train([*args, f"output_dir={tmp_path / 'auto'}"]) == 0
     chosen, why = data.auto_crop_scale(2 * TRAIN_IMAGES)  # 2 epochs of 24 images
-    assert f"data.crop_scale=auto -> {list(chosen)} for 48 training images seen: {why}" in capsys.readouterr().out
+    lines = capsys.readouterr().out.splitlines()
+    said = next(index for index, line in enumerate(lines) if line.startswith("data.crop_scale=auto"))
+    # one short sentence, the reason on the next line
+    assert lines[said] == "data.crop_scale=auto: no random crop (data.crop_scale=[low, high] to choose)"
+    assert lines[said + 1] == f"  why: this run sees 48 training images; {why}"
     assert read_yaml(tmp_path / "auto" / "recipe.yaml")["data"]["crop_scale"] == list(chosen)
     assert train([*args, "data.crop_scale=[0.2,0.9]", f"output_dir={tmp_path / 'set'}"]) == 0
     assert "data.crop_scale=auto" not in capsys.readouterr().out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,18 @@ def test_a_student_with_weight_one_and_hard_targets_follows_the_teacher_not_the_
         assert max(range(len(row)), key=row.__getitem__) == labels.index(DERANGEMENT[name])
 
 
-def test_soft_targets_pull_the_student_towards_the_teacher(args, wrong_teacher, student_without_teacher, tmp_path):
+def test_soft_targets_pull_the_student_towards_the_teacher(args, wrong_teacher, student_without_teacher, tmp_path,
+                                                          capsys):
     out = tmp_path / "out"
     assert train([*args, "model.image_size=16", f"train.distill.teacher={wrong_teacher}", "train.distill.weight=1.0",
                   "train.distill.mode=soft", "train.distill.temperature=2", f"output_dir={out}"]) == 0
     assert metrics(out)["accuracy"] < metrics(student_without_teacher)["accuracy"] - 0.5
+    # The console says who taught, how, and at what cost, as metrics.json does
+    said = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train.distill: "))
+    facts = metrics(out)["distillation"]
+    assert said == f"train.distill: taught by the teacher {wrong_teacher} (soft distillation, weight 1.0, " \
+                   f"temperature 2.0); the teacher's forwards took {facts['teacher_seconds']} s of the " \
+                   f"{facts['training_seconds']} s of training ({facts['teacher_share']:.0%})"
 
 
 def test_the_teacher_sees_the_students_batch_at_its_own_size_and_normalisation():
@@ -270,7 +278,7 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
 
 def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
                                                              tmp_path, monkeypatch):
-    """The loopback Hub (tests/hub_server.py) serves the teacher run pushed there."""
+    """The loopback Hub (tests/hub_server/) serves the teacher run pushed there."""
     from vit_finetune.hub import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
@@ -299,13 +307,17 @@ class TeacherCalls:
         from vit_finetune.callbacks import Callback
         from vit_finetune.distill import Teacher
 
-        self.calls, self.at_batches, self.parts = 0, [], None
+        self.calls, self.at_batches, self.parts, self.seconds = 0, [], None, 0.0
         original = Teacher.logits
         counter = self
 
         def counted(teacher, rescaled):
             counter.calls += 1
-            return original(teacher, rescaled)
+            started = time.perf_counter()
+            try:
+                return original(teacher, rescaled)
+            finally:
+                counter.seconds += time.perf_counter() - started
 
         self.patch = (Teacher, "logits", counted)
 
@@ -371,6 +383,23 @@ def test_the_cached_run_calls_the_teacher_only_before_training(online_run, cache
     assert online_calls.calls == len(online_calls.at_batches) == 12  # the counter sees one call per batch
     prepass = math.ceil(TRAIN_IMAGES / 4)  # the whole split, train.batch_size at a time
     assert cached_calls.at_batches == [prepass] * 12 and cached_calls.calls == prepass
+
+
+def test_a_distilled_run_records_its_teacher_and_what_the_teacher_cost(online_run, cached_run, wrong_teacher):
+    for (out, calls), cached in ((online_run, False), (cached_run, True)):
+        facts = metrics(out)["distillation"]
+        assert {key: facts[key] for key in ("teacher", "mode", "weight", "temperature", "cache_logits")} == {
+            "teacher": str(wrong_teacher), "mode": "soft", "weight": 0.5, "temperature": 2.0, "cache_logits": cached}
+        assert facts["training_seconds"] == json.loads((out / "run_info.json").read_text())["training_seconds"]
+        card = (out / "README.md").read_text()
+        assert f"taught by the teacher `{wrong_teacher}` (soft distillation, weight 0.5, temperature 2.0)" in card
+        if cached:  # the teacher ran only in the pre-pass, timed apart from training
+            assert facts["teacher_seconds"] == 0 and facts["labelling_seconds"] >= calls.seconds - 0.01
+            assert "labelled the training images once before training" in card
+        else:  # each forward timed: what a stopwatch around the teacher's calls measured, to rounding
+            assert 0 < facts["teacher_seconds"] < facts["training_seconds"]
+            assert facts["teacher_seconds"] == pytest.approx(calls.seconds, rel=0.2, abs=0.01)
+            assert facts["teacher_share"] == pytest.approx(calls.seconds / facts["training_seconds"], abs=0.02)
 
 
 def test_a_killed_and_resumed_cached_run_equals_the_uninterrupted_one(distilled, cached_run, tmp_path, capsys):

@@ -1,9 +1,12 @@
-"""The manual cannot drift from the project: every relative link and image in README.md and docs/*.md
-resolves (anchors too, with GitHub's heading slugs), and every `key=value` override in their commands is a
-real recipe key (the schema's own list, the one `--keys` prints)."""
+"""The manual cannot drift from the project: every relative link and image in README.md, docs/*.md and
+tests/README.md resolves (anchors too, with GitHub's heading slugs), and every `key=value` override in their
+commands is a real recipe key (the schema's own list, the one `--keys` prints). tests/README.md, the map of the
+test harness, names only helper modules, functions and variables that exist in tests/, and names them all."""
 
 from __future__ import annotations
 
+import ast
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -13,7 +16,8 @@ import pytest
 from tiny import REPO
 from vit_finetune.recipe import key_descriptions
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+HARNESS_PAGE = REPO / "tests" / "README.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), HARNESS_PAGE]
 FENCE = re.compile(r"^(```+|~~~+)\s*(\S*)")
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console"}
@@ -119,12 +123,12 @@ def unknown_keys(page: Path) -> list[str]:
     return sorted({f"{page.name}: {key}" for key in used if key not in known | PLACEHOLDERS})
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
 def test_every_link_and_image_resolves(page):
     assert broken_links(page) == []
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.name)
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: page.relative_to(REPO).as_posix())
 def test_every_override_in_a_command_is_a_recipe_key(page):
     assert unknown_keys(page) == []
 
@@ -154,3 +158,180 @@ def test_github_slugs():
     assert github_slug("Sharded models (FSDP, DeepSpeed)") == "sharded-models-fsdp-deepspeed"
     assert github_slug("ImageNet-21k on 8 and 64 GPUs: the arithmetic") == "imagenet-21k-on-8-and-64-gpus-the-arithmetic"
     assert github_slug("What it does: the demo, measured") == "what-it-does-the-demo-measured"
+
+
+# ---------------------------------------------------------------- tests/README.md, the map of the harness
+
+TESTS = REPO / "tests"
+# Modules from outside tests/ that the page names by dotted name; any other dotted name must be a helper's.
+OUTSIDE_MODULES = {"vit_finetune", "gc", "os"}
+CODE_TOKEN = re.compile(r"[A-Za-z_$][\w./*$-]*")
+VARIABLE = re.compile(r"^[A-Z][A-Z0-9_]{3,}\*?$")
+DOTTED = re.compile(r"^[a-z_][a-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+OTHER_FILE = re.compile(r"\.(json|jsonl|md|sh|sbatch|yaml|toml|txt|png|csv|safetensors)$")
+# Variables the harness itself touches: through os.environ in a helper module, or by its own prefixes anywhere.
+ENVIRON_USE = re.compile(r'environ(?:\.get|\.setdefault|\.pop)?[\[(]\s*"([A-Z][A-Z0-9_]+)"|"([A-Z][A-Z0-9_]+)"\s+in\s+'
+                         r'(?:os\.)?environ')
+HARNESS_PREFIXES = re.compile(r"\b(?:VIT_FINETUNE|RANK_REPORT|WARM_LAUNCH)_[A-Z0-9_]*")
+
+
+def code_of(page: Path) -> list[str]:
+    """The page's code: each `inline code` span of its prose and each line of its code blocks."""
+    prose, blocks = split_page(page.read_text())
+    return [span for line in prose for span in re.findall(r"`([^`]+)`", line)] + \
+        [line for _language, block in blocks for line in block]
+
+
+def helper_modules() -> list[str]:
+    """The harness's own files, as the page names them: `name.py`, `name/` and `name/module.py` (tests excluded)."""
+    names = []
+    for path in sorted(TESTS.iterdir()):
+        if path.suffix == ".py" and not path.name.startswith("test_"):
+            names.append(path.name)
+        elif path.is_dir() and not path.name.startswith((".", "__")):
+            names.append(f"{path.name}/")
+            names += [f"{path.name}/{module.name}" for module in sorted(path.glob("*.py"))]
+    return names
+
+
+def module_file(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / f"{name}.py", folder / name / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@functools.cache
+def defined_names(module: Path) -> dict[str, ast.AST]:
+    """A module's top-level names: functions, classes, assignments and imports."""
+    names: dict[str, ast.AST] = {}
+    for node in ast.parse(module.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        names[name.id] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(alias.asname or alias.name).split(".")[0]: node for alias in node.names})
+    return names
+
+
+def class_attributes(cls: ast.ClassDef) -> set[str]:
+    """A class's methods and attributes, those its methods set on `self` included."""
+    found = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node in cls.body:
+            found.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node in cls.body:
+            found.add(node.target.id)
+        elif isinstance(node, ast.Assign) and node in cls.body:
+            found.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and isinstance(node.ctx, ast.Store):
+            found.add(node.attr)
+    return found
+
+
+def missing_dotted(dotted: str) -> str | None:
+    """Why `module[.submodule].name[.attribute]` names nothing in tests/, or None when it names something."""
+    first, *rest = dotted.split(".")
+    if first in OUTSIDE_MODULES:
+        return None
+    module = module_file(TESTS, first)
+    if module is None:
+        return f"{dotted}: no helper module {first} in tests/"
+    while rest and module.name == "__init__.py" and module_file(module.parent, rest[0]):
+        module = module_file(module.parent, rest.pop(0))
+    if not rest:
+        return None
+    where = module.relative_to(REPO).as_posix()
+    node = defined_names(module).get(rest[0])
+    if node is None:
+        return f"{dotted}: {where} defines no {rest[0]}"
+    if len(rest) > 1 and isinstance(node, ast.ClassDef) and rest[1] not in class_attributes(node):
+        return f"{dotted}: {rest[0]} in {where} has no {rest[1]}"
+    return None
+
+
+def harness_sources() -> list[Path]:
+    """The harness's Python files and the tests', less this one (whose examples name what does not exist)."""
+    return [path for path in sorted(TESTS.rglob("*.py")) if path.resolve() != Path(__file__).resolve()]
+
+
+def harness_text() -> str:
+    """Where a variable the page names must appear: the tests' files, and the Makefile the page's commands run."""
+    return "\n".join(path.read_text() for path in [*harness_sources(), REPO / "Makefile"])
+
+
+def harness_problems(page: Path) -> list[str]:
+    """Each name of the page's code that does not exist: a file, a module's function or class (and its method), an
+    environment variable, a make target."""
+    text, targets = harness_text(), set(re.findall(r"^([a-z][a-z-]*):", (REPO / "Makefile").read_text(), re.M))
+    problems = []
+    for code in code_of(page):
+        problems += [f"make {target}: no such target in the Makefile"
+                     for target in re.findall(r"\bmake ([a-z][a-z-]*)", code) if target not in targets]
+        for token in CODE_TOKEN.findall(code):
+            token = token.rstrip(".")
+            if token.endswith((".py", "/")) or token.startswith("tests/"):
+                if not ((TESTS / token).exists() or (REPO / token).exists()):
+                    problems.append(f"{token}: no such file in tests/ or the project")
+            elif OTHER_FILE.search(token):
+                continue
+            elif DOTTED.match(token):
+                problems += [problem for problem in [missing_dotted(token)] if problem]
+            elif VARIABLE.match(token):
+                name = token.rstrip("*")
+                if not re.search(rf"\b{name}" + ("" if token.endswith("*") else r"\b"), text):
+                    problems.append(f"{token}: no such variable in tests/ or the Makefile")
+    return sorted(set(problems))
+
+
+def unmapped(page: Path) -> list[str]:
+    """The helper modules and environment variables of the harness that the page does not name."""
+    named = {token.rstrip(".") for code in code_of(page) for token in CODE_TOKEN.findall(code)}
+    helpers = sorted(TESTS.glob("*.py")) + sorted(TESTS.glob("*/*.py"))
+    variables = {name for path in helpers if not path.name.startswith("test_")
+                 for pair in ENVIRON_USE.findall(path.read_text()) for name in pair if name}
+    variables |= set(HARNESS_PREFIXES.findall("\n".join(path.read_text() for path in harness_sources())))
+    named_variables = {token.rstrip("*") for token in named if VARIABLE.match(token)}
+    return [f"helper module {name}" for name in helper_modules() if name not in named] + \
+        [f"variable {name}" for name in sorted(variables)
+         if not any(name == token or (name.startswith(token) and token.endswith("_")) for token in named_variables)]
+
+
+def test_the_harness_map_names_only_what_exists():
+    assert harness_problems(HARNESS_PAGE) == []
+
+
+def test_the_harness_map_names_every_helper_module_and_variable():
+    assert unmapped(HARNESS_PAGE) == []
+
+
+def test_the_harness_checks_find_each_name_that_is_gone(tmp_path):
+    """The two checks above would pass on a page they cannot read; this one proves they catch each mistake."""
+    page = tmp_path / "README.md"
+    page.write_text(
+        "# Harness\n\n"
+        "`runs.py` has `runs.train` and `runs.gone_helper`; `runs.WarmLauncher.run` but not `runs.WarmLauncher.fly`.\n"
+        "`hub_server.server.HubServer.identify_clients`, `hub_server.storage.Vault`, `gone_module.anything`,\n"
+        "`tests/gone.py`, `observed_site/`, `metrics.json`, `vit_finetune.cli.main`. Set `OMP_NUM_THREADS=1`,\n"
+        "`VIT_FINETUNE_GONE`, `WARM_LAUNCH_HELD_*`; run `make test-fast`, not `make test-slow`.\n\n"
+        "```\nrecorder.subprocess_env -> recorder.record_everything\n```\n")
+    assert harness_problems(page) == [
+        "VIT_FINETUNE_GONE: no such variable in tests/ or the Makefile",
+        "gone_module.anything: no helper module gone_module in tests/",
+        "hub_server.storage.Vault: tests/hub_server/storage.py defines no Vault",
+        "make test-slow: no such target in the Makefile",
+        "recorder.record_everything: tests/recorder.py defines no record_everything",
+        "runs.WarmLauncher.fly: WarmLauncher in tests/runs.py has no fly",
+        "runs.gone_helper: tests/runs.py defines no gone_helper",
+        "tests/gone.py: no such file in tests/ or the project",
+    ]
+    missing = unmapped(page)
+    assert "helper module tiny.py" in missing and "helper module hub_server/routes.py" in missing
+    assert "variable VIT_FINETUNE_RECORD" in missing and "variable RANK_REPORT_DIR" in missing
+    assert not any(name in missing for name in ("helper module runs.py", "helper module observed_site/",
+                                                "variable OMP_NUM_THREADS", "variable WARM_LAUNCH_HELD_"))

@@ -44,3 +44,42 @@ def test_metric_classes_use_the_evaluate_api():
     assert Accuracy(keep_in_memory=True).compute(predictions=[1, 2, 3], references=[1, 2, 0]) == {
         "accuracy": pytest.approx(2 / 3)}
     assert confusion_matrix(np.array([1, 1]), np.array([0, 1]), 2).tolist() == [[0, 1], [0, 1]]
+
+
+def test_a_run_with_a_thousand_labels_writes_a_small_metrics_json_that_evaluate_reproduces(base, tmp_path):
+    """Its confusion matrix would be a million numbers: metrics.json keeps only the non-zero cells."""
+    import json
+
+    import datasets
+
+    from runs import RECIPE, train
+    from tiny import colour_image
+    from vit_finetune.cli import main
+    from vit_finetune.evaluation import DENSE_CONFUSION_LABELS
+    from vit_finetune.export import TRAINING_ONLY_METRICS
+
+    names = [f"class_{i:04d}" for i in range(1000)]
+    rng = np.random.default_rng(0)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=names)})
+    files = []
+    for i in range(24):
+        files.append(str(tmp_path / f"{i}.png"))
+        colour_image((10 * i, 90, 200), rng).save(files[-1])
+    table = datasets.Dataset.from_dict({"image": files, "label": [i % 16 for i in range(24)]}, features=features)
+    datasets.DatasetDict({"train": table.select(range(16)), "validation": table.select(range(16, 24))}).save_to_disk(
+        tmp_path / "saved")
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={tmp_path / 'saved'}", *RECIPE, "train.epochs=1",
+                  f"output_dir={out}"]) == 0
+    assert (out / "metrics.json").stat().st_size < 300_000  # a dense matrix alone: over 2 MB
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(names) > DENSE_CONFUSION_LABELS and "confusion_matrix" not in metrics
+    cells = metrics["confusion_matrix_cells"]
+    assert sum(count for _true, _guess, count in cells) == metrics["eval_samples"] == 8
+    assert sorted(true for true, _guess, count in cells for _ in range(count)) == list(range(8))
+    right = sum(count for true, guess, count in cells if true == guess)
+    assert metrics["accuracy"] == pytest.approx(right / 8) and len(metrics["per_class"]) == 1000
+    assert len(metrics["labels_without_train_images"]) == 1000 - 16
+    assert main(["evaluate", str(out), "--output-dir", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "metrics.json").read_text())
+    assert {k: v for k, v in metrics.items() if k not in TRAINING_ONLY_METRICS} == again

@@ -1,6 +1,6 @@
 """Download the base by its real id, load a Hub dataset, fine-tune, push, and reload, over the loopback Hub.
 
-Everything here talks HTTP to tests/hub_server.py through the unmodified huggingface_hub, transformers,
+Everything here talks HTTP to tests/hub_server/ through the unmodified huggingface_hub, transformers,
 datasets and peft clients (HF_ENDPOINT is set by conftest.py).
 """
 

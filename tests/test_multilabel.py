@@ -18,6 +18,7 @@ from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
 from vit_finetune.augment import BatchAugmenter
 from vit_finetune.cli import main
+from vit_finetune.export import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
@@ -187,8 +188,20 @@ def test_evaluate_reproduces_a_multi_label_runs_metrics_exactly(trained, tmp_pat
     assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "eval")]) == 0
     saved = json.loads((trained / "metrics.json").read_text())
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert {k: v for k, v in saved.items() if k not in {"steps", "skipped_images", "method", "probe"}} == again
+    assert {k: v for k, v in saved.items() if k not in TRAINING_ONLY_METRICS} == again
     assert (tmp_path / "eval" / "precision_recall.png").is_file()
+
+
+@pytest.mark.slow
+def test_an_int8_export_of_a_multi_label_model_scores_its_label_sets(trained, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+    assert main(["export", str(trained), "--onnx", "--quantize", "int8", "--output", str(tmp_path / "onnx")]) == 0
+    quantized = json.loads((tmp_path / "onnx" / "export.json").read_text())["quantized"]
+    saved = json.loads((trained / "metrics.json").read_text())
+    # The float graph equals PyTorch, so its exact-match accuracy with the saved thresholds is the run's own.
+    assert quantized["images"] == saved["eval_samples"] and quantized["agreement_of"] == "label-set"
+    assert quantized["float_accuracy"] == pytest.approx(saved["accuracy"])
+    assert 0 <= quantized["top1_agreement"] <= 1
 
 
 @pytest.mark.slow
@@ -220,7 +233,7 @@ def test_two_processes_count_each_eval_image_once_and_match_one_process_evaluati
     assert metrics["eval_samples"] == 6 and sum(c["support"] for c in metrics["per_class"].values()) > 0
     assert main(["evaluate", str(out), "--output-dir", str(tmp_path / "eval")]) == 0
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    assert {k: v for k, v in metrics.items() if k not in {"steps", "skipped_images", "method", "probe"}} == again
+    assert {k: v for k, v in metrics.items() if k not in TRAINING_ONLY_METRICS} == again
 
 
 @pytest.mark.slow
@@ -274,3 +287,91 @@ def test_a_saved_dataset_with_a_list_of_classlabel_column_is_multi_label(tmp_pat
     dataset = data.eval_dataset(splits, DataSettings(), lambda images, return_tensors: {
         "pixel_values": torch.zeros(1, 3, 8, 8)}, 8)
     assert dataset[(0, 0)][1] == [1, 0, 1] and dataset[(1, 0)][1] == [0, 1, 0]  # [sky, sand] and [sea] as 0/1 rows
+
+
+# ---------------------------------------------------------------- images with no label, and every surface agreeing
+
+
+@pytest.fixture(scope="module")
+def unlabelled(label_sets) -> dict:
+    """A label file of 50 rows of which 4 (8 %) hold no label; 'cyan' only on a train row, 'purple' only on a
+    validation row; trained through the CLI."""
+    root = label_sets["root"] / "unlabelled"
+    path = write_label_sets(root, images=50, split_column=True, seed=4)
+    with open(path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    for i in (3, 6, 4, 8):  # validation rows are every third: two of each split hold no label
+        rows[i]["labels"] = ""
+    rows[9]["labels"] += ";purple"
+    rows[10]["labels"] += ";cyan"
+    with open(path, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    out = root / "out"
+    assert train([*RECIPE, "pictures=false", f"model.base={label_sets['base']}", f"data.dataset={path}",
+                  f"output_dir={out}"]) == 0
+    validation = [root / row["file_name"] for row in rows if row["split"] == "validation"]
+    truth = [row["labels"].split(";") if row["labels"] else [] for row in rows if row["split"] == "validation"]
+    return {"out": out, "validation": validation, "truth": truth}
+
+
+def predicted_sets(model: Path, images: list[Path], folder: Path, *options: str) -> list[list[str]]:
+    """`predict`'s labels per image, in order, through the CLI's JSONL output."""
+    output = folder / f"predict{''.join(options)}.jsonl"
+    assert main(["predict", str(model), *map(str, images), "--output", str(output), *options]) == 0
+    return [[guess["label"] for guess in json.loads(line)["predictions"]] for line in output.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_images_with_no_label_train_as_negatives_and_metrics_count_them(unlabelled, tmp_path, capsys):
+    from transformers import pipeline
+
+    out = unlabelled["out"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["eval_samples"] == 17 and metrics["eval_images_without_labels"] == 2
+    assert metrics["train_images_without_labels"] == 2
+    # Thresholds chosen with the unlabelled rows among the negatives: recomputed from pipeline()'s scores of all
+    # 17 validation images
+    classify = pipeline("image-classification", model=str(out))
+    labels = list(metrics["thresholds"])
+    scores = np.array([[{g["label"]: g["score"] for g in classify(str(image), top_k=len(labels))}[label]
+                        for label in labels]
+                       for image in unlabelled["validation"]])
+    rows = np.array([[int(label in truth) for label in labels] for truth in unlabelled["truth"]])
+    assert list(metrics["thresholds"].values()) == pytest.approx(multilabel.choose_thresholds(scores, rows, "f1"),
+                                                                 abs=1e-5)
+    given = predicted_sets(out, unlabelled["validation"], tmp_path)
+    assert metrics["eval_images_given_no_label"] == sum(not labels_of for labels_of in given)
+    # A label no training image holds is named; one no eval image holds is named as left out of macro F1 and mAP
+    assert metrics["labels_without_train_images"] == ["purple"]
+    assert metrics["macro_f1_absent_classes"] == ["cyan"] and metrics["per_class"]["cyan"]["ap"] is None
+    card = (out / "README.md").read_text()
+    assert "2 of the 17 eval images hold none of the labels" in card and "left out of macro F1 and mAP: cyan" in card
+
+
+@pytest.mark.slow
+def test_predict_explain_and_the_page_give_an_image_the_same_labels(unlabelled, tmp_path, capsys):
+    from vit_finetune.app import build_app, classifier
+
+    out, images = unlabelled["out"], unlabelled["validation"]
+    given = predicted_sets(out, images, tmp_path)
+    assert any(len(labels_of) >= 2 for labels_of in given)  # so that --top-k 1 has something to cut
+    assert predicted_sets(out, images, tmp_path, "--top-k", "1") == [labels_of[:1] for labels_of in given]
+    capsys.readouterr()
+    assert main(["explain", str(out), *map(str, images), "--output-dir", str(tmp_path / "explain")]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for image, labels_of in zip(images, given):
+        line = next(line for line in printed if line.startswith(f"{image}: "))
+        shown = line.split(": ", 1)[1].split(" -> ")[0]
+        assert [] if shown == "no label" else [part.rsplit(" ", 1)[0] for part in shown.split(", ")] == labels_of
+    assert f"{len(images)} picture(s) in {(tmp_path / 'explain').resolve()}" in printed[-1]
+    classify, _config, _size = classifier(str(out), top_k=5, scratch=tmp_path)
+    for image, labels_of in zip(images[:6], given):
+        shown, picture, verdict = classify(str(image))
+        assert list(shown) == labels_of[:5] and picture is not None
+        assert all(f"<b>{label} " in verdict for label in labels_of[:5])
+    # The page's pictures carry their titles as headings, not as gradio's label badge drawn over the picture's own
+    components = build_app(str(out)).config["components"]
+    pictures = [c["props"] for c in components if c["type"] == "image" and c["props"].get("elem_id") != "image"]
+    assert pictures and not any(props["show_label"] for props in pictures)

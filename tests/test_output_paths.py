@@ -1,5 +1,5 @@
-"""Paths a run reads and writes: overwrite=true never clears a folder the run reads (model.base = output_dir), and
-`~` means one folder for the safety checks and the writes alike."""
+"""Paths a run reads and writes: overwrite=true never clears a folder the run reads (model.base, the distillation
+teacher, a label file's images = output_dir), and `~` means one folder for the safety checks and the writes alike."""
 
 from __future__ import annotations
 
@@ -51,6 +51,54 @@ def test_a_base_inside_a_folder_the_run_replaces_is_refused(finished, images, tm
     error = error_line(capsys.readouterr().err)
     assert "model.base" in error and "another output_dir" in error, error
     assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("spelled", ["same", "symlink", "relative", "inside"])
+def test_a_distillation_teacher_in_the_output_dir_is_refused_before_anything_is_cleared(finished, images, tmp_path,
+                                                                                        capsys, monkeypatch, spelled):
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    if spelled == "inside":  # a copy of the teacher in a folder the run writes (checkpoints/): cleared as well
+        shutil.copytree(finished, out / "checkpoints" / "teacher")
+    before = snapshot(out)
+    monkeypatch.chdir(tmp_path)
+    teacher = {"same": out, "symlink": tmp_path / "link", "relative": Path("run/../run/."),
+               "inside": out / "checkpoints" / "teacher"}[spelled]
+    if spelled == "symlink":
+        teacher.symlink_to(out)
+    code = train([f"model.base={finished}", f"data.dataset={images}", *RECIPE, *SHORT, f"output_dir={out}",
+                  "overwrite=true", f"train.distill.teacher={teacher}"])
+    error = error_line(capsys.readouterr().err)
+    assert code == 1
+    assert "train.distill.teacher" in error and "another output_dir" in error, error
+    assert snapshot(out) == before  # the teacher's weights, config and metrics: all still there
+
+
+@pytest.mark.parametrize("where", ["inside", "symlink", "equal"])
+def test_an_output_dir_in_a_label_files_folder_is_refused_before_anything_is_written(base, tmp_path, capsys,
+                                                                                     monkeypatch, where):
+    from tiny import write_label_sets
+
+    label_file = write_label_sets(tmp_path / "data", images=6)
+    (tmp_path / "link").symlink_to(tmp_path / "data")
+    before = snapshot(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    out = {"inside": "data/runs", "symlink": "link/runs", "equal": "data"}[where]
+    code = train([f"model.base={base}", f"data.dataset={label_file}", *RECIPE, *SHORT, f"output_dir={out}"])
+    error = error_line(capsys.readouterr().err)
+    assert code == 1 and "overlaps the dataset's folder" in error, error
+    assert snapshot(tmp_path / "data") == before and not (tmp_path / "data" / "runs").exists()
+
+
+@pytest.mark.parametrize("where", ["the file", "under the file"])
+def test_an_output_dir_that_is_a_file_is_named_as_one(args, tmp_path, capsys, where):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    out = notes if where == "the file" else notes / "run"
+    assert train([*args, *SHORT, f"output_dir={out}"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "which is a file" in error if where == "under the file" else "is a file, not a folder" in error, error
+    assert "disk space" not in error and notes.read_text() == "mine\n"
 
 
 def test_a_finished_run_is_a_base_for_a_run_into_another_folder(finished, images, tmp_path):

@@ -8,6 +8,7 @@ compared with `pipeline("image-classification")` on the saved output folder give
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import datasets
@@ -202,3 +203,86 @@ def test_32_bit_integer_and_float_grey_tiffs_train_as_their_range_says_not_white
         for pixels in seen[label]:  # CHW uint8: what the model's input is made from
             assert (pixels == pixels[:1]).all(), label  # grey in all three channels
             assert np.array_equal(pixels[0], want), (label, pixels[0][0].tolist())
+
+
+# ---------------------------------------------------------------- drawings kept in the alpha channel
+
+
+def icon(kind: str, rng: np.random.Generator, side: int = 32) -> Image.Image:
+    """Black strokes on a transparent background, the stroke only in alpha (every pixel's colour is black), as
+    drawing tools write icons: a ring or a cross, at a seeded place."""
+    y, x = np.mgrid[0:side, 0:side]
+    cy, cx = rng.integers(12, side - 12, size=2)
+    if kind == "ring":
+        stroke = np.abs(np.hypot(y - cy, x - cx) - 8) < 1.5
+    else:
+        stroke = (np.abs(y - x - (cy - cx)) < 1.5) | (np.abs(y + x - (cy + cx)) < 1.5)
+    alpha = np.where(stroke, 255, 0).astype(np.uint8)
+    return Image.fromarray(np.dstack([np.zeros((side, side, 3), np.uint8), alpha]), "RGBA")
+
+
+@pytest.fixture(scope="module")
+def icons(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("icons")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 8), ("validation", 3)):
+        for kind in ("cross", "ring"):
+            (root / split / kind).mkdir(parents=True)
+            for i in range(count):
+                icon(kind, rng).save(root / split / kind / f"{i}.png")
+    return root
+
+
+def test_drawings_in_the_alpha_channel_are_refused_as_flat_with_the_fix_named(base, icons, tmp_path, capsys):
+    args = [f"model.base={base}", f"data.dataset={icons}", f"model.image_size={SIZE}", "train.batch_size=4",
+            "train.max_steps=2", "data.num_workers=0", "pictures=false"]
+    assert train([*args, f"output_dir={tmp_path / 'refused'}"]) == 1
+    error = capsys.readouterr().err
+    assert "16 of the 16 training images checked decode to one flat colour" in error, error[-2000:]
+    assert "16 of them keep their drawing in the alpha channel" in error and "data.alpha_background=white" in error
+    assert "data.allow_flat_images=true" in error and "Traceback" not in error
+    assert not (tmp_path / "refused" / "metrics.json").exists()
+    assert train([*args, f"output_dir={tmp_path / 'told'}", "data.allow_flat_images=true"]) == 0
+    assert "decode to one flat colour" in capsys.readouterr().out  # said, not refused
+
+
+@pytest.mark.slow
+def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the_page(base, icons, tmp_path, capsys):
+    from transformers import pipeline
+
+    from vit_finetune.app import classifier
+    from vit_finetune.cli import main
+    from vit_finetune.onnx_export import parity_images
+
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={icons}", f"model.image_size={SIZE}", "train.batch_size=4",
+                  "train.max_steps=2", "data.num_workers=0", "pictures=false", "data.alpha_background=white",
+                  f"output_dir={out}"]) == 0
+    assert "flat colour" not in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["alpha_background"] == "white"
+    assert "`data.alpha_background: white`" in (out / "README.md").read_text()
+    files = sorted((icons / "validation").rglob("*.png"))
+    on_white = [Image.alpha_composite(Image.new("RGBA", (SIZE, SIZE), "white"), Image.open(f)).convert("RGB")
+                for f in files]
+    classify = pipeline("image-classification", model=str(out))
+    expected = [{g["label"]: g["score"] for g in classify(image, top_k=2)} for image in on_white]
+    flat = [{g["label"]: g["score"] for g in classify(str(f), top_k=2)} for f in files]  # alpha dropped: all black
+    assert all(scores == pytest.approx(flat[0]) for scores in flat) and expected != flat
+    assert main(["predict", str(out), *map(str, files), "--output", str(tmp_path / "p.jsonl")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    for row, scores in zip(rows, expected):
+        assert {g["label"]: g["score"] for g in row["predictions"]} == pytest.approx(scores, abs=1e-5)
+    capsys.readouterr()
+    assert main(["explain", str(out), str(files[0]), "--output-dir", str(tmp_path / "explain")]) == 0
+    assert f"{files[0]}: {rows[0]['predictions'][0]['label']} {rows[0]['predictions'][0]['score']:.2f}" in \
+        capsys.readouterr().out
+    page = classifier(str(out), top_k=2)[0](str(files[0]))[0]
+    assert page == pytest.approx({g["label"]: g["score"] for g in rows[0]["predictions"]}, abs=1e-5)
+    # export --onnx checks its graph on --images decoded as the model was trained
+    from transformers import AutoConfig, AutoImageProcessor
+
+    from vit_finetune.inference import collect_images
+
+    processor = AutoImageProcessor.from_pretrained(out)
+    parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))
+    assert torch.equal(parity.pixels, processor(images=on_white[:1], return_tensors="pt")["pixel_values"])

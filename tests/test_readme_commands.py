@@ -78,3 +78,22 @@ def test_the_front_pages_commands_run_on_the_demos_model(tmp_path, monkeypatch, 
         assert result.returncode == 0, (command, result.stderr[-2000:])
         assert "error" not in result.stderr.lower(), (command, result.stderr[-2000:])
     assert list((tmp_path / "explain").glob("*.png"))
+
+
+FIRST_SCREEN = 40  # lines a reader sees before scrolling
+
+
+def test_training_on_your_own_images_is_on_the_first_screen_and_leaves_your_images_unflipped(capsys):
+    """The offline own-images command borrows the demo recipe, which flips its shapes: it must not flip a user's
+    images (a mirrored digit is another symbol), which also keeps train.distill.cache_logits usable."""
+    from vit_finetune.cli import main
+
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index("## Train on your own images")
+    assert start < FIRST_SCREEN
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    commands = [shlex.split(line, comments=True) for line in lines[start:end] if "-m vit_finetune --recipe demo" in line]
+    assert commands
+    for tokens in commands:
+        assert main([*tokens[tokens.index("vit_finetune") + 1:], "--print"]) == 0
+        assert re.search(r"^  horizontal_flip: false$", capsys.readouterr().out, re.M), tokens

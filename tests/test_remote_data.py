@@ -18,8 +18,10 @@ SHORT = ["train.max_steps=2"]
 
 
 def png(rgb: tuple[int, int, int]) -> bytes:
+    """A noisy colour square: one flat colour would be refused as an image that teaches nothing."""
     encoded = io.BytesIO()
-    Image.fromarray(np.full((24, 24, 3), rgb, dtype=np.uint8)).save(encoded, format="PNG")
+    noisy = np.clip(np.array(rgb) + np.random.default_rng(sum(rgb)).normal(0, 30, (24, 24, 3)), 0, 255)
+    Image.fromarray(noisy.astype(np.uint8)).save(encoded, format="PNG")
     return encoded.getvalue()
 
 

@@ -87,6 +87,38 @@ def test_a_models_own_code_never_runs_even_when_stdin_says_yes(command, trained,
     assert not (tmp_path / "ex").exists()
 
 
+def relabelled(trained: Path, folder: Path, labels: list[str], **config) -> Path:
+    """A copy of the trained model whose config names other labels (and sets `config`): a model as another
+    person may hand it over."""
+    shutil.copytree(trained, folder)
+    saved = json.loads((folder / "config.json").read_text())
+    saved.update(id2label={str(i): label for i, label in enumerate(labels)},
+                 label2id={label: i for i, label in enumerate(labels)}, **config)
+    (folder / "config.json").write_text(json.dumps(saved))
+    return folder
+
+
+@pytest.mark.parametrize("command", ["predict", "explain"])
+def test_an_auto_map_is_refused_even_on_a_built_in_model_type(command, trained, photo, tmp_path, capsys):
+    auto_mapped = relabelled(trained, tmp_path / "mapped", ["red", "green", "blue"],
+                             auto_map={"AutoModelForImageClassification": "evil.EvilModel"})
+    extra = {"predict": [str(photo)], "explain": [str(photo), "--output-dir", str(tmp_path / "ex")]}[command]
+    assert main([command, str(auto_mapped), *extra]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(auto_mapped) in error and "its own Python code" in error and "auto_map" in error
+    assert not (tmp_path / "ex").exists()
+
+
+def test_a_teacher_with_its_own_code_is_refused_without_advice_to_run_it(args, trained, tmp_path, capsys):
+    teacher = relabelled(trained, tmp_path / "teacher", ["red", "green", "blue"], model_type="evil-vit",
+                         auto_map={"AutoConfig": "evil.EvilConfig"})
+    assert main([*args, f"output_dir={tmp_path / 'out'}", f"train.distill.teacher={teacher}"]) == 2
+    error = error_line(capsys.readouterr().err)
+    assert "train.distill.teacher" in error and "its own Python code" in error
+    assert "trust_remote_code" not in error and "hf.co" not in error  # no advice to run it, no Hub address
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- 2. push publishes what the run wrote
 
 
@@ -173,15 +205,16 @@ def test_push_survives_a_connection_reset(route, resets, trained, hub, hub_repo_
     assert files["model.safetensors"] == (trained / "model.safetensors").read_bytes()
 
 
-def test_a_hub_that_keeps_resetting_gives_one_clear_line_and_the_command_to_push_again(trained, hub, hub_repo_id,
-                                                                                      fast_retries, capsys):
+@pytest.mark.parametrize("options", [[], ["--private", "--space-app"]], ids=["plain", "private-with-app"])
+def test_a_hub_that_keeps_resetting_gives_one_clear_line_and_the_command_to_push_again(options, trained, hub,
+                                                                                      hub_repo_id, fast_retries, capsys):
     before = snapshot(trained)
     hub.inject_faults(status=None, reset=True, times=None, path_regex=r"/commit/", method="POST")
-    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
+    assert main(["push", str(trained), "--repo-id", hub_repo_id, *options]) == 1
     error = error_line(capsys.readouterr().err)
     assert "connection error" in error
     assert f"The model is safe in {trained}: the local folder is intact" in error
-    assert error.endswith(f"python -m vit_finetune push {trained} --repo-id {hub_repo_id}")
+    assert error.endswith(" ".join(["python -m vit_finetune push", str(trained), "--repo-id", hub_repo_id, *options]))
     assert len(hub.requests(method="POST", path_regex=r"/commit/")) == 5
     assert snapshot(trained) == before
 
@@ -292,6 +325,46 @@ def test_evaluate_refuses_to_replace_a_users_metrics_unless_asked(trained, tmp_p
     assert main(["evaluate", str(trained), "--output-dir", str(folder), "--overwrite"]) == 0
     assert json.loads((folder / "metrics.json").read_text())["accuracy"] >= 0
     assert {"confusion_matrix.png", "misclassified.png"} <= {p.name for p in folder.iterdir()}
+
+
+FORMULAS = ['=HYPERLINK("http://127.0.0.1/x?"&A1,"click")', "+1+1", "-2+3", "@SUM(1)"]
+
+
+@pytest.mark.parametrize("kind", ["single-label", "multi-label"])
+def test_no_cell_of_predicts_csv_runs_as_a_spreadsheet_formula(kind, trained, tmp_path, monkeypatch):
+    config = {"problem_type": "multi_label_classification", "label_thresholds": dict.fromkeys(FORMULAS[:3], 0.0)} \
+        if kind == "multi-label" else {}
+    model = relabelled(trained, tmp_path / "model", FORMULAS[:3], **config)
+    monkeypatch.chdir(tmp_path)
+    for name in ("=1+2.png", "@cmd.png", "plain.png"):  # relative names: the image column starts with them
+        colour_image(COLOURS["red"], np.random.default_rng(2)).save(tmp_path / name)
+    assert main(["predict", str(model), "=1+2.png", "@cmd.png", "plain.png", "--output", "p.csv", "--top-k", "3"]) == 0
+    rows = list(csv.reader((tmp_path / "p.csv").open(newline="")))
+    cells = [cell for row in rows for cell in row]
+    assert not [cell for cell in cells if cell.startswith(("=", "+", "-", "@", "\t", "\r"))], cells
+    assert [row[0] for row in rows[1:]] == ["'=1+2.png", "'@cmd.png", "plain.png"]  # text, nothing else changed
+    if kind == "single-label":
+        assert sorted(cell for row in rows[1:] for cell in row[2::2]) == sorted(["'" + label for label in FORMULAS[:3]] * 3)
+    else:  # every label is over its threshold of 0: one cell per image, its labels joined by ';'
+        assert all(row[2].startswith("'") and sorted(row[2][1:].split(";")) == sorted(FORMULAS[:3]) for row in rows[1:])
+
+
+@pytest.mark.parametrize("read", ["the label file", "an image"])
+def test_predict_never_writes_its_output_over_a_file_it_reads(read, trained, tmp_path, capsys):
+    from tiny import write_label_sets
+
+    label_file = write_label_sets(tmp_path / "data", images=4)
+    image = tmp_path / "data" / "images" / "0.png"
+    (tmp_path / "link.csv").symlink_to(label_file)
+    before = {path: path.read_bytes() for path in (label_file, image)}
+    if read == "the label file":  # through a link: the same file
+        command = ["--dataset", str(label_file), "--split", "train", "--output", str(tmp_path / "link.csv")]
+    else:
+        command = [str(label_file), str(image), "--output", str(label_file)]
+    assert main(["predict", str(trained), *command, "--overwrite"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "a file this command reads" in error and "another --output" in error
+    assert {path: path.read_bytes() for path in before} == before
 
 
 def fill(disk: Path) -> None:
@@ -441,6 +514,48 @@ def test_explain_output_dir_naming_a_file(trained, photo, tmp_path, capsys):
     error = error_line(capsys.readouterr().err)
     assert str(taken) in error and "not a folder" in error
     assert taken.read_text() == "mine"
+
+
+@pytest.mark.timeout(120)  # reading a FIFO blocks until a writer comes: the test fails instead of hanging
+@pytest.mark.parametrize("command", ["predict", "explain", "export"])
+def test_a_named_fifo_is_refused_not_read(command, trained, tmp_path, capsys):
+    fifo = tmp_path / "camera.png"
+    os.mkfifo(fifo)
+    argv = {"predict": ["predict", str(trained), str(fifo)],
+            "explain": ["explain", str(trained), str(fifo), "--output-dir", str(tmp_path / "ex")],
+            "export": ["export", str(trained), "--onnx", "--output", str(tmp_path / "onnx"), "--images", str(fifo)]}
+    assert main(argv[command]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(fifo) in error and "not a regular file" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["camera.png"]
+
+
+def graph_with_input(name: str, path: Path) -> None:
+    """A valid ONNX graph (logits = its input) whose input is named `name`."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Identity", [name], ["logits"])], "renamed",
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.mark.parametrize("damage", ["random bytes", "a renamed input"])
+def test_a_damaged_or_foreign_onnx_graph_is_a_clear_error(damage, trained, photo, tmp_path, capsys):
+    pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+    folder = tmp_path / "onnx"
+    folder.mkdir()
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(trained / name, folder / name)
+    if damage == "random bytes":
+        (folder / "model.onnx").write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        graph_with_input("pixels", folder / "model.onnx")
+    assert main(["predict", str(folder), str(photo), "--runtime", "onnx"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert str(folder / "model.onnx") in error and f"export MODEL --onnx --output {folder}" in error
+    assert ("['pixels']" in error) == (damage == "a renamed input")
 
 
 def test_a_path_component_too_long_for_the_filesystem(trained, photo, capsys):

@@ -475,3 +475,38 @@ def test_label_names_apply_to_streams_only_and_must_be_distinct():
     with pytest.raises(ValueError, match=r"must hold at least two distinct names"):
         Recipe(data={"streaming": True, "label_names": ["cat", "cat"]})
     assert Recipe(data={"streaming": True, "label_names": ["cat", "dog"]}).data.label_names == ["cat", "dog"]
+
+
+def test_multi_label_shards_from_a_label_file_stream_and_score_as_evaluate_scores_them(tables, tmp_path):
+    """A multi-label label file (some images with no label) written as parquet shards, as push_to_hub writes its
+    dataset: a list of ClassLabel per row, the image bytes inside."""
+    import datasets
+
+    from tiny import write_label_sets
+    from vit_finetune import data
+    from vit_finetune.cli import main
+    from vit_finetune.recipe import DataSettings
+
+    path = write_label_sets(tmp_path / "labels", images=24, split_column=True, seed=2)
+    lines = path.read_text().splitlines()
+    assert lines[7].startswith("images/6.png,") and lines[7].endswith(",validation")
+    lines[7] = "images/6.png,,validation"  # no label: a negative for every one
+    path.write_text("\n".join(lines) + "\n")
+    loaded = data.open_dataset(DataSettings(dataset=str(path)))
+    assert loaded["validation"][2]["labels"] == []
+    embedded = datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"file_name": [{"bytes": Path(cell["path"]).read_bytes(), "path": None}
+                       for cell in table.cast_column("file_name", datasets.Image(decode=False))["file_name"]],
+         "labels": table["labels"]}, features=table.features) for split, table in loaded.items()})
+    shards = write_shards(embedded, tmp_path / "shards", {"train": 2, "validation": 1})
+    out = tmp_path / "out"
+    assert train([f"model.base={tables['base']}", f"data.dataset={shards}", *RECIPE, f"output_dir={out}"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["multi_label"] is True and metrics["eval_samples"] == 8 and metrics["eval_images_without_labels"] == 1
+    # The label file's own validation rows, read whole, at the thresholds the streamed run chose and saved
+    assert main(["evaluate", str(out), "--dataset", str(path), "--split", "validation",
+                 "--output-dir", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "metrics.json").read_text())
+    assert again["thresholds"] == metrics["thresholds"]
+    for key in ("map", "micro_f1", "macro_f1", "accuracy", "eval_images_given_no_label"):
+        assert again[key] == pytest.approx(metrics[key]), key

@@ -15,6 +15,7 @@ import torch
 
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
+from vit_finetune.export import TRAINING_ONLY_METRICS
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,7 @@ def test_evaluate_reproduces_the_runs_metrics_exactly(trained, tmp_path):
     assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "eval")]) == 0
     saved = json.loads((trained / "metrics.json").read_text())
     again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
-    training_only = {"steps", "skipped_images", "method", "probe"}
-    assert {k: v for k, v in saved.items() if k not in training_only} == again  # equality, eval_loss included
+    assert {k: v for k, v in saved.items() if k not in TRAINING_ONLY_METRICS} == again  # equality, eval_loss included
     for picture in ("confusion_matrix.png", "misclassified.png"):
         assert (tmp_path / "eval" / picture).read_bytes()[:4] == b"\x89PNG"
 

@@ -4,20 +4,32 @@ rollout, explain.py), beside the position-embedding picture of a run moved to a 
     python -m vit_finetune app outputs/demo [--port 7860]
 
 Gradio is the Hub's convention for such pages (a Space runs the same file). It serves on 127.0.0.1 only, with
-its analytics off: nothing leaves the machine.
+its analytics off: nothing leaves the machine. Every string the model provides (its labels, its type) is shown as
+text, never as Markdown or HTML, so no label can make the page fetch anything. An upload is decoded by the toolkit's
+own decode_image, with the limits predict applies; the uploads, Gradio's copies and the pictures live in one
+temporary folder, cleaned while the page runs and removed when it stops.
 """
 
 from __future__ import annotations
 
+import html
+import json
 import os
+import signal
+import socket
+import sys
 import tempfile
 from pathlib import Path
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 from .pictures import POSITION_FILE
 
 DEFAULT_PORT = 7860
 SPACE_DIR = "space"  # push --space: the page as a Space-ready folder inside the model repo
+MAX_UPLOAD = "100mb"  # larger uploads are refused before they reach the disk
+# Every 5 minutes Gradio deletes what this page made (uploads, its copies, pictures) over 10 minutes old: a page left
+# running for days does not fill the disk. Everything goes when the page stops.
+CACHE_CLEANING_S = (300, 600)
 
 
 class AppError(VitFinetuneError):
@@ -33,6 +45,17 @@ def require_gradio():
     return gradio
 
 
+def refuse_a_taken_port(port: int) -> None:
+    """Before the model loads: a port another program listens on, named with the fix."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as error:
+            other = port + 1 if port < 65535 else DEFAULT_PORT
+            raise AppError(f"port {port} on 127.0.0.1 cannot be used ({error.strerror or error}): another program "
+                           f"listens there. Pass another --port, e.g. --port {other}") from None
+
+
 def position_picture(name: str, location: str) -> str | None:
     """The run's position_embeddings.png (written when the run moved the model to a new resolution), if any."""
     folder = Path(location)
@@ -46,8 +69,30 @@ def position_picture(name: str, location: str) -> str | None:
         return None
 
 
-def classifier(name: str, top_k: int):
-    """classify(PIL image) -> ({label: probability} of the top k, path of the rollout picture)."""
+def read_upload(path: str, settings):
+    """An uploaded file as predict reads an image (decode_image with the model's decoding settings: its size limit,
+    EXIF orientation, the alpha background it trained with, RGB); a file it cannot read is a gradio.Error naming the
+    user's file, never the server's folder."""
+    import gradio
+
+    from .data import BadImageError, decode_image
+
+    name = Path(path).name  # Gradio keeps the upload's own name: cache/<hash>/<name>
+    try:
+        return decode_image({"path": path, "bytes": None}, 0, settings)
+    except BadImageError as error:
+        # Named as the user named it, without the server's folder; the message's advice is for training.
+        reason = str(error).replace(path, name).split(". Fix the file")[0].removeprefix("bad image ")
+        raise gradio.Error(f"{shortened(reason)}. Drop a PNG, JPEG or WebP image", print_exception=False) from None
+
+
+def classifier(name: str, top_k: int, scratch: Path):
+    """classify(uploaded file) -> ({label: score} of the labels the model gives the image, as predict lists them; the
+    rollout picture; for a multi-label model a line saying which labels pass their thresholds). The pictures are drawn
+    in `scratch` and read back, so none is kept."""
+    from PIL import Image
+
+    from .data import decoding_settings
     from .explain import check_supported, draw_explanation, explain_pixels
     from .families import FAMILIES
     from .inference import load_classifier
@@ -55,54 +100,99 @@ def classifier(name: str, top_k: int):
     model, processor = load_classifier(name, "cpu", eager_attention=True)  # eager: rollout needs the weights
     check_supported(model.config)
     size = FAMILIES[model.config.model_type].image_size(model.config)
-    pictures = Path(tempfile.mkdtemp(prefix="vit-finetune-app-"))
+    settings = decoding_settings(model.config)
 
-    def classify(image):
-        if image is None:
-            return None, None
-        image = image.convert("RGB")
+    def classify(upload: str | None):
+        if upload is None:
+            return None, None, ""
+        image = read_upload(upload, settings)
         pixels = processor(images=image, return_tensors="pt")["pixel_values"]
         explanation = explain_pixels(model, pixels, "rollout", None, top_k)
-        path = Path(tempfile.mkstemp(suffix=".rollout.png", dir=pictures)[1])
-        draw_explanation(image, explanation, size, "rollout", path)
-        return dict(explanation.top), str(path)
+        handle, path = tempfile.mkstemp(suffix=".rollout.png", dir=scratch)
+        os.close(handle)
+        try:
+            draw_explanation(image, explanation, size, "rollout", Path(path))
+            with Image.open(path) as drawn:
+                picture = drawn.copy()
+        finally:
+            os.unlink(path)
+        return dict(explanation.given[:top_k]), picture, verdict_html(explanation, top_k)
 
     return classify, model.config, size
 
 
-def build_app(name: str, top_k: int = 5):
-    """The page as a gradio Blocks (not yet served)."""
+def verdict_html(explanation, top_k: int) -> str:
+    """The line under the labels, as escaped text: for a multi-label model, which labels pass their thresholds and
+    the best of those that do not; nothing for a single-label one (its labels are its top k)."""
+    if explanation.thresholds is None:
+        return ""
+    given = {label for label, _ in explanation.given}
+
+    def shown(label: str, score: float) -> str:
+        return f"{html.escape(str(label))} {score:.2f} (threshold {explanation.thresholds[label]:.2f})"
+
+    passing = ", ".join(f"<b>{shown(label, score)}</b>" for label, score in explanation.given[:top_k])
+    below = ", ".join(shown(label, score) for label, score in explanation.top if label not in given)
+    return (f"<p>Labels given (score at or over the label's threshold): {passing or 'none'}."
+            + (f" Below their thresholds: {below}." if below else "") + "</p>")
+
+
+def header_html(name: str, config, size: int) -> str:
+    """The page's heading: the model's name, type and labels as escaped text (a label is any string its maker chose,
+    `![t](http://host/x.png)` or `<img src=...>` included)."""
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    shown = ", ".join(html.escape(str(label)) for label in labels[:10]) + (", ..." if len(labels) > 10 else "")
+    return (f"<h2>{html.escape(name)}</h2><p>A {html.escape(str(config.model_type))} classifier at {size}x{size} px "
+            f"with {len(labels)} labels ({shown}). Drop an image to classify it.</p>")
+
+
+def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
+    """The page as a gradio Blocks (not yet served); its pictures are drawn in `scratch` (a new temporary folder
+    if None). Each picture's title is a heading above it: gradio's label badge would cover the title drawn at the top
+    of the picture."""
     from .inference import model_location
 
     gradio = require_gradio()
     location = model_location(name)
-    classify, config, size = classifier(name, top_k)
+    scratch = Path(scratch or tempfile.mkdtemp(prefix="vit-finetune-app-"))
+    classify, config, size = classifier(name, top_k, scratch)
     picture = position_picture(name, location)
-    labels = [config.id2label[i] for i in range(config.num_labels)]
-    with gradio.Blocks(title=f"{Path(name).name} - vit_finetune") as page:
-        gradio.Markdown(f"## {name}\nA {config.model_type} classifier at {size}x{size} px with {len(labels)} labels "
-                        f"({', '.join(labels[:10])}{', ...' if len(labels) > 10 else ''}). Drop an image to classify it.")
+    with gradio.Blocks(title=f"{Path(name).name} - vit_finetune", delete_cache=CACHE_CLEANING_S) as page:
+        gradio.HTML(header_html(name, config, size), elem_id="header")
         with gradio.Row():
-            image = gradio.Image(type="pil", label="image", elem_id="image")
-            top = gradio.Label(num_top_classes=top_k, label="top labels", elem_id="labels")
-        rollout = gradio.Image(label="attention rollout: where the model looked", elem_id="rollout",
-                               interactive=False)
+            image = gradio.File(label="image", file_types=["image"], type="filepath", elem_id="image")
+            with gradio.Column():
+                top = gradio.Label(num_top_classes=top_k, label="labels the model gives", elem_id="labels")
+                passing = gradio.HTML(elem_id="verdict")
+        gradio.HTML("<h3>Attention rollout: where the model looked</h3>")
+        rollout = gradio.Image(show_label=False, elem_id="rollout", interactive=False)
         if picture:
-            gradio.Image(picture, label="position embeddings, before and after the move to the new resolution",
-                         elem_id="positions", interactive=False)
-        image.change(classify, inputs=image, outputs=[top, rollout])
+            gradio.HTML("<h3>Position embeddings, before and after the move to the new resolution</h3>")
+            gradio.Image(picture, show_label=False, elem_id="positions", interactive=False)
+        image.change(classify, inputs=image, outputs=[top, rollout, passing])
     return page
 
 
 def serve(name: str, port: int = DEFAULT_PORT, top_k: int = 5) -> None:
-    """Serve the page on 127.0.0.1:port until interrupted."""
-    page = build_app(name, top_k)
-    print(f"serving {name} on http://127.0.0.1:{port} (Ctrl-C stops it)", flush=True)
-    try:
-        page.launch(server_name="127.0.0.1", server_port=port, share=False, inbrowser=False, show_error=True,
-                    quiet=True)
-    except OSError as error:
-        raise AppError(f"cannot serve on port {port}: {error}. Pass another --port") from None
+    """Serve the page on 127.0.0.1:port until interrupted (Ctrl-C or SIGTERM); what it stored goes with it."""
+    refuse_a_taken_port(port)
+    with tempfile.TemporaryDirectory(prefix="vit-finetune-app-") as scratch:
+        os.environ["GRADIO_TEMP_DIR"] = scratch  # uploads and Gradio's copies, read when the page is built
+        page = build_app(name, top_k, Path(scratch))
+        try:
+            page.launch(server_name="127.0.0.1", server_port=port, share=False, inbrowser=False, show_error=True,
+                        quiet=True, prevent_thread_lock=True, max_file_size=MAX_UPLOAD)
+        except OSError as error:  # taken between the check and the launch
+            raise AppError(f"cannot serve on port {port}: {shortened(error)}. Pass another --port") from None
+        print(f"serving {name} on http://127.0.0.1:{port} (Ctrl-C stops it)", flush=True)
+        previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a service stop cleans up like Ctrl-C
+        try:
+            page.block_thread()  # returns on Ctrl-C, Gradio having closed the server
+        except KeyboardInterrupt:  # a second Ctrl-C while Gradio closes it
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            page.close()
 
 
 # push --space-app: a Gradio app that runs on a Space from the model repo alone (transformers' pipeline, no
@@ -149,9 +239,11 @@ if __name__ == "__main__":
 SPACE_FILES = {
     "app.py": lambda repo_id, top_k: SPACE_APP.format(repo_id=repo_id, top_k=top_k, position_file=POSITION_FILE),
     "requirements.txt": lambda repo_id, top_k: "transformers>=5,<6\ntorch\npillow\ngradio>=5,<7\n",
-    "README.md": lambda repo_id, top_k: (f"---\ntitle: {repo_id.split('/')[-1]}\nsdk: gradio\napp_file: app.py\n"
-                                         f"models:\n- {repo_id}\n---\nTry [{repo_id}](https://huggingface.co/{repo_id}): "
-                                         "copy this folder into a new Space, or run `python app.py`.\n"),
+    # The YAML values quoted (a JSON string is a YAML one): a repo named null, true or 1e3 keeps its name as text.
+    "README.md": lambda repo_id, top_k: (f"---\ntitle: {json.dumps(repo_id.split('/')[-1])}\nsdk: gradio\n"
+                                         f"app_file: app.py\nmodels:\n- {json.dumps(repo_id)}\n---\nTry "
+                                         f"[{repo_id}](https://huggingface.co/{repo_id}): copy this folder into a new "
+                                         "Space, or run `python app.py`.\n"),
 }
 
 
@@ -177,6 +269,6 @@ def push_space_app(repo_id: str, top_k: int = 5) -> str:
                 repo_id=repo_id, folder_path=folder, path_in_repo=SPACE_DIR,
                 commit_message="Add a Space-ready Gradio app (vit_finetune push --space-app)")
         except (HfHubHTTPError, OSError) as error:
-            raise PushError(f"the model is pushed to {repo_id}, but its app could not be added: {str(error)[:300]}. "
+            raise PushError(f"the model is pushed to {repo_id}, but its app could not be added: {shortened(error)}. "
                             f"Run the same push command again to retry") from None
     return commit.commit_url

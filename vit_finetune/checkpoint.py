@@ -19,7 +19,7 @@ from typing import Callable
 import yaml
 from safetensors import SafetensorError
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 from .processes import any_process
 from .recipe import HOME_PATH_KEYS, RECIPE_FILE, Recipe, default_values, excerpt, flatten, write_recipe
 
@@ -342,7 +342,7 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity
     except READ_ERRORS as error:
         raise DamagedCheckpoint(
             f"cannot resume from {checkpoint}: it is damaged or was not written by vit_finetune "
-            f"({type(error).__name__}: {str(error)[:300]}). Resume from an earlier checkpoint with "
+            f"({type(error).__name__}: {shortened(error)}). Resume from an earlier checkpoint with "
             f"train.resume=<its folder>, or start again with overwrite=true"
         ) from None
 

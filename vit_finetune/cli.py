@@ -24,6 +24,8 @@ from pathlib import Path
 from .onnx_export import QUANTIZATIONS, RUNTIMES
 
 
+TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
+              "their saved thresholds, at most k of them, highest first (default: all of them)")
 # predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
 DATASET_SPLIT = "validation"
 
@@ -67,14 +69,15 @@ def _model_command_parser(command: str, description: str, batches: bool = True) 
 
 
 def _predict_parser() -> argparse.ArgumentParser:
-    parser = _model_command_parser("predict", "Top-k labels and scores for each image; an unreadable image gets "
-                                    "its error in its row and the rest go on.")
+    parser = _model_command_parser("predict", "The labels a model gives each image, with their scores: a "
+                                    "single-label model's top k, a multi-label model's labels over their thresholds. "
+                                    "An unreadable image gets its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
     parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
     parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
                         help="onnx / onnx-int8: the graph `export --onnx [--quantize int8]` wrote (MODEL may be the "
                              "export folder itself), run by onnxruntime on the CPU")
@@ -89,7 +92,8 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     parser.add_argument("--onnx", action="store_true", help="export to ONNX (the one format for now; required)")
     parser.add_argument("--output", type=Path, help="the folder to write (default: MODEL/onnx, or ./NAME-onnx for a "
-                                                    "Hub id); an earlier export there is replaced, nothing else")
+                                                    "Hub id); of an earlier export there, only the files it wrote "
+                                                    "(export.json lists them) are replaced")
     parser.add_argument("--quantize", choices=QUANTIZATIONS,
                         help="also write model_quantized.onnx (dynamic int8) and measure its CPU speed-up and accuracy "
                              "change on the run's eval split")
@@ -107,7 +111,9 @@ def _app_parser() -> argparse.ArgumentParser:
                                                  "top labels and where it looked (needs gradio).")
     parser.add_argument("model", help="a trained output folder or a Hub model id")
     parser.add_argument("--port", type=int, default=7860, help="the port on 127.0.0.1 (default: 7860)")
-    parser.add_argument("--top-k", type=at_least_one, default=5, help="labels shown per image (default: 5)")
+    parser.add_argument("--top-k", type=at_least_one, default=5,
+                        help="labels shown per image (default: 5): a single-label model's best, a multi-label model's "
+                             "over their thresholds")
     return parser
 
 
@@ -129,8 +135,11 @@ def _explain_parser() -> argparse.ArgumentParser:
     parser.add_argument("--method", choices=("rollout", "gradient"), default="rollout",
                         help="rollout: attention rollout; gradient: gradient-weighted rollout for one class")
     parser.add_argument("--class", dest="label", help="gradient: the label to explain (default: the predicted one)")
-    parser.add_argument("--output-dir", type=Path, default=Path("explain"), help="where the PNGs go (default: explain/)")
-    parser.add_argument("--top-k", type=at_least_one, default=5)
+    parser.add_argument("--output-dir", type=Path, default=Path("explain"),
+                        help="where the PNGs go (default: explain/ in the current folder); the command prints it")
+    parser.add_argument("--top-k", type=at_least_one, default=5,
+                        help="scores drawn per image (default: 5); a multi-label model's labels over their thresholds "
+                             "are marked, and all of them printed")
     parser.add_argument("--overwrite", action="store_true", help="replace pictures --output-dir already holds")
     return parser
 
@@ -205,6 +214,7 @@ def predict_command(argv: list[str]) -> int:
     if bool(args.images) == bool(args.dataset):
         raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
     sources = None if args.dataset else inference.collect_images(args.images)
+    inference.refuse_output_among_inputs(args.output, sources or [], args.dataset)
     inference.model_location(args.model)
     sources = sources or inference.dataset_images(args.dataset, args.split)
     if args.runtime == "torch":
@@ -226,7 +236,8 @@ def predict_command(argv: list[str]) -> int:
     if write is None:
         inference.write_text(rows)
         return 0
-    count = inference.write_output(write, rows, Path(args.output).expanduser(), min(args.top_k, model.config.num_labels))
+    columns = min(args.top_k or inference.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
+    count = inference.write_output(write, rows, Path(args.output).expanduser(), columns)
     print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                 f"{unreadable[:5]}" if unreadable else ""))
     return 0
@@ -257,7 +268,7 @@ def explain_command(argv: list[str]) -> int:
 
     written = explain_images(args.model, sources, args.output_dir, args.method, args.label, _device(args.device),
                              args.top_k)
-    print(f"{len(written)} picture(s) in {args.output_dir}")
+    print(f"{len(written)} picture(s) in {args.output_dir.resolve()}")
     return 0
 
 
@@ -281,11 +292,12 @@ def export_command(argv: list[str]) -> int:
 def app_command(argv: list[str]) -> int:
     args = _app_parser().parse_args(argv)
     from . import inference
-    from .app import AppError, require_gradio, serve
+    from .app import AppError, refuse_a_taken_port, require_gradio, serve
 
     if not 0 < args.port < 65536:
         raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
-    inference.model_location(args.model)  # a wrong path fails before gradio's imports
+    inference.model_location(args.model)  # a wrong path or a taken port fails before gradio's imports
+    refuse_a_taken_port(args.port)
     require_gradio()
     serve(args.model, args.port, args.top_k)
     return 0
@@ -310,7 +322,7 @@ def push_command(argv: list[str]) -> int:
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
-    print(f"pushed to {push_folder(output_dir, repo_id, private)}")
+    print(f"pushed to {push_folder(output_dir, repo_id, private, args.space_app)}")
     if args.space_app:
         from .app import push_space_app
 

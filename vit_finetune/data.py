@@ -12,7 +12,7 @@ import os
 import random
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,7 +54,8 @@ class Splits:
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels)
+    multi_label: bool = False  # each row's label is a list of class ids (a set of labels), which may be empty
+    notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains
 
 
 # ---------------------------------------------------------------- loading
@@ -74,8 +75,9 @@ def refuse_unreachable(settings: DataSettings) -> None:
         raise DataError(f"data.dataset={name!r}: {problem}")
 
 
-def open_dataset(settings: DataSettings):
-    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder."""
+def open_dataset(settings: DataSettings, notes: list[str] | None = None):
+    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder; what the run
+    should say of it (a label file found multi-label) is added to `notes`."""
     import datasets
 
     from . import labels
@@ -88,7 +90,7 @@ def open_dataset(settings: DataSettings):
     try:
         label_file = labels.label_file_of(source)
         if label_file is not None:
-            loaded = labels.load_label_file(label_file, settings)
+            loaded = labels.load_label_file(label_file, settings, notes)
         elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
         elif source.is_dir():
@@ -220,7 +222,8 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     """Train and eval splits with detected columns, ClassLabel labels and optional subsampling."""
     import datasets
 
-    loaded = open_dataset(settings)
+    notes: list[str] = []
+    loaded = open_dataset(settings, notes)
     if settings.train_split not in loaded:
         raise DataError(f"data.train_split={settings.train_split!r} not in the dataset; its splits are {list(loaded)}")
     train = loaded[settings.train_split]
@@ -238,6 +241,9 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
     multi_label = is_label_set(train.features[label_column]) if settings.multi_label is None else settings.multi_label
+    if multi_label and settings.multi_label is None and not notes:  # a label file's note already says why
+        notes.append(f"data.dataset={excerpt(settings.dataset)} is multi-label (a set of labels per image: a sigmoid "
+                     f"score and a threshold per label) because its label column {label_column!r} is a list of labels")
     if multi_label:
         train = as_label_sets(train, label_column, settings.dataset)
     elif not isinstance(train.features[label_column], datasets.ClassLabel):
@@ -262,7 +268,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
-                  multi_label=multi_label)
+                  multi_label=multi_label, notes=notes)
 
 
 def is_label_set(feature) -> bool:
@@ -305,6 +311,64 @@ def hold_out_eval(train, settings: DataSettings, label_column: str | None, class
             "images per class, or a dataset split to evaluate on (data.eval_split)"
         ) from None
     return carved["train"], carved["test"]
+
+
+def training_facts(splits: Splits) -> dict:
+    """What metrics.json records of the training split: the labels no training image holds (the model cannot learn
+    them; their eval scores measure nothing learned) and, for label sets, how many images hold none of the labels."""
+    import pyarrow.compute as pc
+
+    column = splits.train.with_format("arrow")[splits.label_column]
+    ids = pc.list_flatten(column) if splits.multi_label else column
+    ids = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
+    counts = np.bincount(ids[ids >= 0], minlength=len(splits.labels))  # -1: a ClassLabel's "no label"
+    facts = {"labels_without_train_images": [label for label, n in zip(splits.labels, counts) if n == 0]}
+    if splits.multi_label:
+        facts["train_images_without_labels"] = int((pc.list_value_length(column).to_numpy() == 0).sum())
+    return facts
+
+
+def training_facts_notes(facts: dict, train_images: int) -> list[str]:
+    """The console's lines on training_facts."""
+    notes = []
+    missing = facts["labels_without_train_images"]
+    if missing:
+        notes.append(f"{len(missing)} label(s) have no training image: {excerpt(missing)}; the model cannot learn "
+                     "them, and their eval scores (and, multi-label, their thresholds) measure nothing learned. Add "
+                     "training images of them, or leave them out of the dataset")
+    if facts.get("train_images_without_labels"):
+        notes.append(f"{facts['train_images_without_labels']} of the {train_images} training images have none of the "
+                     "labels: each is a negative for every label")
+    return notes
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
+    """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
+    if tuple(scale) == (1.0, 1.0) and width != height:
+        # No crop asked, and a draw of the whole area at another aspect than the image's own never fits. (A square
+        # image takes the draws below, which give it whole too: its random stream stays as measured.)
+        return whole_image_box(width, height)
+    area = width * height
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        crop_w = int(round(np.sqrt(target_area * aspect)))
+        crop_h = int(round(np.sqrt(target_area / aspect)))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            left = rng.randint(0, width - crop_w)
+            top = rng.randint(0, height - crop_h)
+            return left, top, left + crop_w, top + crop_h
+    return whole_image_box(width, height)
+
+
+def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
+    into [3/4, 4/3]. Evaluation resizes the whole image, so within that range training without a crop sees what
+    evaluation sees."""
+    crop_w = min(width, round(height * 4 / 3))
+    crop_h = min(height, round(width * 4 / 3))
+    left, top = (width - crop_w) // 2, (height - crop_h) // 2
+    return left, top, left + crop_w, top + crop_h
 
 
 # Image files (an image folder) up to this many bytes in all are hashed, so a resume notices a file changed in place
@@ -392,7 +456,7 @@ def decode_image(encoded: dict, index: int, settings: DataSettings,
             if min(width, height) < settings.min_image_side:
                 raise BadImageError(f"{width}x{height} px is under data.min_image_side={settings.min_image_side}")
             image.load()  # decode now, so a truncated file fails here and not inside a transform
-        return to_rgb(image)
+        return to_rgb(image, settings.alpha_background)
     except BadImageError as error:
         raise BadImageError(f"bad image {where}: {error}. Fix the file, or set data.skip_bad_images=true") from None
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError, Warning) as error:
@@ -440,11 +504,12 @@ def _integer_white(image: Image.Image) -> int:
     return 2**32 - 1 if tuple(tags.get(TIFF_SAMPLE_FORMAT, (TIFF_UNSIGNED,)))[0] == TIFF_UNSIGNED else 2**31 - 1
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image, alpha_background: str | None = None) -> Image.Image:
     """RGB pixels as `pipeline()` reads a file (transformers' load_image): EXIF orientation applied, then
-    convert("RGB"), which drops alpha and maps grey, palette and CMYK. One exception: grey deeper than 8 bits is
-    scaled to 8 bits (WHITE_LEVELS; load_image clips it); `predict` decodes with this function, so its pixels
-    match evaluation."""
+    convert("RGB"), which drops alpha and maps grey, palette and CMYK. Two exceptions: grey deeper than 8 bits is
+    scaled to 8 bits (WHITE_LEVELS; load_image clips it); and with `alpha_background` (data.alpha_background) an
+    image with transparency is laid on that colour first, so a drawing kept in the alpha channel survives.
+    `predict`, `explain` and the page decode with this function, so their pixels match evaluation."""
     ImageOps.exif_transpose(image, in_place=True)
     white_level = WHITE_LEVELS.get(image.mode)
     if white_level is not None:
@@ -454,36 +519,114 @@ def to_rgb(image: Image.Image) -> Image.Image:
             values = values.astype(np.int32).view(np.uint32)
         scaled = np.clip(values.astype(np.float64) / white, 0.0, 1.0) * 255.0
         image = Image.fromarray(np.round(np.nan_to_num(scaled)).astype(np.uint8))  # mode L; NaN as black
+    elif alpha_background is not None and has_alpha(image):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background_rgb(alpha_background), 255)),
+                                     rgba).convert("RGB")
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
-    """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
-    if tuple(scale) == (1.0, 1.0) and width != height:
-        # No crop asked, and a draw of the whole area at another aspect than the image's own never fits. (A square
-        # image takes the draws below, which give it whole too: its random stream stays as measured.)
-        return whole_image_box(width, height)
-    area = width * height
-    for _ in range(10):
-        target_area = area * rng.uniform(*scale)
-        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
-        crop_w = int(round(np.sqrt(target_area * aspect)))
-        crop_h = int(round(np.sqrt(target_area / aspect)))
-        if 0 < crop_w <= width and 0 < crop_h <= height:
-            left = rng.randint(0, width - crop_w)
-            top = rng.randint(0, height - crop_h)
-            return left, top, left + crop_w, top + crop_h
-    return whole_image_box(width, height)
+# ---------------------------------------------------------------- transparency and flat images
+
+# data.alpha_background: the colour transparent pixels are laid on before the alpha channel goes (a name here, or
+# #rrggbb). Saved in the model's config.json under ALPHA_BACKGROUND_KEY, where predict, evaluate --dataset, explain,
+# export and the page read it back; the card tells pipeline() users to do the same.
+ALPHA_BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+ALPHA_BACKGROUND_KEY = "alpha_background"
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
 
 
-def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
-    """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
-    into [3/4, 4/3]. Evaluation resizes the whole image, so within that range training without a crop sees what
-    evaluation sees."""
-    crop_w = min(width, round(height * 4 / 3))
-    crop_h = min(height, round(width * 4 / 3))
-    left, top = (width - crop_w) // 2, (height - crop_h) // 2
-    return left, top, left + crop_w, top + crop_h
+def has_alpha(image: Image.Image) -> bool:
+    """Whether an image has transparency: an alpha channel, or a palette or grey value marked transparent."""
+    return image.mode in ALPHA_MODES or "transparency" in image.info
+
+
+def background_rgb(name: str) -> tuple[int, int, int]:
+    """data.alpha_background as an (r, g, b) colour: white, black or #rrggbb (the recipe checks the spelling)."""
+    if name in ALPHA_BACKGROUNDS:
+        return ALPHA_BACKGROUNDS[name]
+    return tuple(int(name[start:start + 2], 16) for start in (1, 3, 5))
+
+
+def decoding_settings(config, **settings) -> DataSettings:
+    """The data settings an image is read with for a saved model: its data.alpha_background (config.json), so
+    that predict, evaluate, explain, export and the page see the pixels the model was trained and evaluated on."""
+    return DataSettings(alpha_background=getattr(config, ALPHA_BACKGROUND_KEY, None), **settings)
+
+
+def alpha_card_text(settings: DataSettings) -> str:
+    """The card's word on transparency: what training did with it, and what a pipeline() user must do the same."""
+    if settings.alpha_background is None:
+        return ""
+    return (f"Images with transparency were laid on {settings.alpha_background} before their alpha channel was "
+            f"dropped (`data.alpha_background: {settings.alpha_background}`, saved as `{ALPHA_BACKGROUND_KEY}` in "
+            "`config.json`); vit_finetune's `predict`, `explain` and page do the same. `pipeline()` drops alpha "
+            "without it: give it such images composited first, e.g. `Image.alpha_composite(Image.new(\"RGBA\", "
+            f"image.size, {background_rgb(settings.alpha_background)}), image.convert(\"RGBA\")).convert(\"RGB\")`.\n")
+
+
+# Before training, this many training images (seeded, spread over the split) are decoded as training will decode
+# them, to find those that come out as one flat colour: what a drawing kept only in the alpha channel becomes once
+# alpha is dropped. A flat field keeps a spread below FLAT_SPREAD (8-bit values, the largest channel's standard
+# deviation) even after JPEG compression; any drawing or photo is far above it.
+FLAT_CHECKED = 256
+FLAT_SPREAD = 2.0
+
+
+def is_flat(image: Image.Image) -> bool:
+    """Whether an image is one colour, or nearly (measured on a thumbnail: the same for a flat field, and fast)."""
+    thumbnail = image.copy()
+    thumbnail.thumbnail((128, 128))
+    values = np.asarray(thumbnail, dtype=np.float64)
+    return float(values.reshape(-1, values.shape[-1] if values.ndim == 3 else 1).std(axis=0).max()) < FLAT_SPREAD
+
+
+@dataclass
+class FlatImages:
+    """What the check found: how many training images it decoded, which came out flat, and which of those hold
+    a drawing in their alpha channel (not flat when laid on white or black)."""
+    checked: int
+    flat: list[str]
+    drawn_in_alpha: list[str]
+
+    def problem(self, settings: DataSettings) -> str | None:
+        """The console's word on the flat images (None if there is none)."""
+        if not self.flat:
+            return None
+        alpha = (f"; {len(self.drawn_in_alpha)} of them keep their drawing in the alpha channel (transparency), which "
+                 "decoding drops as pipeline() does" if self.drawn_in_alpha else "")
+        fix = ("Fix: data.alpha_background=white (or black, or #rrggbb) lays transparent pixels on that colour in "
+               "training, evaluation, predict, explain, export and the page, and the model card asks pipeline() "
+               "users to do the same" if self.drawn_in_alpha and settings.alpha_background is None
+               else "Fix: check those files")
+        return (f"{len(self.flat)} of the {self.checked} training images checked decode to one flat colour, which "
+                f"teaches nothing (e.g. {', '.join(excerpt(name) for name in self.flat[:3])}){alpha}. {fix}")
+
+    def refuses(self, settings: DataSettings) -> bool:
+        """Most training images flat: the run would train on nothing, unless data.allow_flat_images says so."""
+        return len(self.flat) * 2 > self.checked and not settings.allow_flat_images
+
+
+def flat_images(splits: Splits, settings: DataSettings, seed: int) -> FlatImages:
+    """Decode up to FLAT_CHECKED training images (a seeded sample) as training does; find the flat ones."""
+    table, count = splits.train, len(splits.train)
+    chosen = range(count) if count <= FLAT_CHECKED else sorted(random.Random(seed).sample(range(count), FLAT_CHECKED))
+    checked, flat, drawn = 0, [], []
+    on = {name: settings.model_copy(update={"alpha_background": name}) for name in ALPHA_BACKGROUNDS}
+    for index in chosen:
+        cell = table[index][splits.image_column]
+        try:
+            image = decode_image(cell, index, settings, splits.image_folders)
+        except BadImageError:  # reported, or skipped and counted, where training decodes it
+            continue
+        checked += 1
+        if not is_flat(image):
+            continue
+        flat.append(sample_name(cell, index))
+        if settings.alpha_background is None and any(
+                not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values()):
+            drawn.append(sample_name(cell, index))
+    return FlatImages(checked, flat, drawn)
 
 
 # data.crop_scale=auto: the crop area from the training images a run will see (optimiser steps x images per step).
@@ -501,10 +644,16 @@ def auto_crop_scale(images_seen: int) -> tuple[tuple[float, float], str]:
     """The random-resized-crop area range data.crop_scale=auto stands for, and why, for a run that sees
     `images_seen` training images."""
     if images_seen <= AUTO_CROP_MEASURED_UP_TO:
-        return (1.0, 1.0), (f"no random crop: every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} images seen "
-                            "lost to no crop or tied (docs/training.md: Small data)")
-    return (1.0, 1.0), (f"no random crop: crops are not measured beyond {AUTO_CROP_MEASURED_UP_TO:,} images seen, "
-                        "so auto stays conservative")
+        return (1.0, 1.0), (f"every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} training images seen lost to "
+                            "no crop or tied (docs/training.md: Small data)")
+    return (1.0, 1.0), (f"crops are not measured beyond {AUTO_CROP_MEASURED_UP_TO:,} training images seen, so auto "
+                        "stays at no crop")
+
+
+def crop_in_words(scale: tuple[float, float]) -> str:
+    """A crop area range as the console names it."""
+    low, high = scale
+    return "no random crop" if (low, high) == (1.0, 1.0) else f"random crops of {low:.0%} to {high:.0%} of the area"
 
 
 # The image processor's resampling filter (PIL's number) -> torch's uint8 kernel for it, which gives PIL's antialiased
@@ -580,7 +729,7 @@ class ImageClassificationDataset(Dataset):
         if label == SKIPPED_LABEL:
             return [SKIPPED_LABEL] * self.label_sets_of
         row = [0] * self.label_sets_of
-        for class_id in label:
+        for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
             row[class_id] = 1
         return row
 

@@ -13,11 +13,15 @@ before training instead (label_training_images); each batch then looks its rows 
 
 A DeiT student keeps its distillation token: its distillation head follows the teacher, its class head the
 labels, and the saved model is DeiTForImageClassificationWithTeacher, whose logits average both heads.
+
+What a distilled run says of its teacher (which one, how it taught, what its forwards cost) is built here, once
+(report), and shown by the console, metrics.json (`distillation`) and the model card.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Callable
 
 import torch
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from . import data
 from .data import SKIPPED_LABEL
-from .errors import EXIT_USAGE, VitFinetuneError
+from .errors import EXIT_USAGE, VitFinetuneError, shortened
 from .recipe import DistillSettings
 
 
@@ -49,12 +53,18 @@ def teacher_config(settings: DistillSettings):
     """The teacher's config.json alone (no weights), read without running any code of its own."""
     from transformers import AutoConfig
 
+    from .inference import InputError, refuse_own_code
+
     location = teacher_location(settings)
+    try:
+        refuse_own_code(f"train.distill.teacher={settings.teacher!r}", location)
+    except InputError as error:
+        raise DistillError(str(error)) from None
     try:
         config = AutoConfig.from_pretrained(location, trust_remote_code=False)
     except (OSError, ValueError) as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
-                           f"({str(error)[:300]}); give a run's output_dir or an image classifier's Hub id") from None
+                           f"({shortened(error)}); give a run's output_dir or an image classifier's Hub id") from None
     if getattr(config, "problem_type", None) == "multi_label_classification":
         raise DistillError(f"train.distill.teacher={settings.teacher!r} is a multi-label classifier; distillation "
                            "follows a single-label teacher's top class or softmax. Give a single-label teacher")
@@ -123,6 +133,7 @@ class Teacher:
         mean = (getattr(processor, "image_mean", None) or [0.5] * 3) if normalises else [0.0] * 3
         std = (getattr(processor, "image_std", None) or [0.5] * 3) if normalises else [1.0] * 3
         self.scale = scale / student_scale
+        self.seconds = 0.0  # wall time of this process's teacher forwards (report says what it cost)
         self.mean = torch.tensor(mean, dtype=torch.float32, device=device).view(1, -1, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32, device=device).view(1, -1, 1, 1)
 
@@ -135,7 +146,12 @@ class Teacher:
 
     @torch.no_grad()
     def logits(self, rescaled: torch.Tensor) -> torch.Tensor:
-        return self.model(pixel_values=self.pixels(rescaled)).logits.float()
+        started = time.perf_counter()
+        logits = self.model(pixel_values=self.pixels(rescaled)).logits.float()
+        if logits.device.type == "cuda":  # the host runs ahead of the GPU: without a wait only the launch is timed
+            torch.cuda.synchronize(logits.device)
+        self.seconds += time.perf_counter() - started
+        return logits
 
 
 def load_teacher(settings: DistillSettings, labels: list[str], student_scale: float, device: torch.device) -> Teacher:
@@ -171,7 +187,8 @@ class TeacherLogitsCache:
     """The teacher's logits of every training image, by the digest of the image's pixels (train.distill.cache_logits):
     one float32 row per distinct image, in host memory."""
 
-    def __init__(self, digests: list[str], logits: torch.Tensor):
+    def __init__(self, digests: list[str], logits: torch.Tensor, seconds: float = 0.0):
+        self.seconds = seconds  # the pre-pass's wall time: decoding and the teacher's forwards
         # Images with the same pixels (a duplicate, the blank of every skipped bad image) share one digest: the
         # teacher gave them the same logits, so either row serves.
         self.row_of = {digest: row for row, digest in enumerate(digests)}
@@ -197,11 +214,12 @@ def label_training_images(teacher: Teacher, images: data.ImageClassificationData
     loader = data.make_loader(images, batch_size, shuffle=False, seed=0, num_workers=workers, pin_memory=False,
                               collate_fn=collate_with_digests)
     digests, rows = [], []
+    started = time.perf_counter()
     with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was, whatever a teacher draws
         for batch in loader:
             rows.append(teacher.logits(rescale(batch["pixel_values"].to(teacher.device))).cpu())
             digests += batch["pixel_digests"]
-    return TeacherLogitsCache(digests, torch.cat(rows))
+    return TeacherLogitsCache(digests, torch.cat(rows), time.perf_counter() - started)
 
 
 def student_heads(output) -> tuple[torch.Tensor, torch.Tensor]:
@@ -238,3 +256,36 @@ def teacher_loss(student: torch.Tensor, teacher: torch.Tensor, labels: torch.Ten
 
 def blend(label_loss: torch.Tensor, distillation_loss: torch.Tensor, settings: DistillSettings) -> torch.Tensor:
     return (1 - settings.weight) * label_loss + settings.weight * distillation_loss
+
+
+# ---------------------------------------------------------------- what a distilled run says of its teacher
+
+
+def report(settings: DistillSettings, teacher: Teacher, cache: TeacherLogitsCache | None,
+           training_seconds: float) -> dict:
+    """metrics.json's `distillation`: the teacher, how it taught, and what it cost this process. The teacher's
+    forwards during training are timed one by one (with cache_logits there are none: its pre-pass labelled every
+    training image once, before training, and is timed apart)."""
+    during_training = 0.0 if cache is not None else teacher.seconds
+    facts = {"teacher": settings.teacher, "mode": settings.mode, "weight": settings.weight,
+             "temperature": settings.temperature, "cache_logits": settings.cache_logits,
+             "training_seconds": round(training_seconds, 1),
+             "teacher_seconds": round(during_training, 3),  # of training_seconds: the teacher's forwards
+             "teacher_share": round(during_training / training_seconds, 3) if training_seconds > 0 else None}
+    if cache is not None:
+        facts["labelling_seconds"] = round(cache.seconds, 3)  # the pre-pass, before training_seconds started
+    return facts
+
+
+def describe(facts: dict) -> str:
+    """The console's and the card's sentence on a distilled run (from report)."""
+    how = (f"{facts['mode']} distillation, weight {facts['weight']}, temperature {facts['temperature']}"
+           + ("" if facts["mode"] == "soft" else " (unused by hard)"))
+    if facts["cache_logits"]:
+        cost = (f"the teacher labelled the training images once before training, in {facts['labelling_seconds']} s, "
+                f"then cost nothing in the {facts['training_seconds']} s of training (cache_logits)")
+    else:
+        share = facts["teacher_share"]
+        cost = (f"the teacher's forwards took {facts['teacher_seconds']} s of the {facts['training_seconds']} s of "
+                f"training" + (f" ({share:.0%})" if share is not None else ""))
+    return f"taught by the teacher {facts['teacher']} ({how}); {cost}"

@@ -31,6 +31,16 @@ PRINTING_RANK = "0"
 OTHER_RANKS_WAIT_S = 3.0
 
 
+def shortened(text: object, limit: int = 300) -> str:
+    """A library's message for one of ours: at most `limit` characters, cut between words (a message cut mid-word,
+    "trust_remote_code=Tru", reads as advice it is not), on one line."""
+    words = " ".join(str(text).split())
+    if len(words) <= limit:
+        return words
+    cut = words[:limit].rsplit(" ", 1)[0] if " " in words[:limit] else words[:limit]
+    return cut + " ..."
+
+
 def report(error: VitFinetuneError) -> None:
     """Print a user's error on stderr, once per launch of several processes."""
     import os

@@ -19,6 +19,9 @@ from . import multilabel
 from .data import SKIPPED_LABEL, DataError
 
 TOP_K = 5
+# Up to this many labels metrics.json holds the whole confusion matrix (and confusion_matrix.png is drawn); beyond,
+# only its non-zero cells (confusion_matrix_cells): 5,000 labels would write 25 million numbers, 150 MB of JSON.
+DENSE_CONFUSION_LABELS = 100
 
 
 def _info(description: str, prediction_feature) -> evaluate.MetricInfo:
@@ -60,9 +63,7 @@ class MacroF1(evaluate.Metric):
         return _info("Macro-averaged F1 over the classes present in the references.", datasets.Value("int64"))
 
     def _compute(self, predictions, references, num_classes: int):
-        matrix = confusion_matrix(np.asarray(predictions), np.asarray(references), num_classes)
-        true_positive = np.diag(matrix).astype(float)
-        predicted, actual = matrix.sum(axis=0), matrix.sum(axis=1)
+        true_positive, predicted, actual = class_counts(np.asarray(predictions), np.asarray(references), num_classes)
         present = actual > 0
         f1 = 2 * true_positive[present] / (predicted[present] + actual[present])
         return {"macro_f1": float(f1.mean()) if present.any() else 0.0, "macro_f1_classes": int(present.sum())}
@@ -73,6 +74,19 @@ def confusion_matrix(predictions: np.ndarray, references: np.ndarray, num_classe
     matrix = np.zeros((num_classes, num_classes), dtype=np.int64)
     np.add.at(matrix, (references, predictions), 1)
     return matrix
+
+
+def class_counts(predictions: np.ndarray, references: np.ndarray, num_classes: int) -> tuple[np.ndarray, ...]:
+    """Per class: (images right, images predicted as it, images of it), as floats; no num_classes² matrix."""
+    hits = np.bincount(references[predictions == references], minlength=num_classes).astype(float)
+    return (hits, np.bincount(predictions, minlength=num_classes).astype(float),
+            np.bincount(references, minlength=num_classes).astype(float))
+
+
+def confusion_cells(predictions: np.ndarray, references: np.ndarray) -> list[list[int]]:
+    """The confusion matrix's non-zero cells as [true, predicted, count], in row order."""
+    pairs, counts = np.unique(np.stack([references, predictions], axis=1), axis=0, return_counts=True)
+    return [[int(true), int(guess), int(count)] for (true, guess), count in zip(pairs, counts)]
 
 
 def as_eval_entry(metrics: dict) -> dict:
@@ -90,7 +104,10 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
             predictions=top_predictions[:, :TOP_K].tolist(), references=references))
     metrics.update(MacroF1(keep_in_memory=True).compute(
         predictions=predictions, references=references, num_classes=num_classes))
-    metrics["confusion_matrix"] = confusion_matrix(predictions, references, num_classes).tolist()
+    if num_classes <= DENSE_CONFUSION_LABELS:
+        metrics["confusion_matrix"] = confusion_matrix(predictions, references, num_classes).tolist()
+    else:
+        metrics["confusion_matrix_cells"] = confusion_cells(predictions, references)
     return metrics
 
 
@@ -206,7 +223,13 @@ def report(predictions: SplitPredictions, labels: list[str], rule: multilabel.Th
     multi-label metrics at thresholds chosen (or given) by `rule`."""
     if predictions.scores is None:
         metrics = summarise(predictions, len(labels))
-        metrics.update(label_report(metrics["confusion_matrix"], labels))
+        if "confusion_matrix" in metrics:
+            metrics.update(label_report(metrics["confusion_matrix"], labels))
+        else:
+            kept = predictions.kept
+            counts = class_counts(predictions.ranked[kept, 0].numpy(), predictions.references[kept].numpy(), len(labels))
+            metrics.update(per_class_report(*counts, labels), confusion_matrix_labels=list(labels),
+                           confusion_matrix_axes=SPARSE_AXES)
         return metrics
     kept = predictions.kept
     if not kept.any():
@@ -230,18 +253,26 @@ def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes:
     return summarise(predict_split(model, loader, accelerator, normalize, num_classes), num_classes)
 
 
+SPARSE_AXES = (f"more than {DENSE_CONFUSION_LABELS} labels: confusion_matrix_cells holds the non-zero cells as "
+               "[true label, predicted label, images], both as positions in confusion_matrix_labels")
+
+
 def label_report(matrix: list[list[int]], labels: list[str]) -> dict:
     """metrics.json's labelled view of the confusion matrix and each class's precision, recall and F1."""
     counts = np.asarray(matrix, dtype=float)
-    hits, predicted, actual = np.diag(counts), counts.sum(axis=0), counts.sum(axis=1)
+    return {**per_class_report(np.diag(counts), counts.sum(axis=0), counts.sum(axis=1), labels),
+            "confusion_matrix_labels": list(labels),
+            "confusion_matrix_axes": "rows: true label, columns: predicted label (both in confusion_matrix_labels order)"}
+
+
+def per_class_report(hits: np.ndarray, predicted: np.ndarray, actual: np.ndarray, labels: list[str]) -> dict:
+    """Each class's precision, recall, F1 and support from its counts, and the classes macro F1 leaves out."""
     precision = np.divide(hits, predicted, out=np.zeros_like(hits), where=predicted > 0)
     recall = np.divide(hits, actual, out=np.zeros_like(hits), where=actual > 0)
     f1 = np.divide(2 * precision * recall, precision + recall, out=np.zeros_like(hits), where=precision + recall > 0)
     return {
         # the classes macro_f1 leaves out: no image of theirs was evaluated (their rows of the matrix are empty)
         "macro_f1_absent_classes": [label for label, n in zip(labels, actual) if n == 0],
-        "confusion_matrix_labels": list(labels),
-        "confusion_matrix_axes": "rows: true label, columns: predicted label (both in confusion_matrix_labels order)",
         "per_class": {label: {"precision": float(p), "recall": float(r), "f1": float(f), "support": int(n)}
                       for label, p, r, f, n in zip(labels, precision, recall, f1, actual)},
     }

@@ -19,6 +19,7 @@ import torch
 
 from . import multilabel
 from .errors import VitFinetuneError
+from .inference import label_scores, labels_given
 
 METHODS = ("rollout", "gradient")
 # Families whose attention does not span the whole image: a rollout over all patches is not defined there.
@@ -96,6 +97,8 @@ class Explanation:
     heat_map: torch.Tensor  # (grid, grid) in [0, 1]
     explained_label: str
     top: list[tuple[str, float]]  # (label, probability; for a multi-label model its own sigmoid score), best first
+    given: list[tuple[str, float]]  # what predict lists for the image (inference.labels_given), best first
+    thresholds: dict[str, float] | None = None  # a multi-label model's saved threshold per label
 
 
 def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: str | None = None,
@@ -108,9 +111,15 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
     attentions = outputs.attentions
     logits = outputs.logits[0].detach().float()
     # A multi-label model scores each label on its own (a sigmoid), as pipeline() and predict do.
-    probabilities = logits.sigmoid() if multilabel.is_multi_label(model.config) else logits.softmax(-1)
+    probabilities = label_scores(model.config, logits)
     values, indices = probabilities.topk(min(top_k, probabilities.numel()))
     top = [(model.config.id2label[i], v) for v, i in zip(values.tolist(), indices.tolist())]
+    multi = multilabel.is_multi_label(model.config)
+    given = labels_given(model.config, probabilities.tolist(), None if multi else top_k)  # what predict lists
+    thresholds = None
+    if multi:
+        labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
+        thresholds = dict(zip(labels, multilabel.saved_thresholds(model.config, labels)))
     target = indices[0].item() if label is None else model.config.label2id[label]
     layout = token_layout(model.config, attentions[0].shape[-1])
     if method == "rollout":
@@ -118,7 +127,7 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
     else:
         gradients = torch.autograd.grad(outputs.logits[0, target], attentions)
         heat_map = gradient_rollout([a[0].detach() for a in attentions], [g[0] for g in gradients], layout)
-    return Explanation(heat_map, model.config.id2label[target], top)
+    return Explanation(heat_map, model.config.id2label[target], top, given, thresholds)
 
 
 def draw_explanation(image, explanation: Explanation, size: int, method: str, path: Path) -> None:
@@ -139,10 +148,19 @@ def draw_explanation(image, explanation: Explanation, size: int, method: str, pa
     for axis in (plain, heat):
         axis.set_axis_off()
     labels, scores = zip(*reversed(explanation.top))
-    drawn = bars.barh(range(len(labels)), scores, color="tab:blue")
+    given = {label for label, _ in explanation.given}
+    if explanation.thresholds is None:
+        drawn = bars.barh(range(len(labels)), scores, color="tab:blue")
+        bars.set(xlim=(0, 1), xlabel="probability", title="top predictions")
+    else:  # multi-label: the labels the model gives (over their thresholds) stand out; each threshold is a tick
+        colours = ["tab:blue" if label in given else "lightgrey" for label in labels]
+        drawn = bars.barh(range(len(labels)), scores, color=colours)
+        bars.scatter([explanation.thresholds[label] for label in labels], range(len(labels)), marker="|", s=400,
+                     color="black", zorder=3)
+        bars.set(xlim=(0, 1), xlabel="sigmoid score (|: the label's threshold)",
+                 title="given: " + (", ".join(label for label, _ in explanation.given)[:60] or "no label"))
     bars.bar_label(drawn, fmt="%.2f", padding=3)
     bars.set_yticks(range(len(labels)), labels)
-    bars.set(xlim=(0, 1), xlabel="probability", title="top predictions")
     figure.tight_layout()
     save_figure(figure, path, dpi=80)
 
@@ -177,20 +195,21 @@ def check_output_dir(output_dir: Path, names: list[str], overwrite: bool = False
 
 def explain_images(model_name: str, sources: list, output_dir: Path, method: str = "rollout",
                    label: str | None = None, device: str = "cpu", top_k: int = 5) -> list[Path]:
-    """One PNG per readable image in output_dir; unreadable ones are reported and skipped. Returns the files."""
-    from .data import BadImageError, decode_image
-    from .inference import load_classifier
-    from .recipe import DataSettings
+    """One PNG per readable image in output_dir, and a line naming it with the labels the model gives the image
+    (what predict lists); unreadable ones are reported and skipped. Returns the files."""
+    from .data import BadImageError, decode_image, decoding_settings
+    from .inference import load_classifier, printable
 
     model, processor = load_classifier(model_name, device, eager_attention=True)
     check_supported(model.config)  # before any image is read
     if label is not None and label not in model.config.label2id:
         raise ExplainError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
     vision = getattr(model.config, "vision_config", None) or model.config
+    settings = decoding_settings(model.config)  # as training decoded (data.alpha_background)
     written = []
     for source, name in zip(sources, output_names([s.name for s in sources], method)):
         try:
-            image = decode_image(source.encoded, 0, DataSettings(), source.folders)
+            image = decode_image(source.encoded, 0, settings, source.folders)
         except BadImageError as error:
             print(f"skipped: {error}")
             continue
@@ -207,5 +226,7 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
                                f"{len(written)} picture(s) written before it are whole, no picture is half-written. "
                                "Free disk space or choose another --output-dir") from None
         written.append(output_dir / name)
+        shown = ", ".join(f"{label} {score:.2f}" for label, score in explanation.given) or "no label"
+        print(printable(f"{source.name}: {shown} -> {output_dir / name}"))
     return written
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 
 # The model card's module (.export) loads torch: it is imported where a push needs it, so that asking the Hub about an
 # id (predict's check of a model that is not a folder) answers without it.
@@ -151,7 +151,8 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
         return f"the Hub has no {repo_type} {repo_id!r} (or it is private: log in with `hf auth login`)"
     except Exception as error:  # connection errors, timeouts, a Hub answering 5xx: all mean "not reachable"
         return (f"the Hub ({huggingface_hub.constants.ENDPOINT}) is unreachable ({type(error).__name__}: "
-                f"{str(error)[:160]}) and {repo_id!r} is not in the local cache. Fix: {UNREACHABLE_FIX[repo_type]}")
+                f"{shortened(error, 160)}) and {repo_id!r} is not in the local cache. "
+                f"Fix: {UNREACHABLE_FIX[repo_type]}")
     return None
 
 
@@ -205,8 +206,9 @@ def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
             for path in files]
 
 
-def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
+def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app: bool = False) -> str:
     """Upload what the run wrote (its manifest, checkpoints left out) in one commit and return the commit URL.
+    `space_app`: the push command was asked for the Space app too, so the command to push again asks for it.
 
     The whole push (create, upload, commit) is retried with back-off on connection errors, timeouts and 5xx;
     every request times out. The output folder is only read: a failure never touches it.
@@ -245,6 +247,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False) -> str:
                 if attempt < attempts:
                     print(f"push attempt {attempt} of {attempts} failed ({reason}); retrying in {RETRY_DELAYS[attempt - 1]:g} s",
                           flush=True)
-    again = f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}{' --private' if private else ''}"
+    again = (f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}"
+             f"{' --private' if private else ''}{' --space-app' if space_app else ''}")
     raise PushError(f"could not push {output_dir} to {repo_id} after {attempt} attempt(s) ({reason}). "
                     f"The model is safe in {output_dir}: the local folder is intact. Push it again with: {again}")

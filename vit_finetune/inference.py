@@ -4,15 +4,17 @@ predict in batches, write CSV or JSONL, and evaluate it on any split of any data
 
 from __future__ import annotations
 
-import csv
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
+from .labels import LabelFileError, label_file_of
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
+from .spreadsheet import csv_writer
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
 # fail in a fraction of a second, before seconds of imports.
@@ -61,6 +63,25 @@ def model_location(name: str) -> str:
     return name
 
 
+OWN_CODE = ("{name} ships its own Python code (an auto_map in its config), which vit_finetune never runs: it would "
+            "run with your permissions. Use a model of a supported family saved with save_pretrained (no auto_map), "
+            "such as a run's output_dir")
+
+
+def refuse_own_code(name: str, location: str) -> None:
+    """A model whose config maps its classes to its own Python code (`auto_map`) is refused, read from config.json
+    alone, even when its model_type is a built-in one: loaded with the built-in class instead, it would silently not
+    be the model its author wrote."""
+    from transformers import PretrainedConfig
+
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(location)
+    except (OSError, ValueError):  # unreadable: loading it says why
+        return
+    if isinstance(raw, dict) and raw.get("auto_map"):
+        raise InputError(OWN_CODE.format(name=name))
+
+
 def load_classifier(name: str, device: str = "cpu", eager_attention: bool = False):
     """(model in eval mode on `device`, its saved image processor). Eager attention returns attention weights,
     which explain needs and training never does (it is slower).
@@ -72,6 +93,7 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
     from transformers.utils import SAFE_WEIGHTS_NAME
 
     location = model_location(name)
+    refuse_own_code(name, location)
     extra = {"attn_implementation": "eager"} if eager_attention else {}
     try:
         model = AutoModelForImageClassification.from_pretrained(location, trust_remote_code=False, **extra)
@@ -81,10 +103,8 @@ def load_classifier(name: str, device: str = "cpu", eager_attention: bool = Fals
                          "copy or download the model again") from None
     except (OSError, ValueError) as error:
         if "trust_remote_code" in str(error):
-            raise InputError(f"{name} ships its own Python code (an auto_map in its config), which vit_finetune "
-                             "never runs: it would run with your permissions. Use a model of a supported family saved "
-                             "with save_pretrained (no auto_map), such as a run's output_dir") from None
-        raise InputError(f"{name} could not be loaded as an image classifier: {str(error)[:400]}") from None
+            raise InputError(OWN_CODE.format(name=name)) from None
+        raise InputError(f"{name} could not be loaded as an image classifier: {shortened(error, 400)}") from None
     return model.to(device).eval(), processor
 
 
@@ -122,6 +142,9 @@ def collect_images(specs: list[str]) -> list[ImageSource]:
         if kind == "folder":
             matches = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
         elif kind == "file":
+            if not path.is_file():  # reading a FIFO waits for a writer that never comes; a device never ends
+                raise InputError(f"image path {spec!r} is not a regular file (a FIFO, socket or device); give image "
+                                 "files, folders or globs")
             matches = [path]
         else:
             matches = glob_files(spec)
@@ -173,22 +196,40 @@ def dataset_images(dataset: str, split: str) -> list[ImageSource]:
             for index, cell in enumerate(table[image_column])]
 
 
-def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch_size: int,
+DEFAULT_TOP_K = 5  # a single-label model's labels listed per image when --top-k is not given
+
+
+def label_scores(config, logits):
+    """Each label's score, as pipeline() gives it: a sigmoid per label for a multi-label model, else a softmax."""
+    from .multilabel import is_multi_label
+
+    return logits.sigmoid() if is_multi_label(config) else logits.softmax(-1)
+
+
+def labels_given(config, scores: list[float], top_k: int | None = None) -> list[tuple[str, float]]:
+    """What a model gives one image, best first: a single-label model its top_k labels (DEFAULT_TOP_K when None); a
+    multi-label model each label whose score reaches its saved threshold (at most top_k when given). predict,
+    explain and the page all show these."""
+    from . import multilabel
+
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    if multilabel.is_multi_label(config):
+        return multilabel.labels_given(scores, labels, multilabel.saved_thresholds(config, labels), top_k)
+    ranked = sorted(range(len(scores)), key=lambda index: -scores[index])[:top_k or DEFAULT_TOP_K]
+    return [(labels[index], scores[index]) for index in ranked]
+
+
+def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None, batch_size: int,
                  show_progress: bool = True) -> Iterator[dict]:
-    """One row per image, in order: its top-k labels and scores, or the reason it could not be read. A multi-label
-    model's row holds every label whose sigmoid score reaches its saved threshold, highest first."""
+    """One row per image, in order: the labels the model gives it with their scores (labels_given), or the reason
+    it could not be read. Images are decoded as the model's training decoded them (data.decoding_settings)."""
     import torch
 
-    from . import multilabel
-    from .data import BadImageError, decode_image
+    from .data import BadImageError, decode_image, decoding_settings
     from .progress import progress
 
-    settings = DataSettings()
+    settings = decoding_settings(model.config)
     device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
-    labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    multi = multilabel.is_multi_label(model.config)
-    thresholds = torch.tensor(multilabel.saved_thresholds(model.config, labels)) if multi else None
-    k = model.config.num_labels if multi else min(top_k, model.config.num_labels)
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
         batch = sources[start:start + batch_size]
@@ -198,22 +239,18 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int, batch
                 images.append(decode_image(source.encoded, start + position, settings, source.folders))
             except BadImageError as error:
                 errors[position] = str(error)
-        scores = iter(())
+        given = iter(())
         if images:
             pixels = processor(images=images, return_tensors="pt")["pixel_values"].to(device)
             with torch.no_grad():
                 logits = model(pixel_values=pixels).logits.float()
-            probabilities = logits.sigmoid() if multi else logits.softmax(-1)
-            over = probabilities.cpu() >= thresholds if multi else torch.ones_like(probabilities, dtype=torch.bool)
-            scores = iter(zip(*[t.tolist() for t in probabilities.topk(k, dim=-1)], over.tolist()))
+            given = iter([labels_given(model.config, row, top_k) for row in label_scores(model.config, logits).tolist()])
         for position, source in enumerate(batch):
             if position in errors:
                 yield {"image": source.name, "error": errors[position], "predictions": []}
                 continue
-            values, indices, chosen = next(scores)
             yield {"image": source.name, "error": None,
-                   "predictions": [{"label": model.config.id2label[i], "score": v} for v, i in zip(values, indices)
-                                   if chosen[i]]}
+                   "predictions": [{"label": label, "score": score} for label, score in next(given)]}
         bar.update(len(batch))
         bar.set_postfix(unreadable=len(errors))
     bar.close()
@@ -232,7 +269,7 @@ def write_label_sets_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
     """A multi-label model's CSV: each image's labels over their thresholds and their scores, ';'-joined."""
     count = 0
     with open(path, "w", newline="") as out:
-        writer = csv.writer(out)
+        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
         writer.writerow(["image", "error", "labels", "scores"])
         for row in rows:
             writer.writerow([row["image"], row["error"] or "", ";".join(guess["label"] for guess in row["predictions"]),
@@ -245,7 +282,7 @@ def write_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
     header = ["image", "error"] + [f"{kind}_{rank}" for rank in range(1, top_k + 1) for kind in ("label", "score")]
     count = 0
     with open(path, "w", newline="") as out:
-        writer = csv.writer(out)
+        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
         writer.writerow(header)
         for row in rows:
             ranked = [value for guess in row["predictions"] for value in (guess["label"], f"{guess['score']:.6f}")]
@@ -303,6 +340,24 @@ def writer_for(output: str | None, overwrite: bool = False):
     if kind == "file" and not overwrite:
         raise InputError(f"--output {output!r} already exists; pass --overwrite to replace it, or choose a new name")
     return WRITERS[suffix]
+
+
+def refuse_output_among_inputs(output: str | None, sources: list[ImageSource], dataset: str | None) -> None:
+    """--output may not be a file predict reads: an image it was given, or the --dataset's label file, which
+    --overwrite would replace with the predictions. Compared resolved (`~`, `..`, symlinks)."""
+    if output is None:
+        return
+    target = os.path.realpath(Path(output).expanduser())
+    reads = [Path(source.name) for source in sources]
+    if dataset is not None:
+        try:
+            reads.append(label_file_of(Path(dataset).expanduser()))
+        except LabelFileError:  # two label files: the dataset's own error says so when it loads
+            pass
+    for read in reads:
+        if read is not None and os.path.realpath(read) == target:
+            raise InputError(f"--output {output!r} is {str(read)!r}, a file this command reads; writing the "
+                             "predictions there would replace it. Fix: choose another --output")
 
 
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
@@ -408,7 +463,8 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
         table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
-        settings, split_fields = dataset_settings(dataset), {"eval_split": split, "eval_carved_from_train": False}
+        settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
+        split_fields = {"eval_split": split, "eval_carved_from_train": False}
     size = model.config.image_size if hasattr(model.config, "image_size") else 224
     multi = multilabel.is_multi_label(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,

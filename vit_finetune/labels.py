@@ -2,9 +2,11 @@
 
 `data.dataset` may be such a file, or a folder holding `metadata.csv` / `metadata.jsonl` (the names datasets'
 imagefolder reads). Every row is checked before anything trains, and all problems are reported at once, each with
-its line: a path that is absolute or leaves the file's folder, a file that is missing or listed twice, an empty
-label, a label written two ways ("Cat" and "cat "). A cell holding a list (a JSON list, or labels joined by
-data.label_separator) makes the dataset multi-label. A `split` column sorts the rows into splits.
+its line: a column named twice in the header, a path that is absolute or leaves the file's folder, a file that is
+missing or listed twice, an empty label, a label written two ways ("Cat" and "cat ", or the JSON number 1 and the
+text "1"). A cell holding a list (a JSON list, or labels joined by data.label_separator) makes the dataset
+multi-label, and the run says which cell did; in a multi-label file an empty cell or `[]` is an image with none of
+the labels (a negative for every one). A `split` column sorts the rows into splits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def read_csv(path: Path) -> Iterator[Row | str]:
     """The rows of a CSV file with a header; a problem (str) for a row that cannot be read."""
     with open(path, newline="", encoding="utf-8-sig") as file:
         reader = csv.DictReader(file)
-        reader.fieldnames  # reads the header now, so line_num counts it
+        # DictReader keeps the last of two columns with one name, silently: the first one's cells would be lost.
+        yield from repeated_columns(reader.fieldnames or [])
         line = reader.line_num + 1
         for cells in reader:
             if None in cells:  # more cells than the header has names
@@ -42,6 +45,15 @@ def read_csv(path: Path) -> Iterator[Row | str]:
             else:
                 yield Row(line, cells)
             line = reader.line_num + 1
+
+
+def repeated_columns(header: list[str]) -> Iterator[str]:
+    """A problem for each name the header gives to more than one column."""
+    for name in dict.fromkeys(header):
+        positions = [str(position) for position, given in enumerate(header, start=1) if given == name]
+        if len(positions) > 1:
+            yield (f"line 1: the header names {len(positions)} columns {name!r} (columns {', '.join(positions)}); only "
+                   "the last one's cells would be read. Name each column once")
 
 
 def read_jsonl(path: Path) -> Iterator[Row | str]:
@@ -80,23 +92,30 @@ def label_file_of(source: Path) -> Path | None:
     return None
 
 
-def cell_labels(cell: Any, separator: str) -> list[str] | str | None:
-    """A label cell as a list of labels (a JSON list, or text joined by `separator`), a single label, or None."""
-    if isinstance(cell, list):
-        return [str(item) for item in cell]
-    if cell is None:
-        return None
-    text = str(cell)
-    if text.lstrip().startswith("["):
+def cell_labels(cell: Any, separator: str) -> list | Any:
+    """A label cell as a list of labels (a JSON list, or text joined by `separator`), or the cell itself (one label,
+    or None). Items keep their JSON type, so that the number 1 and the text "1" can be told apart."""
+    if not isinstance(cell, str):
+        return cell
+    if cell.lstrip().startswith("["):
         try:
-            parsed = json.loads(text)
+            parsed = json.loads(cell)
         except json.JSONDecodeError:
             parsed = None
         if isinstance(parsed, list):
-            return [str(item) for item in parsed]
-    if separator and separator in text:
-        return text.split(separator)
-    return text
+            return parsed
+    if separator and separator in cell:
+        return cell.split(separator)
+    return cell
+
+
+def written_as(value: Any) -> str:
+    """How a label was written, for the check that one label is written one way: text, or a JSON number."""
+    return "text" if isinstance(value, str) else f"a JSON {type(value).__name__}"
+
+
+def is_blank(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
 
 
 def choose_column(columns: list[str], wanted: str | None, names: tuple[str, ...], kind: str, key: str) -> str:
@@ -113,7 +132,7 @@ def choose_column(columns: list[str], wanted: str | None, names: tuple[str, ...]
 
 @dataclass
 class LabelTable:
-    """A checked label file: each row's image file, its labels, its split; whether any row holds a list."""
+    """A checked label file: each row's image file, its labels, its split; whether it is multi-label, and why."""
     paths: list[str]
     labels: list[list[str]]
     splits: list[str]
@@ -121,6 +140,9 @@ class LabelTable:
     multi_label: bool
     path_column: str = "image"  # the file's own column names, which data.image_column / label_column name
     label_column: str = "label"
+    first_label_set: tuple[int, Any] | None = None  # (line, cell) of the first cell holding a list of labels
+    rows_with_label_sets: int = 0
+    rows_without_labels: int = 0
 
 
 def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
@@ -139,6 +161,8 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
     table = LabelTable([], [], [], [], False, path_column, label_column)
     first_line_of_path: dict[Path, int] = {}
     spellings: dict[str, dict[str, int]] = defaultdict(dict)  # comparable form -> spelling -> its first line
+    kinds: dict[str, dict[str, int]] = defaultdict(dict)  # label -> how it was written (text, a number) -> first line
+    unlabelled_lines = []
     for row in rows:
         where = f"line {row.line}"
         image = check_path(row.cells.get(path_column), folder, path_column, where, problems)
@@ -147,14 +171,27 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
                 problems.append(f"{where}: {excerpt(str(row.cells[path_column]))} is already listed on line "
                                 f"{first_line_of_path[image]}; list each image once")
             first_line_of_path.setdefault(image, row.line)
-        found = cell_labels(row.cells.get(label_column), settings.label_separator)
-        table.multi_label |= isinstance(found, list)
-        values = found if isinstance(found, list) else [found]
-        if found is None or found == [] or any(value is None or not value.strip() for value in values):
-            problems.append(f"{where}: empty label in column {label_column!r} (got {excerpt(row.cells.get(label_column))})")
-            values = []
-        for value in values:
+        cell = row.cells.get(label_column)
+        found = cell_labels(cell, settings.label_separator)
+        if isinstance(found, list) and found:
+            table.multi_label = True
+            table.rows_with_label_sets += 1
+            table.first_label_set = table.first_label_set or (row.line, cell)
+        items = found if isinstance(found, list) else [found]
+        if cell is None:
+            problems.append(f"{where}: no value in column {label_column!r} (missing, or null); for an image with none "
+                            "of the labels write an empty cell (CSV) or [] (JSON Lines) in a multi-label file")
+            items = []
+        elif found == [] or (not isinstance(found, list) and is_blank(found)):
+            unlabelled_lines.append(row.line)  # an empty set: allowed only if the run is multi-label (below)
+            items = []
+        elif any(is_blank(item) for item in items):
+            problems.append(f"{where}: empty label in column {label_column!r} (got {excerpt(cell)})")
+            items = []
+        values = [str(item) for item in items]
+        for item, value in zip(items, values):
             spellings[" ".join(value.split()).casefold()].setdefault(value, row.line)
+            kinds[value].setdefault(written_as(item), row.line)
         table.paths.append(str(image) if image is not None else "")
         table.labels.append(list(dict.fromkeys(values)))
         table.splits.append(str(row.cells.get(SPLIT_COLUMN) or settings.train_split))
@@ -163,14 +200,53 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
             written = ", ".join(f"{value!r} (line {line})" for value, line in ways.items())
             problems.append(f"line {sorted(ways.values())[1]}: one label written {len(ways)} ways: {written}; "
                             "write each label one way (case and spaces count)")
+    for value, ways in kinds.items():
+        if len(ways) > 1:
+            written = " and ".join(f"as {kind} (line {line})" for kind, line in ways.items())
+            problems.append(f"line {sorted(ways.values())[1]}: the label {value!r} is written {written}, which would "
+                            "be read as one label; write it one way throughout (as text or as a number)")
+    problems += label_set_problems(table, settings, unlabelled_lines, label_column)
     if problems:
         problems.sort(key=lambda problem: int(problem.split(":")[0].removeprefix("line ")))
         shown = problems[:SHOWN_PROBLEMS]
         more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
         raise LabelFileError(f"{path} has {len(problems)} problem(s); nothing was trained:\n"
                              + "\n".join(f"  - {problem}" for problem in shown) + more)
+    table.multi_label = table.multi_label if settings.multi_label is None else settings.multi_label
+    table.rows_without_labels = len(unlabelled_lines)
     table.names = sorted({value for values in table.labels for value in values})
     return table
+
+
+def label_set_problems(table: LabelTable, settings: DataSettings, unlabelled_lines: list[int],
+                       label_column: str) -> list[str]:
+    """Rows that only a multi-label run can take: several labels, or none (an empty set), in a run that is not."""
+    multi = table.multi_label if settings.multi_label is None else settings.multi_label
+    if multi:
+        return []
+    problems = [f"line {line}: no label in column {label_column!r}; an image with none of the labels needs "
+                "data.multi_label=true (a set of labels per image, which may be empty), or remove the row"
+                for line in unlabelled_lines]
+    if table.first_label_set is not None:
+        line, cell = table.first_label_set
+        problems.append(f"line {line}: {excerpt(cell)} holds several labels ({table.rows_with_label_sets} row(s) do) "
+                        "but data.multi_label=false; set it to true (or null), or give each image one label")
+    return problems
+
+
+def multi_label_note(table: LabelTable, path: Path, settings: DataSettings) -> str | None:
+    """The console's word on a label file detected as multi-label: which cell made it so, and how to keep one label
+    per image (None when the recipe chose with data.multi_label, or the file is single-label)."""
+    if settings.multi_label is not None or table.first_label_set is None:
+        return None
+    line, cell = table.first_label_set
+    joined = isinstance(cell, str) and not cell.lstrip().startswith("[")
+    how = (f"labels joined by data.label_separator={settings.label_separator!r}" if joined else "a JSON list of labels")
+    keep = ((f"data.label_separator='' reads such a cell as one label, or " if joined else "")
+            + "data.multi_label=false refuses those rows, naming their lines")
+    return (f"{path.name} is multi-label (a set of labels per image: a sigmoid score and a threshold per label) because "
+            f"line {line}'s cell {excerpt(cell)} holds {how}; {table.rows_with_label_sets} of {len(table.paths)} rows "
+            f"hold several labels. To keep one label per image: {keep}")
 
 
 def check_path(cell: Any, folder: Path, column: str, where: str, problems: list[str]) -> Path | None:
@@ -183,28 +259,36 @@ def check_path(cell: Any, folder: Path, column: str, where: str, problems: list[
         problems.append(f"{where}: {excerpt(given)} is an absolute path; give it relative to the label file's "
                         f"folder {str(folder)!r}")
         return None
-    resolved = (folder / given).resolve()
+    try:
+        resolved = (folder / given).resolve()
+    except RuntimeError:  # Python 3.11: "Symlink loop"
+        problems.append(f"{where}: {excerpt(given)} is a loop of symbolic links in {str(folder)!r}; point it at an "
+                        "image file")
+        return None
     if not resolved.is_relative_to(folder):
         problems.append(f"{where}: {excerpt(given)} leaves the label file's folder {str(folder)!r}; images must "
                         "lie in it or below it")
         return None
     if not resolved.is_file():
-        problems.append(f"{where}: image file {excerpt(given)} not found in {str(folder)!r}")
+        found = "is not a regular file (a FIFO, socket or device, which reading would hang on)" if resolved.exists() \
+            else "not found"
+        problems.append(f"{where}: image file {excerpt(given)} {found} in {str(folder)!r}")
         return None
     return resolved
 
 
-def load_label_file(path: Path, settings: DataSettings):
-    """A DatasetDict (the file's path and label columns) from a checked label file: one split per `split` value, else data.train_split.
-    Labels are a ClassLabel, or a list of ClassLabel when rows hold lists (or data.multi_label=true)."""
+def load_label_file(path: Path, settings: DataSettings, notes: list[str] | None = None):
+    """A DatasetDict (the file's path and label columns) from a checked label file: one split per `split` value, else
+    data.train_split. Labels are a ClassLabel, or a list of ClassLabel for a multi-label file (rows holding lists, or
+    data.multi_label=true), where a row may hold none. What the run should say of the file is added to `notes`."""
     import datasets
 
     table = read_label_file(path, settings)
+    note = multi_label_note(table, path, settings)
+    if note and notes is not None:
+        notes.append(note)
     classes = datasets.ClassLabel(names=table.names)
-    multi = table.multi_label if settings.multi_label is None else settings.multi_label
-    if not multi and table.multi_label:
-        raise LabelFileError(f"{path}: some rows hold several labels but data.multi_label=false; set it to "
-                             "true (or null), or give each image one label")
+    multi = table.multi_label
     label_feature = datasets.List(classes) if multi else classes
     image_column, label_column = table.path_column, table.label_column
     features = datasets.Features({image_column: datasets.Image(), label_column: label_feature})

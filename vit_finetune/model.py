@@ -101,6 +101,10 @@ def check_config_file(location: str, settings: ModelSettings) -> None:
     from transformers.utils import CONFIG_NAME, cached_file
 
     path = cached_file(location, CONFIG_NAME, revision=settings.revision)
+    if path is None:  # a local folder without the file: cached_file answers None, not an error
+        raise ModelError(f"model.base={settings.base!r} is a folder but holds no {CONFIG_NAME}: not a saved model. "
+                         "Fix: give a folder written by save_pretrained (a run's output_dir) or a Hub id such as "
+                         "google/vit-base-patch16-224")
     size = os.path.getsize(path)
     if size > MAX_CONFIG_BYTES:
         raise ModelError(f"model.base={settings.base!r}: its {CONFIG_NAME} is {size:,} bytes; a ViT's is a few KB. "

@@ -4,8 +4,9 @@ The loss is binary cross-entropy per class (with data.class_balance=weights, eac
 its negatives / positives). The labels reach the loss as (B, C) rows of 0/1 (-1 for a bad image skipped, which
 trains nothing); Mixup/CutMix blend two rows by the mix's weight, as they blend two one-hot rows for one label.
 Each class's threshold is chosen on the eval split for train.threshold_metric, saved in the model's config
-(`label_thresholds`) and used by `predict`; the metrics (mAP, micro/macro F1, exact match, per class precision,
-recall, AP and threshold) are measured at those thresholds.
+(`label_thresholds`) and used by `predict`, `explain` and the page (labels_given); the metrics (mAP, micro/macro F1,
+exact match, per class precision, recall, AP and threshold) are measured at those thresholds. An image may hold none
+of the labels (a negative for every one); metrics.json counts those, and the images the model gives no label.
 """
 
 from __future__ import annotations
@@ -152,12 +153,19 @@ def summarise(scores: np.ndarray, rows: np.ndarray, losses: np.ndarray, labels: 
     f1 = f_beta(hits, predicted_count, actual, 1.0)
     ap = np.array([average_precision(scores[:, c], rows[:, c]) for c in range(len(labels))])
     present = ~np.isnan(ap)
+    unlabelled = rows.sum(axis=1) == 0
+    given_none = predicted.sum(axis=1) == 0
     return {
         "eval_samples": int(len(rows)),
         "accuracy": float(np.mean((predicted == (rows == 1)).all(axis=1))),  # exact match: every label right
         "map": float(ap[present].mean()) if present.any() else 0.0,
         "micro_f1": float(f_beta(hits.sum(), predicted_count.sum(), actual.sum(), 1.0)),
         "macro_f1": float(f1[actual > 0].mean()) if (actual > 0).any() else 0.0,  # over labels the split holds
+        # the labels macro F1 and mAP leave out: no scored eval image holds them (single-label runs name them too)
+        "macro_f1_absent_classes": [label for label, n in zip(labels, actual) if n == 0],
+        "eval_images_without_labels": int(unlabelled.sum()),  # negatives for every label
+        "eval_images_given_no_label": int(given_none.sum()),  # no score reached its threshold
+        "eval_images_without_labels_given_none": int((unlabelled & given_none).sum()),
         "eval_loss": float(losses.astype(np.float64).mean()),
         "multi_label": True,
         "threshold_metric": rule.metric,
@@ -167,6 +175,15 @@ def summarise(scores: np.ndarray, rows: np.ndarray, losses: np.ndarray, labels: 
                               "ap": None if np.isnan(a) else float(a), "threshold": float(t), "support": int(n)}
                       for label, p, r, f, a, t, n in zip(labels, precision, recall, f1, ap, thresholds, actual)},
     }
+
+
+def labels_given(scores: list[float], labels: list[str], thresholds: list[float],
+                 at_most: int | None = None) -> list[tuple[str, float]]:
+    """What a multi-label model gives one image: each label whose score reaches its threshold, highest first (the
+    `at_most` highest when given). predict, explain and the page all list these."""
+    over = sorted(((label, score) for label, score, threshold in zip(labels, scores, thresholds) if score >= threshold),
+                  key=lambda pair: -pair[1])
+    return over if at_most is None else over[:at_most]
 
 
 def saved_thresholds(config, labels: list[str]) -> list[float]:
@@ -187,8 +204,20 @@ def card_section(metrics: dict, escape) -> str:
             f"Each threshold was chosen for {metrics['threshold_metric'].upper()} on {metrics['thresholds_chosen_on']}. "
             f"They are saved in `config.json` (`{THRESHOLDS_KEY}`); `pipeline()` returns the scores and leaves the "
             f"thresholds to you. Accuracy here is exact match (every label of the image right).\n\n"
+            f"{unlabelled_text(metrics, escape)}\n\n"
             "### Per class\n| label | precision | recall | F1 | AP | threshold | eval images with it |\n"
             f"|---|---|---|---|---|---|---|\n{rows}\n")
+
+
+def unlabelled_text(metrics: dict, escape, shown: int = 20) -> str:
+    """The card's sentence on eval images with no label, images given none, and labels the split lacks."""
+    text = (f"{metrics['eval_images_without_labels']} of the {metrics['eval_samples']} eval images hold none of the "
+            f"labels (negatives for every one); the model gave no label to {metrics['eval_images_given_no_label']}.")
+    absent = metrics["macro_f1_absent_classes"]
+    if absent:
+        names = ", ".join(escape(label) for label in absent[:shown]) + (", ..." if len(absent) > shown else "")
+        text += f" {len(absent)} label(s) have no eval image and are left out of macro F1 and mAP: {names}."
+    return text
 
 
 def precision_recall_curve(scores: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

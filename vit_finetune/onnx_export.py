@@ -7,12 +7,16 @@ transformers 5.23, the dynamo exporter exports every family with a dynamic batch
 attention; with SDPA attention it fails for BEiT, Data2Vec-vision and Swin (its decomposition views a
 non-contiguous tensor), and the TorchScript exporter cannot export DINOv2-with-registers (antialiased bicubic).
 
-The export is written into a staging folder beside its target and renamed into place only once the parity
-check has passed, so a refused or failed export leaves no half-written folder and an earlier export intact.
+The export is written into a staging folder beside its target and moved into place only once the parity check
+has passed, so a refused or failed export (a full disk included) leaves no half-written file and an earlier export
+intact. Like a run's folder, an export folder is claimed name by name: export.json lists the files the export wrote,
+and a later export replaces those and nothing else. A folder holding anything else is the user's: refused unless it
+is empty, and files a user adds to an earlier export (a Dockerfile, a server) are kept.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -24,8 +28,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
-from .errors import VitFinetuneError
+from .errors import VitFinetuneError, shortened
 
 # torch is imported where it is used: the command line reads RUNTIMES and QUANTIZATIONS for its help.
 
@@ -40,6 +45,10 @@ QUANTIZATIONS = {"int8": ("model_quantized.onnx", "QInt8")}
 # predict --runtime NAME -> the file it runs (None: the PyTorch model itself).
 RUNTIMES = {"torch": None, "onnx": MODEL_FILE, **{f"onnx-{kind}": file for kind, (file, _) in QUANTIZATIONS.items()}}
 VERSIONED_PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+# Every name an export may write in its folder: the most export.json can claim, whatever it lists.
+EXPORT_NAMES = frozenset({MODEL_FILE, f"{MODEL_FILE}.data", *(file for file, _ in QUANTIZATIONS.values()),
+                          "config.json", "preprocessor_config.json", REPORT_FILE})
+STAGING_MARK = ".partial-"  # .TARGET.partial-PID-XXXX: an export being written beside TARGET by process PID
 
 
 class ExportError(VitFinetuneError):
@@ -66,13 +75,46 @@ def default_output(name: str, location: str) -> Path:
     return folder / ONNX_DIR if folder.is_dir() else Path(f"{name.split('/')[-1]}-{ONNX_DIR}")
 
 
-def check_target(target: Path) -> None:
-    """Only an earlier export (it holds export.json) may be replaced; anything else there is the user's."""
-    if target.is_file():
+def claimed_names(folder: Path) -> set[str] | None:
+    """The names an earlier export of this toolkit wrote in `folder`, as its export.json lists them (only names an
+    export writes count); None when there is no export.json of ours."""
+    try:
+        report = json.loads((folder / REPORT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(report, dict):
+        return None
+    if isinstance(report.get("files"), list):
+        return {name for name in report["files"] if name in EXPORT_NAMES} | {REPORT_FILE}
+    # An export written before export.json listed its files: it wrote the fixed set of names.
+    return set(EXPORT_NAMES) if {"exporter", "parity", "source"} <= report.keys() else None
+
+
+def check_target(target: Path) -> set[str]:
+    """What an export may replace in `target`: the names an earlier export there claimed. Anything else is the
+    user's: a folder that holds anything and is no export of ours is refused, and so is a file of the user's under a
+    name an export writes."""
+    if target.is_symlink() and not target.exists():
+        raise ExportError(f"--output {target} is a link to a folder that does not exist; give a folder")
+    if target.exists() and not target.is_dir():
         raise ExportError(f"--output {target} is a file; give a folder (it is created)")
-    if target.is_dir() and any(target.iterdir()) and not (target / REPORT_FILE).is_file():
-        raise ExportError(f"--output {target} holds files that are not an ONNX export of this toolkit; choose "
-                          "another --output or empty that folder")
+    entries = {entry.name for entry in target.iterdir()} if target.is_dir() else set()
+    if not entries:
+        return set()
+    claimed = claimed_names(target)
+    if claimed is None:
+        raise ExportError(f"--output {target} holds files that are not an ONNX export of this toolkit "
+                          f"({_listed(entries)}); choose another --output, or a new or empty folder")
+    colliding = (entries - claimed) & EXPORT_NAMES
+    if colliding:
+        raise ExportError(f"--output {target} holds {_listed(colliding)}, which no export of this toolkit wrote there "
+                          "and an export would replace; move them out, or choose another --output")
+    return claimed & entries
+
+
+def _listed(names: set[str], most: int = 5) -> str:
+    shown = sorted(names)
+    return ", ".join(shown[:most]) + (f", ... ({len(shown)} in all)" if len(shown) > most else "")
 
 
 def export_graph(model, image_size: int, path: Path) -> None:
@@ -127,15 +169,16 @@ class ParityImages:
     source: str  # where they came from, in words
 
 
-def parity_images(images: list | None, eval_set, processor, image_size: int) -> ParityImages:
-    """Real pixels for the check: the user's images, else the first eval images of the run, else rendered shapes."""
+def parity_images(images: list | None, eval_set, processor, image_size: int, config=None) -> ParityImages:
+    """Real pixels for the check: the user's images (decoded as the model `config` was trained on), else the first
+    eval images of the run, else rendered shapes."""
     import torch
 
-    from .data import decode_image
-    from .recipe import DataSettings
+    from .data import decode_image, decoding_settings
 
     if images:
-        decoded = [decode_image(source.encoded, index, DataSettings(), source.folders) for index, source in enumerate(images)]
+        settings = decoding_settings(config)
+        decoded = [decode_image(source.encoded, index, settings, source.folders) for index, source in enumerate(images)]
         source = f"{len(decoded)} image(s) given with --images"
     elif eval_set is not None and len(eval_set):
         count = min(PARITY_IMAGES, len(eval_set))
@@ -166,12 +209,38 @@ def quantize(staging: Path, kind: str) -> Path:
     return staging / file
 
 
-def compare_runtimes(float_runner, quantized_runner, eval_set, batch_size: int, limit: int | None,
+@dataclass
+class Answers:
+    """How a classifier's logits become its answer, and which answers count as right: single-label, the top class;
+    multi-label, the labels over their saved thresholds, right when the whole set is (exact match, as the run's
+    accuracy). `matches` compares two answers, or an answer and the eval labels, image by image."""
+    kind: str  # what the agreement counts, in words
+    decide: Callable[[torch.Tensor], torch.Tensor]
+    matches: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    real: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
+
+
+def answers_for(config) -> Answers:
+    import torch
+
+    from .data import SKIPPED_LABEL
+    from .multilabel import is_multi_label, saved_thresholds
+
+    if not is_multi_label(config):
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
+                       lambda labels: labels != SKIPPED_LABEL)
+    labels = [config.id2label[i] for i in range(config.num_labels)]
+    thresholds = torch.tensor(saved_thresholds(config, labels))
+    return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds, lambda a, b: (a == b.bool()).all(-1),
+                   lambda rows: rows[:, 0] != SKIPPED_LABEL)
+
+
+def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set, batch_size: int, limit: int | None,
                      fallback: torch.Tensor) -> dict:
     """Accuracy and CPU speed of the float and the quantised graph, batch by batch on the same pixels (interleaved,
     so a busy machine slows both alike); only session.run is timed, not the image decoding. Without a labelled
-    eval split, top-1 agreement on the parity pixels."""
-    from .data import SKIPPED_LABEL, make_loader
+    eval split, agreement of their answers on the parity pixels."""
+    from .data import make_loader
 
     batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
                make_loader(eval_set, batch_size, False, 0, 0, False))
@@ -182,22 +251,23 @@ def compare_runtimes(float_runner, quantized_runner, eval_set, batch_size: int, 
             break
         if limit is not None:
             pixels, labels = pixels[:limit - counted], None if labels is None else labels[:limit - counted]
-        top = {}
+        answer = {}
         for name, runner in (("float", float_runner), ("int8", quantized_runner)):
             if counted == 0:
                 run_session(runner, pixels)  # a first run at a batch size allocates: not timed
             start = time.perf_counter()
             logits = run_session(runner, pixels)
             seconds[name] += time.perf_counter() - start
-            top[name] = logits.argmax(-1)
-        agree += int((top["float"] == top["int8"]).sum())
+            answer[name] = answers.decide(logits)
+        agree += int(answers.matches(answer["float"], answer["int8"]).sum())
         counted += len(pixels)
         if labels is not None:
-            kept = labels != SKIPPED_LABEL  # images skipped as unreadable are not counted, as in evaluate
+            kept = answers.real(labels)  # images skipped as unreadable are not counted, as in evaluate
             labelled += int(kept.sum())
-            for name in top:
-                correct[name] += int((top[name][kept] == labels[kept]).sum())
-    result = {"images": counted, "top1_agreement": agree / counted,
+            for name in answer:
+                correct[name] += int(answers.matches(answer[name][kept], labels[kept]).sum())
+    # top1_agreement keeps its name for a multi-label model, where it counts whole label sets (agreement_of says so)
+    result = {"images": counted, "top1_agreement": agree / counted, "agreement_of": answers.kind,
               "float_images_per_s": round(counted / seconds["float"], 2),
               "int8_images_per_s": round(counted / seconds["int8"], 2),
               "speedup": round(seconds["float"] / seconds["int8"], 3)}
@@ -217,7 +287,7 @@ def own_eval_split(name: str, model, processor):
     try:
         return eval_split_of(name, model, processor)
     except VitFinetuneError as error:
-        print(f"the run's eval split cannot be loaded here ({str(error)[:300]}); checking on other images")
+        print(f"the run's eval split cannot be loaded here ({shortened(error)}); checking on other images")
         return None
 
 
@@ -227,15 +297,51 @@ def current_umask() -> int:
     return mask
 
 
-def publish(staging: Path, target: Path) -> None:
-    """Rename the finished staging folder into place; an earlier export is swapped out, then removed."""
-    if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / target.name)
+def staging_folder(target: Path) -> Path:
+    """A new folder beside `target` (on its disk, so files move into it by rename) named after this process."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}{os.getpid()}-", dir=target.parent))
+    staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
+    return staging
+
+
+def remove_stale_staging(target: Path) -> None:
+    """Staging folders beside `target` left by an export that was killed (its process is gone): a kill cannot be
+    cleaned up after, so the next export does it."""
+    for folder in target.parent.glob(f".{glob.escape(target.name)}{STAGING_MARK}*"):
+        pid = folder.name.removeprefix(f".{target.name}{STAGING_MARK}").split("-")[0]
+        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def publish(staging: Path, target: Path, earlier: set[str]) -> None:
+    """Move the staged export into `target`, file by file, export.json last; remove the names the earlier export
+    there claimed (`earlier`) that this one did not write. Nothing else in `target` is touched."""
+    from .checkpoint import replace_atomically  # loads torch: not at the top, which the command line's help reads
+
+    written = {entry.name for entry in staging.iterdir()}
+    if not target.exists():
         os.replace(staging, target)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, target)
+        return
+    # Claimed before any file moves (the new report, listing the earlier names too): a kill midway leaves nothing
+    # the next export would take for the user's.
+    claim = {**json.loads((staging / REPORT_FILE).read_text()), "files": sorted(earlier | written)}
+    replace_atomically(target / REPORT_FILE, lambda partial: partial.write_text(json.dumps(claim, indent=1)))
+    for name in sorted(written - {REPORT_FILE}):
+        os.replace(staging / name, target / name)
+    for name in sorted(earlier - written):  # an earlier --quantize's graph, stale beside the new weights
+        (target / name).unlink(missing_ok=True)
+    os.replace(staging / REPORT_FILE, target / REPORT_FILE)
+    staging.rmdir()
 
 
 def claim_in_run_folder(location: str, target: Path) -> None:
@@ -260,17 +366,21 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
     if not tolerance > 0:
         raise ExportError(f"--tolerance {tolerance}: give a positive max abs logit difference, e.g. {DEFAULT_TOLERANCE}")
     location = model_location(name)
-    target = Path(output) if output is not None else default_output(name, location)
-    check_target(target)
+    given = Path(output) if output is not None else default_output(name, location)
+    earlier = check_target(given)
+    target = given.resolve()  # a linked --output: written through the link, which stays
     model, processor = load_classifier(name, "cpu", eager_attention=True)
     image_size = FAMILIES[model.config.model_type].image_size(model.config)
     chosen = own_eval_split(name, model, processor)
     eval_set = chosen.dataset if chosen is not None else None
-    parity = parity_images(images, eval_set, processor, image_size)
+    parity = parity_images(images, eval_set, processor, image_size, model.config)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
-    staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(target)
+        staging = staging_folder(target)
+    except OSError as error:
+        raise unwritable(given, error) from None
     try:
         print(f"exporting {name} at {image_size}x{image_size} px (torch.onnx dynamo exporter) ...")
         export_graph(model, image_size, staging / MODEL_FILE)
@@ -290,18 +400,32 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
                   "versions": {package: metadata.version(package) for package in VERSIONED_PACKAGES}}
         if quantize_kind is not None:
             quantized = quantize(staging, quantize_kind)
-            figures = compare_runtimes(float_runner, session(quantized), eval_set,
+            figures = compare_runtimes(float_runner, session(quantized), answers_for(model.config), eval_set,
                                        chosen.batch_size if chosen else PARITY_IMAGES, eval_limit, parity.pixels)
             report["quantized"] = {"kind": quantize_kind, "file": quantized.name, **figures,
                                    "measured_on": "the run's eval split" if eval_set is not None else parity.source}
             print(quantization_summary(report["quantized"]))
+        report["files"] = sorted({entry.name for entry in staging.iterdir()} | {REPORT_FILE})
         (staging / REPORT_FILE).write_text(json.dumps(report, indent=1))
-        publish(staging, target)
+        publish(staging, target, earlier)
+    except OSError as error:  # a full disk while staging: the earlier export was not touched
+        shutil.rmtree(staging, ignore_errors=True)
+        raise unwritable(given, error) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     claim_in_run_folder(location, target)
-    return target
+    return given
+
+
+def unwritable(target: Path, error: OSError) -> ExportError:
+    """The export could not be written (a full or read-only disk): the reason, and that nothing was replaced."""
+    from .checkpoint import describe_write_error
+
+    existing = next(folder for folder in [target, *target.parents] if folder.exists())
+    reason = describe_write_error(error, existing)
+    return ExportError(f"--output {target} cannot be written ({reason}); nothing there was replaced: an earlier "
+                       "export is as it was. Free disk space, or choose another --output")
 
 
 def quantization_summary(figures: dict) -> str:
@@ -309,20 +433,43 @@ def quantization_summary(figures: dict) -> str:
                 f"({figures['accuracy_change']:+.4f})" if "float_accuracy" in figures else "no labelled eval split")
     return (f"{figures['kind']}: {figures['speedup']:.2f}x the float graph's CPU speed "
             f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {accuracy}, "
-            f"top-1 agreement {figures['top1_agreement']:.4f} over {figures['images']} images")
+            f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over "
+            f"{figures['images']} images")
+
+
+def load_errors() -> tuple[type[Exception], ...]:
+    """What onnxruntime raises for a file that is not a graph it can run (its types derive from Exception alone)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return (state.Fail, state.InvalidArgument, state.InvalidProtobuf, state.InvalidGraph, state.NoSuchFile,
+            state.NoModel, state.NotImplemented, state.RuntimeException)
 
 
 class OnnxClassifier:
     """An exported graph behind what inference.predict_rows uses of a model: .config, .device, and a call that
-    returns an object with .logits."""
+    returns an object with .logits. A damaged file, or a graph that does not take pixel_values and give logits as
+    `export --onnx` writes them, is an InputError naming the file and the fix."""
 
     def __init__(self, folder: Path, file: str):
         from transformers import AutoConfig
         import torch
 
+        from .inference import InputError, refuse_own_code
 
-        self.config = AutoConfig.from_pretrained(folder)
-        self.runner = session(folder / file)
+        quantize = "".join(f" --quantize {kind}" for kind, (name, _) in QUANTIZATIONS.items() if name == file)
+        again = f"Export it again: python -m vit_finetune export MODEL --onnx{quantize} --output {folder}"
+        refuse_own_code(str(folder), str(folder))
+        try:
+            self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+            self.runner = session(folder / file)
+        except (OSError, ValueError, *load_errors()) as error:
+            raise InputError(f"{folder / file} cannot be loaded as an ONNX classifier ({shortened(error)}). "
+                             f"{again}") from None
+        inputs = [given.name for given in self.runner.get_inputs()]
+        outputs = [given.name for given in self.runner.get_outputs()]
+        if inputs != ["pixel_values"] or "logits" not in outputs:
+            raise InputError(f"{folder / file} takes {inputs} and gives {outputs}; predict feeds it pixel_values "
+                             f"alone and reads logits, as an export of this toolkit does. {again}")
         self.device = torch.device("cpu")  # onnxruntime's CPU provider: the installed onnxruntime is CPU-only
 
     def __call__(self, pixel_values: torch.Tensor) -> SimpleNamespace:

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO
 
 from .checkpoint import PARTIAL_PREFIX, describe_write_error, replace_atomically
-from .recipe import Recipe, excerpt
+from .labels import READERS
+from .recipe import BUILTIN_PREFIX, Recipe, _is_dir, _is_file, excerpt
 
 MANIFEST = ".vit_finetune_manifest.json"
 LOCK = ".vit_finetune.lock"
@@ -48,52 +49,69 @@ def foreign_entries(output_dir: Path) -> list[str]:
     return sorted(entry.name for entry in Path(output_dir).iterdir() if entry.name not in ours)
 
 
+def resolved(path: Path | str) -> Path:
+    """`path` absolute, `~`, `..` and symlinks resolved (realpath: a loop of links stops the resolving, not the run)."""
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
 def dataset_folder(recipe: Recipe) -> Path | None:
-    """The local folder the data is read from, if any (a Hub id has none)."""
+    """The local folder the data is read from, if any: an image or saved-dataset folder, or a label file's folder
+    (its images lie in it or below). A Hub id has none."""
     from .data import BUILTIN_SHAPES, cache_dir
 
     if recipe.data.dataset == BUILTIN_SHAPES:
         return cache_dir() / "shapes"
     source = Path(recipe.data.dataset).expanduser()
-    return source if source.is_dir() else None
+    if _is_dir(source):
+        return source
+    return source.parent if _is_file(source) and source.suffix.lower() in READERS else None
 
 
-def base_folder(recipe: Recipe) -> Path | None:
-    """The local folder model.base is loaded from, if any (a Hub id or a builtin: model has none)."""
-    from .recipe import BUILTIN_PREFIX, _is_dir
+def model_folders(recipe: Recipe) -> list[tuple[str, str]]:
+    """(key, value) of each local model folder the run loads: model.base, train.distill.teacher (a Hub id or a
+    builtin: model has none). A resume loads both again, so neither may change during the run."""
+    keys = [("model.base", recipe.model.base)]
+    if recipe.train.distill is not None:
+        keys.append(("train.distill.teacher", recipe.train.distill.teacher))
+    return [(key, value) for key, value in keys
+            if not value.startswith(BUILTIN_PREFIX) and _is_dir(Path(value).expanduser())]
 
-    base = recipe.model.base
-    return None if base.startswith(BUILTIN_PREFIX) or not _is_dir(base) else Path(base)
 
-
-def base_refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
-    """Why model.base may not be read from this output_dir: overwrite=true (and a run's own saves) replace the
-    output folder's files and the folders a run writes there, so a base among them would be gone before it loads."""
-    base = base_folder(recipe)
-    if base is None:
-        return None
-    out, source = Path(recipe.output_dir).resolve(), base.resolve()  # resolved: a symlink to output_dir is it
-    replaced = [out / name for name in run_names]
-    if source == out or any(source.is_relative_to(folder) for folder in replaced):
-        return (f"model.base={excerpt(recipe.model.base)} is output_dir={excerpt(str(recipe.output_dir))} or a folder "
-                "a run writes in it: the run would replace the weights it starts from. Fix: write into another "
-                "output_dir (e.g. output_dir=<a new folder>) and keep model.base as it is")
+def read_path_refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
+    """Why a folder this run reads lies where the run writes: overwrite=true first clears what earlier runs wrote
+    (the names in `run_names`) and the run then replaces them, so a model loaded from there would be gone (or changed
+    under a resume) and a dataset would get the run's files among its own. Paths are compared resolved (`~`,
+    relative parts, symlinks), and nothing is written to find out. train.resume is not among them: a resume reads
+    the run's own checkpoints by design, and the recipe refuses it with overwrite=true, which would clear them."""
+    out = resolved(recipe.output_dir)
+    shown = excerpt(str(recipe.output_dir))
+    written = [out / name for name in run_names]
+    for key, value in model_folders(recipe):
+        source = resolved(Path(value))
+        if source == out or any(source.is_relative_to(folder) for folder in written):
+            return (f"{key}={excerpt(value)} is output_dir={shown} or a folder a run writes in it: the run would clear "
+                    f"or replace the model it reads. Fix: write into another output_dir (e.g. output_dir=<a new "
+                    f"folder>) and keep {key} as it is")
+    data = dataset_folder(recipe)
+    if data is not None:
+        source = resolved(data)
+        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
+            return (f"output_dir={shown} overlaps the dataset's folder {str(data)!r}: the run's files would land among "
+                    "its images (and overwrite=true could delete them). Fix: an output_dir outside the dataset")
     return None
 
 
 def refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
     """Why this run may not write into its output_dir (None if it may); nothing is written to find out."""
-    base_refused = base_refusal(recipe, run_names)
-    if base_refused:
-        return base_refused
+    read_refused = read_path_refusal(recipe, run_names)
+    if read_refused:
+        return read_refused
     output_dir = Path(recipe.output_dir).expanduser()
     shown = excerpt(str(recipe.output_dir))
-    data = dataset_folder(recipe)
-    if data is not None:
-        out, source = output_dir.resolve(), data.resolve()
-        if out == source or out.is_relative_to(source) or source.is_relative_to(out):
-            return (f"output_dir={shown} overlaps the dataset's folder {str(data)!r}: the run's files would land among "
-                    "the class folders (and overwrite=true could delete them). Fix: an output_dir outside the dataset")
+    a_file = next((path for path in (output_dir, *output_dir.parents) if path.exists() and not path.is_dir()), None)
+    if a_file is not None:
+        where = "is a file" if a_file == output_dir else f"lies under {excerpt(str(a_file))}, which is a file"
+        return f"output_dir={shown} {where}, not a folder. Fix: an output_dir that is a folder or a new name"
     foreign = foreign_entries(output_dir)
     if not foreign:
         return None

@@ -38,3 +38,4 @@ class Parts:
     teacher: Teacher | None = None  # train.distill: the frozen classifier the student also learns from
     teacher_cache: TeacherLogitsCache | None = None  # train.distill.cache_logits: its logits of every training image
     probe: ProbeResult | None = None  # train.method linear_probe / lp_ft: how the head was fitted (None on a resume)
+    data_facts: dict = field(default_factory=dict)  # what metrics.json records of the training split (data.training_facts)

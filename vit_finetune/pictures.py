@@ -144,9 +144,10 @@ def draw_misclassified(images: list, truths: list[str], guesses: list[str], path
 def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thresholds: dict | None = None) -> list[str]:
     """confusion_matrix.png and misclassified.png for one split's predictions (evaluation.SplitPredictions) over
     `dataset` (a data.ImageClassificationDataset, in the same order); for a multi-label split, precision_recall.png
-    with each label's `thresholds` marked. Returns the file names written."""
+    with each label's `thresholds` marked. No confusion matrix beyond DENSE_CONFUSION_LABELS labels (unreadable, and
+    labels² cells). Returns the file names written."""
     from .data import BadImageError
-    from .evaluation import confusion_matrix
+    from .evaluation import DENSE_CONFUSION_LABELS, confusion_matrix
 
     kept = predictions.kept.numpy()
     if predictions.scores is not None:
@@ -156,8 +157,11 @@ def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thres
                               thresholds, Path(folder) / PRECISION_RECALL_FILE)
         return [PRECISION_RECALL_FILE]
     predicted, references = predictions.ranked[:, 0].numpy(), predictions.references.numpy()
-    draw_confusion_matrix(confusion_matrix(predicted[kept], references[kept], len(labels)).tolist(), labels,
-                          Path(folder) / CONFUSION_FILE)
+    drawn = []
+    if len(labels) <= DENSE_CONFUSION_LABELS:
+        draw_confusion_matrix(confusion_matrix(predicted[kept], references[kept], len(labels)).tolist(), labels,
+                              Path(folder) / CONFUSION_FILE)
+        drawn.append(CONFUSION_FILE)
     images, truths, guesses = [], [], []
     for position in misclassified_positions(predicted, references):
         try:
@@ -169,4 +173,4 @@ def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thres
         truths.append(labels[references[position]])
         guesses.append(labels[predicted[position]])
     draw_misclassified(images, truths, guesses, Path(folder) / MISCLASSIFIED_FILE)
-    return [CONFUSION_FILE, MISCLASSIFIED_FILE]
+    return [*drawn, MISCLASSIFIED_FILE]

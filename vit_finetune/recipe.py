@@ -67,6 +67,15 @@ def expand_home(value: str | None) -> str | None:
     return expanded
 
 
+ALPHA_COLOUR = re.compile(r"^(white|black|#[0-9a-fA-F]{6})$")
+
+
+def _colour(value: str) -> str:
+    if not ALPHA_COLOUR.match(value):
+        raise ValueError("must be white, black or a colour written #rrggbb, e.g. #ffffff")
+    return value
+
+
 def names_fit(value: str | None) -> str | None:
     """A path's every name within NAME_MAX bytes; a longer one fails in the file system (ENAMETOOLONG) at first use."""
     for name in (value or "").split("/"):
@@ -159,6 +168,13 @@ class DataSettings(Strict):
         "flip training crops left-right with probability 0.5; on for photos, off by default: wrong for digits, "
         "text and anything a mirror changes"))
     skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
+    alpha_background: Annotated[str, AfterValidator(_colour)] | None = Field(None, description=(
+        "lay images with transparency on this colour (white, black or #rrggbb) before their alpha channel is "
+        "dropped, in training, evaluation, predict, explain, export and the page (saved with the model, named in its "
+        "card); null = drop alpha as pipeline() does (a drawing kept only in the alpha channel is lost)"))
+    allow_flat_images: bool = Field(False, description=(
+        "train even when most of the training images checked decode to one flat colour (the run refuses otherwise, "
+        "naming the fix)"))
     min_image_side: StrictInt = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
     max_image_pixels: StrictInt = Field(89_478_485, gt=0,
         description="larger images are refused (PIL's decompression-bomb limit)")
@@ -169,14 +185,16 @@ class DataSettings(Strict):
         "sampler = each epoch drawn with replacement so classes come up equally often; null = off"))
     streaming: bool = Field(False, description=(
         "read data.dataset as a stream of parquet or WebDataset .tar shards (a Hub dataset id or a local folder) "
-        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column (or "
-        "data.label_names) and an eval split; each process reads its own shards (docs/data.md, 'Streaming')"))
+        "instead of downloading it whole: for datasets larger than the disk. Needs a ClassLabel label column, or a "
+        "list of ClassLabel for multi-label (or data.label_names), and an eval split;"
+        " each process reads its own shards (docs/data.md, 'Streaming')"))
     label_names: list[str] | None = Field(None, description=(
         "data.streaming with plain integer labels (WebDataset's .cls files): the class names in index order; "
         "null = the label column's ClassLabel names"))
     multi_label: bool | None = Field(None, description=(
-        "each image has a set of labels (sigmoid scores, binary cross-entropy, per-class thresholds); null = "
-        "detect: a label file whose cells hold lists, or a dataset whose label column is a list of ClassLabel"))
+        "each image has a set of labels, which may be empty (sigmoid scores, binary cross-entropy, per-class "
+        "thresholds); null = detect: a label file whose cells hold lists, or a dataset whose label column is a list of "
+        "ClassLabel (the run says which)"))
     label_separator: str = Field(";", description=(
         "label files: the character joining several labels in one cell, e.g. 'cat;dog'; '' = never split"))
     shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
@@ -203,9 +221,6 @@ class DataSettings(Strict):
         if self.streaming and given:
             raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
                              "whole before training); set them to null, or data.streaming=false")
-        if self.streaming and self.multi_label:
-            raise ValueError("data.multi_label=true cannot be combined with data.streaming=true (a stream's labels "
-                             "are single class ids); set data.streaming=false")
         if self.multi_label and self.class_balance == "sampler":
             raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
                              "use class_balance=weights (a positive weight per class) or null")
@@ -663,10 +678,14 @@ def format_keys(recipe: Recipe) -> str:
                    for (key, value), meaning in zip(shown.items(), key_descriptions().values()))
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _location(error: dict[str, Any]) -> str:
     location = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-"))
     # Pydantic appends the union member it tried (e.g. "lora.LoraSettings"); keep only recipe keys.
-    location = re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+    return re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = _location(error)
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
@@ -723,8 +742,9 @@ def deepest(data: Any, limit: int = MAX_RECIPE_DEPTH) -> tuple[int, str]:
     return found
 
 
-def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
-    """Type and check a recipe mapping; raise RecipeError listing every problem."""
+def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str, ...] = ()) -> Recipe:
+    """Type and check a recipe mapping; raise RecipeError listing every problem, those of a key set on the command
+    line (`overridden`) marked as such: the recipe file does not hold them."""
     depth, key = deepest(data)
     if depth > MAX_RECIPE_DEPTH:
         raise RecipeError([f"{key or 'the recipe'} is nested more than {MAX_RECIPE_DEPTH} levels deep (lists or "
@@ -737,7 +757,11 @@ def validate(data: dict[str, Any], source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as error:
-        problems = list(dict.fromkeys(_describe(e) for e in error.errors()))
+        def from_command_line(e: dict[str, Any]) -> bool:
+            return any(f"{_location(e)}.".startswith(f"{key}.") for key in overridden)
+
+        problems = list(dict.fromkeys(_describe(e) + (" (set on the command line)" if from_command_line(e) else "")
+                                      for e in error.errors()))
         raise RecipeError(problems, source) from None
 
 
@@ -748,7 +772,10 @@ def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
     if name_or_path:
         path = find_recipe(name_or_path)
         data, source = read_yaml(path), str(path)
-    return validate(apply_overrides(data, list(overrides)), source)
+    overridden = tuple(override.partition("=")[0].strip() for override in overrides)
+    if overridden:
+        source = f"{source} with the command line's overrides"
+    return validate(apply_overrides(data, list(overrides)), source, overridden)
 
 
 def to_yaml(recipe: Recipe) -> str:

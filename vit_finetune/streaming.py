@@ -56,6 +56,7 @@ class StreamedSplits:
     eval_rows: int | None
     identity: dict  # the labels and the shards read, as each checkpoint records them
     image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
+    multi_label: bool = False  # each row's label is a list of class ids (a set of labels, possibly empty)
 
 
 @dataclass
@@ -129,6 +130,10 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
     labels = class_names(features[label_column], label_column, settings)
+    multi_label = data.is_label_set(features[label_column]) if settings.multi_label is None else settings.multi_label
+    if data.is_label_set(features[label_column]) and not multi_label:
+        raise DataError(f"data.multi_label=false, but the label column {label_column!r} holds a list of labels per "
+                        "row; set data.multi_label=true (or null)")
     # Every shard is looked at before training: a damaged one would otherwise end in a library's traceback, or in
     # rows silently missing, partway through a run.
     counted = {split: check_shards(files[split], split, (image_column, label_column), settings)
@@ -144,14 +149,16 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     folders = None if data.is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
                           split_rows(builder, settings.train_split, counted[settings.train_split]),
-                          split_rows(builder, eval_split, counted[eval_split]), identity, folders)
+                          split_rows(builder, eval_split, counted[eval_split]), identity, folders, multi_label)
 
 
 def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:
-    """The classes, known without reading the stream: the label column's ClassLabel names, or data.label_names for
-    plain integer labels (WebDataset's .cls files hold the class index)."""
+    """The classes, known without reading the stream: the label column's ClassLabel names (of each row's list of
+    labels, for a multi-label column), or data.label_names for plain integer labels (WebDataset's .cls files hold
+    the class index)."""
     import datasets
 
+    feature = getattr(feature, "feature", feature) if data.is_label_set(feature) else feature
     if isinstance(feature, datasets.ClassLabel):
         if settings.label_names is not None and list(settings.label_names) != feature.names:
             raise DataError(f"data.label_names={excerpt(settings.label_names)} differs from the label column's own "
@@ -166,11 +173,13 @@ def class_names(feature, label_column: str, settings: DataSettings) -> list[str]
         "ClassLabel(names=[...])) (push_to_hub and to_parquet keep it); or set data.streaming=false")
 
 
-def check_label(label: int, classes: int, where: str) -> None:
-    """A plain integer label must name one of the classes (a ClassLabel column cannot hold another)."""
-    if not 0 <= label < classes:
-        raise DataError(f"{where} has label {label}, outside the {classes} classes of data.label_names (0 to "
-                        f"{classes - 1}). Fix: data.label_names must name every class index the shards use")
+def check_label(label: int | list[int], classes: int, where: str) -> None:
+    """A plain integer label (each of a row's labels, for a multi-label row) must name one of the classes (a
+    ClassLabel column cannot hold another)."""
+    for value in label if isinstance(label, list) else [label]:
+        if not 0 <= value < classes:
+            raise DataError(f"{where} has label {value}, outside the {classes} classes of data.label_names (0 to "
+                            f"{classes - 1}). Fix: data.label_names must name every class index the shards use")
 
 
 def split_rows(builder, split: str, counted: int | None) -> int | None:
@@ -405,7 +414,7 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
-                  image_folders=splits.image_folders)
+                  image_folders=splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
                                placeholder=data.blank_pixels(image_size, training=True), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
@@ -436,7 +445,7 @@ def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable
     model.eval()
     k = min(evaluation.TOP_K, num_classes)
     blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
-             "labels": torch.tensor([data.SKIPPED_LABEL], device=accelerator.device)}
+             "labels": torch.tensor([loader.dataset.target(data.SKIPPED_LABEL)], device=accelerator.device)}
     batches = []
     for batch in in_lockstep(loader.whole_split(), accelerator):
         predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, k)
@@ -444,7 +453,9 @@ def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable
             batches.append(tuple(part.cpu() for part in predicted))
     model.train(was_training)
     mine = evaluation.joined(batches, k)
-    shares = gather_object([(mine.ranked, mine.references, mine.losses)])
+    # joined() takes per-batch parts: multi-label ones carry every label's score first, not the ranked ids
+    first = mine.ranked if mine.scores is None else mine.scores
+    shares = gather_object([(first, mine.references, mine.losses)])
     return evaluation.joined(shares, k)
 
 

@@ -164,6 +164,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
+    data_facts = check_training_data(splits, recipe, accelerator)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
     teacher = None
@@ -190,6 +191,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
                             on_resample=lambda before, after: tables.update(before=before, after=after))
     if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
         model.config.problem_type = multilabel.PROBLEM_TYPE
+    if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
+        setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
     size = recipe.model.image_size
     seed = recipe.train.seed
     workers = recipe.data.num_workers
@@ -232,7 +235,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
                  identity, None if class_weights is None else class_weights.to(accelerator.device), teacher,
-                 probe=fitted)
+                 probe=fitted, data_facts=data_facts)
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
@@ -256,6 +259,25 @@ def freeze_all_but_heads(model) -> None:
     heads = tuple(f"{name}." for name in vit.head_names(model))
     for name, parameter in model.named_parameters():
         parameter.requires_grad = name.startswith(heads)
+
+
+def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
+                        accelerator: Accelerator) -> dict:
+    """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
+    no label) and refuse training images that are mostly one flat colour; returns what metrics.json records of the
+    training split. A stream is not read ahead of training: only what its metadata says is known."""
+    notes = list(getattr(splits, "notes", []))
+    facts = {} if recipe.data.streaming else data.training_facts(splits)
+    if not recipe.data.streaming:
+        notes += data.training_facts_notes(facts, len(splits.train))
+        flat = data.flat_images(splits, recipe.data, recipe.train.seed)
+        if flat.refuses(recipe.data):
+            raise RunError(f"{flat.problem(recipe.data)}; or set data.allow_flat_images=true to train anyway")
+        notes += [flat.problem(recipe.data)] if flat.flat else []
+    if accelerator.is_main_process:
+        for note in notes:
+            display.say(f"data: {note}")
+    return facts
 
 
 def caches_teacher_logits(recipe: Recipe) -> bool:
@@ -307,8 +329,9 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator) -> Rec
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
     if recipe.data.crop_scale == "auto":
         crop_scale, why = data.auto_crop_scale(size.images_seen)
-        said["data.crop_scale"] = (f"data.crop_scale=auto -> {list(crop_scale)} for {size.images_seen:,} training "
-                                   f"images seen: {why}; set data.crop_scale=[low, high] to choose")
+        # One short sentence, the reason on a line of its own.
+        said["data.crop_scale"] = (f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, "
+                                   f"high] to choose)\n  why: this run sees {size.images_seen:,} training images; {why}")
         recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
     if recipe.train.lr == "auto":
         lr, why = optim.auto_lr(recipe.model.lora is not None)
@@ -500,9 +523,13 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method)
+    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
+                   **parts.data_facts)
     if state.probe is not None:
         metrics["probe"] = state.probe
+    if parts.teacher is not None:
+        metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
+                                                 training_seconds)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
@@ -518,6 +545,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                            thresholds=metrics.get("thresholds"))
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
+        if "distillation" in metrics:
+            display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
         print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
