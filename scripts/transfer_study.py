@@ -116,6 +116,7 @@ OPTIONS = {
     "finetune": ["train.method=finetune"],
     "linear_probe": ["train.method=linear_probe"],
     "lp_ft": ["train.method=lp_ft"],
+    "lp_ft_head0.002": ["train.method=lp_ft", "train.head_lr=0.002"],  # the fitted head at fine-tuning's head lr
     "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
     "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,

@@ -237,8 +237,9 @@ def test_a_run_with_eval_every_steps_auto_evaluates_as_the_rule_says(args, tmp_p
     # 9 eval images cost about a third of an epoch of 24: the 2-epoch run is evaluated only at its end ...
     every, _ = evaluation.auto_eval_every_steps(9, 24, 6, 12, None)
     assert every == 12
-    assert train([*args, "train.method=finetune", f"output_dir={tmp_path}/auto"]) == 0
+    assert train([*args, "train.eval_every_steps=auto", f"output_dir={tmp_path}/auto"]) == 0
     assert [e["step"] for e in history(tmp_path / "auto") if "eval_accuracy" in e] == [12]
     # ... unless the evaluations choose the saved weights: then every epoch has one.
-    assert train([*args, "train.method=finetune", "train.keep_best=eval_accuracy", f"output_dir={tmp_path}/best"]) == 0
+    assert train([*args, "train.eval_every_steps=auto", "train.keep_best=eval_accuracy",
+                  f"output_dir={tmp_path}/best"]) == 0
     assert [e["step"] for e in history(tmp_path / "best") if "eval_accuracy" in e] == [6, 12]
