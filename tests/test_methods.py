@@ -97,8 +97,8 @@ def test_two_linear_probes_of_the_same_recipe_are_bit_identical(probed, args, tm
 
 @pytest.mark.slow
 def test_two_processes_fit_the_head_one_process_fits(probed, args, tmp_path):
-    """Each process computes the features of its share of the images; gathered in the split's order, they fit the
-    same head (the 24 images split 12 + 12, in batches of 4)."""
+    """Each process computes the features of every training image (while the model is built no process may wait for
+    another) and fits the head one process fits; DDP then starts from it."""
     out = tmp_path / "two"
     result = subprocess.run([*warm_launch_command(), "-m", "vit_finetune", *args, "train.method=linear_probe",
                              f"output_dir={out}"], capture_output=True, text=True, timeout=360, cwd=REPO,
@@ -200,24 +200,30 @@ def test_a_probe_refuses_a_stream(method):
 
 def test_auto_is_conservative_outside_what_was_measured():
     low, high = methods.MEASURED_IMAGES_PER_CLASS
-    first, last = methods.MEASURED_EPOCHS
-    probe_below = methods.PROBE_ALONE_BELOW_EPOCHS
-    # Inside the measured range: the probe alone on short schedules, LP-FT on longer ones.
-    assert methods.auto_method(high, (first + probe_below) / 2, pretrained=True, streaming=False)[0] == "linear_probe"
-    assert methods.auto_method(low, (probe_below + last) / 2, pretrained=True, streaming=False)[0] == "lp_ft"
-    # Beyond it, on either axis: fine-tuning, saying why.
-    for images_per_class, epochs in ((high * 4, probe_below + 1), (low / 2, probe_below + 1),
-                                     (low, last * 2), (high, first / 2)):
-        method, why = methods.auto_method(images_per_class, epochs, pretrained=True, streaming=False)
-        assert method == "finetune" and "not here" in why, (images_per_class, epochs)
-    assert methods.auto_method(40, 3.0, pretrained=False, streaming=False)[0] == "finetune"
-    assert methods.auto_method(40, 3.0, pretrained=True, streaming=True)[0] == "finetune"
+    shortest, longest = methods.MEASURED_IMAGES_SEEN
+    below = methods.PROBE_ALONE_BELOW_EPOCHS
+
+    def auto(per_class: float, seen: int, **options) -> tuple[str, str]:
+        return methods.auto_method(per_class, seen, seen / (per_class * 10), **{"pretrained": True, "streaming": False,
+                                                                                  **options})
+
+    # Inside the measured range: the probe alone on short schedules, LP-FT from `below` epochs on.
+    assert auto(high, shortest)[0] == "linear_probe" and auto(40, int(40 * 10 * (below - 0.5)))[0] == "linear_probe"
+    assert auto(low, longest)[0] == "lp_ft" and auto(40, int(40 * 10 * below))[0] == "lp_ft"
+    # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
+    assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
+    # Beyond the range, on either axis: fine-tuning, saying why.
+    for per_class, seen in ((high * 2, longest), (low - 1, longest), (40, longest * 2), (40, shortest // 2)):
+        method, why = auto(per_class, seen)
+        assert method == "finetune" and "not here" in why, (per_class, seen)
+    assert auto(40, 1000, pretrained=False)[0] == "finetune"
+    assert auto(40, 1000, streaming=True)[0] == "finetune"
 
 
 def test_a_run_prints_the_method_auto_chose_and_saves_it_resolved(args, tmp_path, capsys):
     out = tmp_path / "out"
     assert train([*args, "train.method=auto", f"output_dir={out}"]) == 0
-    chosen, why = methods.auto_method(8, 2.0, pretrained=True, streaming=False)
+    chosen, why = methods.auto_method(8, 48, 2.0, pretrained=True, streaming=False)
     assert f"train.method=auto -> {chosen}: {why}" in capsys.readouterr().out
     assert metrics_of(out)["method"] == chosen
 

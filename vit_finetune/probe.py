@@ -81,8 +81,8 @@ def head_module(model: nn.Module) -> nn.Linear:
 @torch.no_grad()
 def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets) of every image `loader` yields, in its order, on the CPU: the head's float32 input and the
-    labels (class ids, or 0/1 rows for label sets). `loader` is prepared by Accelerate: each process computes its
-    share and every process receives all of them."""
+    labels (class ids, or 0/1 rows for label sets). Each process reads every image: the probe runs while the model is
+    being built, where no process may wait for another (the main process of each machine loads first)."""
     captured: list[torch.Tensor] = []
     hook = head_module(model).register_forward_hook(lambda module, inputs, output: captured.append(inputs[0]))
     was_training = model.training
@@ -91,11 +91,9 @@ def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[tor
     try:
         for batch in loader:
             with accelerator.autocast():
-                model(pixel_values=batch["pixel_values"])
-            rows = captured.pop().float()
-            gathered_rows, gathered_targets = accelerator.gather_for_metrics((rows, batch["labels"]))
-            features.append(gathered_rows.cpu())
-            targets.append(gathered_targets.cpu())
+                model(pixel_values=batch["pixel_values"].to(accelerator.device))
+            features.append(captured.pop().float().cpu())
+            targets.append(batch["labels"])
     finally:
         hook.remove()
         model.train(was_training)
@@ -216,8 +214,8 @@ def set_heads(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> Non
 
 
 def probe(model: nn.Module, loader, accelerator: Accelerator, class_weights: torch.Tensor | None = None) -> ProbeResult:
-    """Fit the model's head on the frozen features of every image of `loader` (prepared, in a fixed order) and put it
-    into the model; the random generators are left as they were."""
+    """Fit the model's head on the frozen features of every image of `loader` (in a fixed order) and put it into the
+    model; the random generators are left as they were."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
         features, targets = head_inputs(model, loader, accelerator)

@@ -259,6 +259,21 @@ PIXEL_DRAWS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Each of PIXEL_DRAWS' keys at the value that draws nothing.
+PIXEL_DRAWS_OFF = {"data.crop_scale": (1.0, 1.0), "data.horizontal_flip": False, "augment.policy": "none",
+                   "augment.erasing_prob": 0.0, "augment.mixup": False, "augment.cutmix": False}
+
+
+def without_pixel_draws(recipe: Recipe) -> Recipe:
+    """The recipe with every setting that draws training pixels anew set to draw nothing."""
+    sections: dict[str, dict] = {}
+    for key, value in PIXEL_DRAWS_OFF.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=values)
+                                     for section, values in sections.items()})
+
+
 def pixel_drawing_settings(recipe: Recipe) -> list[str]:
     """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
     values = flatten(recipe.model_dump(mode="json"))
