@@ -161,7 +161,9 @@ def subset_for_cross_validation(targets: torch.Tensor, most: int) -> torch.Tenso
 
 def choose_c(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, classes: int) -> tuple[float, float, int]:
     """(C, its mean validation loss, folds) by k-fold cross-validation over STRENGTHS, strongest first, each fold's
-    fit warm-started from the previous strength's. Too few images to fold: C = 1 (scikit-learn's default)."""
+    fit warm-started from the previous strength's. The validation loss falls, then rises as the head overfits; once it
+    has risen at two strengths in a row the weaker ones, the slowest to fit, are not tried. Too few images to fold:
+    C = 1 (scikit-learn's default)."""
     counts = torch.bincount(targets) if targets.dim() == 1 else torch.tensor([len(targets)])
     folds = min(FOLDS, int(counts[counts > 0].min()) if targets.dim() == 1 else len(targets))
     if folds < 2:
@@ -178,7 +180,9 @@ def choose_c(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tenso
             logits = features[held] @ weight.T + bias
             losses.append(float(_loss(logits, targets[held], weights[held])))
         scores.append(sum(losses) / folds)
-    best = min(range(len(STRENGTHS)), key=lambda i: (scores[i], i))  # a tie goes to the stronger regularisation
+        if len(scores) >= 3 and scores[-1] > scores[-2] > scores[-3]:
+            break
+    best = min(range(len(scores)), key=lambda i: (scores[i], i))  # a tie goes to the stronger regularisation
     return STRENGTHS[best], scores[best], folds
 
 
