@@ -28,6 +28,7 @@ from .recipe import REPO_ID_PATTERN, DataSettings, excerpt
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
 LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target", "cls")  # cls: WebDataset
+TARGETS_COLUMN = "vit_finetune_targets"  # a regression's loaded column: each image's list of target values
 
 
 class DataError(VitFinetuneError):
@@ -56,6 +57,7 @@ class Splits:
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
     multi_label: bool = False  # each row's label is a list of class ids (a set of labels), which may be empty
     notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains
+    task: str | None = None  # "regression": `labels` names the targets, each row's label is a list of their values
 
 
 # ---------------------------------------------------------------- loading
@@ -89,7 +91,9 @@ def open_dataset(settings: DataSettings, notes: list[str] | None = None):
         source = ensure_demo_dataset(cache_dir() / "shapes")
     try:
         label_file = labels.label_file_of(source)
-        if label_file is not None:
+        if label_file is not None and settings.task == "regression":
+            loaded = labels.load_target_file(label_file, settings)
+        elif label_file is not None:
             loaded = labels.load_label_file(label_file, settings, notes)
         elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
@@ -228,15 +232,15 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
         raise DataError(f"data.train_split={settings.train_split!r} not in the dataset; its splits are {list(loaded)}")
     train = loaded[settings.train_split]
     image_column = detect_column(train.features, settings.image_column, "image", IMAGE_COLUMN_NAMES, datasets.Image)
+    if settings.task == "regression":
+        return regression_splits(loaded, settings, image_column, seed, notes)
     if list(train.features) == [image_column] and settings.label_column is None:
         # datasets' imagefolder drops the label column when it finds a single class folder
         raise DataError(f"data.dataset={settings.dataset!r} holds a single class (one class folder, or no label "
                         "column); a classifier needs at least two. Use one sub-folder per class")
     label_column = detect_column(train.features, settings.label_column, "label", LABEL_COLUMN_NAMES, datasets.ClassLabel)
-
-    eval_split = settings.eval_split if settings.eval_split in loaded else None
-    if eval_split is None and "test" in loaded and settings.eval_split == "validation":
-        eval_split = "test"  # many image datasets ship train/test only
+    refuse_fractional_classes(train.features[label_column], label_column, settings)
+    eval_split = eval_split_in(loaded, settings)
     folders = image_folders(settings)
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
@@ -269,6 +273,73 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
                   multi_label=multi_label, notes=notes)
+
+
+def eval_split_in(loaded, settings: DataSettings) -> str | None:
+    """The dataset's split to evaluate on, or None (then one is held out from train)."""
+    eval_split = settings.eval_split if settings.eval_split in loaded else None
+    if eval_split is None and "test" in loaded and settings.eval_split == "validation":
+        eval_split = "test"  # many image datasets ship train/test only
+    return eval_split
+
+
+def refuse_fractional_classes(feature, label_column: str, settings: DataSettings) -> None:
+    """data.task=auto does not guess whether a column of fractional numbers holds classes or values."""
+    if settings.task == "auto" and getattr(feature, "dtype", "").startswith("float"):
+        raise DataError(f"the label column {label_column!r} holds numbers ({feature.dtype}); data.task=auto does not "
+                        "guess whether they are classes or values. Set data.task=regression to learn them as values, "
+                        "or data.task=single_label to read each distinct number as a class")
+
+
+def regression_splits(loaded, settings: DataSettings, image_column: str, seed: int, notes: list[str]) -> Splits:
+    """Train and eval splits of a regression: each row's targets (data.target_columns, else the label column) as one
+    list of floats in TARGETS_COLUMN; `labels` names the targets. Every value must be a finite number."""
+    import datasets
+
+    train = loaded[settings.train_split]
+    names = settings.target_columns or [
+        detect_column(train.features, settings.label_column, "target", LABEL_COLUMN_NAMES, datasets.Value)]
+    eval_split = eval_split_in(loaded, settings)
+    folders = image_folders(settings)
+    for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
+        refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
+    train = as_targets(train, image_column, names, settings.train_split)
+    if eval_split is None:
+        carved = train.train_test_split(test_size=settings.eval_fraction, seed=seed)
+        train, evaluation = carved["train"], carved["test"]
+    else:
+        evaluation = as_targets(loaded[eval_split], image_column, names, eval_split)
+    train = subsample(train, settings.max_train_samples, seed)
+    evaluation = subsample(evaluation, settings.max_eval_samples, seed)
+    train = train.cast_column(image_column, datasets.Image(decode=False))
+    evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
+    return Splits(train, evaluation, image_column, TARGETS_COLUMN, list(names), eval_split, image_folders=folders,
+                  notes=notes, task="regression")
+
+
+def as_targets(table, image_column: str, names: list[str], split: str):
+    """The image column and TARGETS_COLUMN (each row's target values); a missing, non-numeric or non-finite target is
+    refused, naming the column and the row."""
+    import datasets
+
+    for name in names:
+        if name not in table.features:
+            raise DataError(f"data.target_columns: {name!r} is not a column of split {split!r}; its columns are "
+                            f"{list(table.features)}")
+        dtype = getattr(table.features[name], "dtype", "")
+        if not dtype.startswith(("float", "int", "uint")):
+            raise DataError(f"the target column {name!r} of split {split!r} holds {table.features[name]}, not numbers; "
+                            "data.task=regression needs a number per image in each target column")
+    values = np.stack([np.asarray(table[name], dtype=np.float64) for name in names], axis=1) if len(table) else \
+        np.zeros((0, len(names)))
+    bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
+    if len(bad):
+        row = int(bad[0])
+        found = dict(zip(names, values[row].tolist()))
+        raise DataError(f"row {row} of split {split!r} has a target that is missing or not finite ({found}); "
+                        f"{len(bad)} row(s) do. Give finite numbers, or remove those rows")
+    return table.select_columns([image_column]).add_column(TARGETS_COLUMN, values.tolist(),
+                                                           feature=datasets.List(datasets.Value("float64")))
 
 
 def is_label_set(feature) -> bool:
@@ -318,6 +389,8 @@ def training_facts(splits: Splits) -> dict:
     them; their eval scores measure nothing learned) and, for label sets, how many images hold none of the labels."""
     import pyarrow.compute as pc
 
+    if splits.task == "regression":
+        return {}  # no classes to count
     column = splits.train.with_format("arrow")[splits.label_column]
     ids = pc.list_flatten(column) if splits.multi_label else column
     ids = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
@@ -331,7 +404,7 @@ def training_facts(splits: Splits) -> dict:
 def training_facts_notes(facts: dict, train_images: int) -> list[str]:
     """The console's lines on training_facts."""
     notes = []
-    missing = facts["labels_without_train_images"]
+    missing = facts.get("labels_without_train_images", [])
     if missing:
         notes.append(f"{len(missing)} label(s) have no training image: {excerpt(missing)}; the model cannot learn "
                      "them, and their eval scores (and, multi-label, their thresholds) measure nothing learned. Add "
@@ -711,7 +784,7 @@ class ImageClassificationDataset(Dataset):
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor,
-                 image_folders: tuple[Path, ...] | None = None, label_sets_of: int | None = None):
+                 image_folders: tuple[Path, ...] | None = None, task=None, outputs: int = 0):
         self.table = table
         self.image_folders = image_folders
         self.image_column = image_column
@@ -719,19 +792,12 @@ class ImageClassificationDataset(Dataset):
         self.settings = settings
         self.make_pixels = make_pixels
         self.placeholder = placeholder
-        self.label_sets_of = label_sets_of  # multi-label: labels become 0/1 rows over this many classes
+        self.task, self.outputs = task, outputs  # a tasks.Task turns each label into the loss's target
 
-    def target(self, label) -> int | list[int]:
-        """The label as the loss reads it: a class id, or (multi-label) a 0/1 row; SKIPPED_LABEL stays -1 (a row
-        of -1 for label sets)."""
-        if self.label_sets_of is None:
-            return label
-        if label == SKIPPED_LABEL:
-            return [SKIPPED_LABEL] * self.label_sets_of
-        row = [0] * self.label_sets_of
-        for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
-            row[class_id] = 1
-        return row
+    def target(self, label) -> int | list:
+        """The label as the loss reads it (the task's target: a class id, a 0/1 row, a row of values); SKIPPED_LABEL
+        for a skipped image becomes the task's mark of one."""
+        return label if self.task is None else self.task.target(label, self.outputs)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -785,10 +851,16 @@ class EpochSampler(Sampler):
 def collate(samples: list) -> dict:
     """(B, 3, H, W) pixels and labels: (B,) class ids, or (B, C) 0/1 rows for label sets."""
     pixels = torch.stack([pixels for pixels, _label, _skipped in samples])
-    labels = torch.tensor([label for _pixels, label, _skipped in samples], dtype=torch.long)
+    targets = [label for _pixels, label, _skipped in samples]
+    # class ids and 0/1 rows as integers, a regression's values (NaN: a skipped image) as floats
+    labels = torch.tensor(targets, dtype=torch.float32 if is_float_target(targets[0]) else torch.long)
     # `skipped` (the names of the bad images in the batch) stays on the host: Accelerate moves tensors to the
     # device, and counting them there would need a sync to read the count back.
     return {"pixel_values": pixels, "labels": labels, "skipped": [name for *_, name in samples if name is not None]}
+
+
+def is_float_target(target) -> bool:
+    return isinstance(target[0] if isinstance(target, list) and target else target, float)
 
 
 def cpu_cores() -> int:
@@ -826,26 +898,29 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
 
 
 def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
-                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
-    """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
+                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor], task=None) -> ImageClassificationDataset:
+    """The train split as uint8 crops from `make_pixels`, labels as `task` (a tasks.Task) targets them; a skipped
+    bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
                                       blank_pixels(image_size, training=True), splits.image_folders,
-                                      label_sets_of=len(splits.labels) if splits.multi_label else None)
+                                      task=task, outputs=len(splits.labels))
 
 
-def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
+def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int,
+                 task=None) -> ImageClassificationDataset:
     """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
                                       eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
+                                      splits.image_folders, task=task, outputs=len(splits.labels))
 
 
-def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
+def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int,
+                               task=None) -> ImageClassificationDataset:
     """The train split preprocessed as evaluation does (the saved image processor, no augmentation): what a linear
     probe fits the head on, so the head meets at evaluation the features it was fitted to."""
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings,
                                       eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
+                                      splits.image_folders, task=task, outputs=len(splits.labels))
 
 
 def blank_pixels(image_size: int, training: bool) -> torch.Tensor:

@@ -27,10 +27,12 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import data
+from . import data, tasks
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError, shortened
 from .recipe import DistillSettings
+
+STUDENT_TASK = tasks.SingleLabel.name  # a teacher's top class or softmax teaches one label per image
 
 
 class DistillError(VitFinetuneError):
@@ -65,9 +67,11 @@ def teacher_config(settings: DistillSettings):
     except (OSError, ValueError) as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
                            f"({shortened(error)}); give a run's output_dir or an image classifier's Hub id") from None
-    if getattr(config, "problem_type", None) == "multi_label_classification":
-        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a multi-label classifier; distillation "
-                           "follows a single-label teacher's top class or softmax. Give a single-label teacher")
+    kind = tasks.of_config(config).name
+    if kind != STUDENT_TASK:
+        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a {kind.replace('_', '-')} model; "
+                           "distillation follows a single-label teacher's top class or softmax. Give a single-label "
+                           "teacher")
     return config
 
 

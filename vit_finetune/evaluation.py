@@ -111,14 +111,6 @@ def compute_metrics(top_predictions: np.ndarray, references: np.ndarray, num_cla
     return metrics
 
 
-def headline(metrics: dict) -> str:
-    """The console's few words on an evaluation: accuracy, or for a multi-label run mAP, micro F1 and exact match."""
-    if metrics.get("multi_label"):
-        return (f"mAP {metrics['map']:.4f}, micro F1 {metrics['micro_f1']:.4f}, exact match {metrics['accuracy']:.4f}, "
-                f"loss {metrics['eval_loss']:.4f}")
-    return f"accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
-
-
 # train.eval_every_steps=auto. An evaluation forwards each eval image once; a training step forwards, backwards and
 # updates, about three times a forward's work per image (EVAL_IMAGE_COST). Evaluations during training are spaced by
 # whole epochs so that they cost at most EVAL_SHARE of the training; the final evaluation is not counted (it always
@@ -162,49 +154,37 @@ def describe_eval_split(eval_split: str | None, size: int, settings) -> str:
 
 @dataclass
 class SplitPredictions:
-    """Per-image results over a split, in the split's order; skipped bad images keep their place (SKIPPED_LABEL)."""
-    ranked: torch.Tensor  # (N, k) class ids, best first
-    references: torch.Tensor  # (N,) true class ids; multi-label: (N, C) rows of 0/1 (a skipped image's: -1)
-    losses: torch.Tensor  # (N,) cross-entropy per image (multi-label: binary cross-entropy, mean over classes)
-    scores: torch.Tensor | None = None  # multi-label: (N, C) sigmoid scores
+    """Per-image results over a split, in the split's order; skipped bad images keep their place."""
+    ranked: torch.Tensor  # (N, k) class ids, best first ((N, 0) for regression)
+    references: torch.Tensor  # (N,) class ids; multi-label (N, C) 0/1 rows (skipped: -1); regression (N, T) values (NaN)
+    losses: torch.Tensor  # (N,) the loss per image (the task's)
+    scores: torch.Tensor | None = None  # multi-label: (N, C) sigmoid scores; regression: (N, T) predicted values
 
     @property
     def kept(self) -> torch.Tensor:
-        return self.references.reshape(len(self.references), -1)[:, 0] != SKIPPED_LABEL
+        first = self.references.reshape(len(self.references), -1)[:, 0]
+        return ~first.isnan() if first.is_floating_point() else first != SKIPPED_LABEL
 
 
 @torch.no_grad()
-def predict_split(model, loader, accelerator, normalize: Callable, num_classes: int) -> SplitPredictions:
+def predict_split(model, loader, accelerator, normalize: Callable, task, outputs: int) -> SplitPredictions:
     """Run the model over the whole split on every process; gather_for_metrics drops the samples padded onto the
-    last batch, so each image counts once and the order is the split's."""
+    last batch, so each image counts once and the order is the split's. `task`: a tasks.Task; `outputs`: the
+    model's num_labels."""
     was_training = model.training
     model.eval()
-    k = min(TOP_K, num_classes)
-    gathered = [accelerator.gather_for_metrics(batch_predictions(model, batch, accelerator, normalize, k))
+    k = min(TOP_K, outputs)
+    gathered = [accelerator.gather_for_metrics(batch_predictions(model, batch, accelerator, normalize, task, k))
                 for batch in loader]
     model.train(was_training)
-    return joined(gathered, k)
+    return task.joined(gathered, k)
 
 
-def batch_predictions(model, batch: dict, accelerator, normalize: Callable, k: int) -> tuple[torch.Tensor, ...]:
-    """(top-k class ids, labels, per-image loss) of one batch, on the device; for label sets (multi-label),
-    (sigmoid scores, 0/1 rows, per-image loss)."""
+def batch_predictions(model, batch: dict, accelerator, normalize: Callable, task, k: int) -> tuple[torch.Tensor, ...]:
+    """What the task keeps of one batch's outputs (task.batch_outputs), on the device."""
     with accelerator.autocast():
         logits = model(pixel_values=normalize(batch["pixel_values"])).logits.float()
-    if batch["labels"].dim() == 2:
-        return logits.sigmoid(), batch["labels"], multilabel.per_image_loss(logits, batch["labels"])
-    losses = torch.nn.functional.cross_entropy(logits, batch["labels"], reduction="none", ignore_index=SKIPPED_LABEL)
-    return logits.topk(k, dim=-1).indices, batch["labels"], losses
-
-
-def joined(batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
-    """SplitPredictions from per-batch (ranked, references, losses), in order, on the CPU."""
-    if not batches:
-        return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.empty(0))
-    ranked, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
-    if references.dim() == 2:  # multi-label: the first part holds every class's score
-        return SplitPredictions(ranked.topk(k, dim=-1).indices, references, losses, scores=ranked)
-    return SplitPredictions(ranked, references, losses)
+    return task.batch_outputs(logits, batch["labels"], k)
 
 
 def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
@@ -218,39 +198,16 @@ def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     return metrics
 
 
-def report(predictions: SplitPredictions, labels: list[str], rule: multilabel.ThresholdRule) -> dict:
-    """Everything metrics.json says of a split's predictions: summarise and label_report, or, for label sets, the
-    multi-label metrics at thresholds chosen (or given) by `rule`."""
-    if predictions.scores is None:
-        metrics = summarise(predictions, len(labels))
-        if "confusion_matrix" in metrics:
-            metrics.update(label_report(metrics["confusion_matrix"], labels))
-        else:
-            kept = predictions.kept
-            counts = class_counts(predictions.ranked[kept, 0].numpy(), predictions.references[kept].numpy(), len(labels))
-            metrics.update(per_class_report(*counts, labels), confusion_matrix_labels=list(labels),
-                           confusion_matrix_axes=SPARSE_AXES)
-        return metrics
-    kept = predictions.kept
-    if not kept.any():
-        raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
-    if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
-        raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
-                        f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")
-    metrics = multilabel.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
-                                   predictions.losses[kept].numpy(), labels, rule)
-    metrics["eval_skipped_images"] = int((~kept).sum())
-    return metrics
-
-
 def threshold_rule(recipe) -> multilabel.ThresholdRule:
     """How a run's recipe chooses multi-label thresholds (unused for single-label runs)."""
     return multilabel.ThresholdRule(recipe.train.threshold_metric, recipe.train.threshold_holdout, recipe.train.seed)
 
 
 def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
-    """Metrics over the whole eval split (see predict_split and summarise)."""
-    return summarise(predict_split(model, loader, accelerator, normalize, num_classes), num_classes)
+    """Metrics over the whole eval split of a single-label model (see predict_split and summarise)."""
+    from .tasks import SingleLabel  # the tasks build on this module's metrics: a real cycle
+
+    return summarise(predict_split(model, loader, accelerator, normalize, SingleLabel(), num_classes), num_classes)
 
 
 SPARSE_AXES = (f"more than {DENSE_CONFUSION_LABELS} labels: confusion_matrix_cells holds the non-zero cells as "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import multilabel
+from . import tasks
 from .errors import VitFinetuneError
 from .inference import label_scores, labels_given
 
@@ -114,12 +114,9 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
     probabilities = label_scores(model.config, logits)
     values, indices = probabilities.topk(min(top_k, probabilities.numel()))
     top = [(model.config.id2label[i], v) for v, i in zip(values.tolist(), indices.tolist())]
-    multi = multilabel.is_multi_label(model.config)
-    given = labels_given(model.config, probabilities.tolist(), None if multi else top_k)  # what predict lists
-    thresholds = None
-    if multi:
-        labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-        thresholds = dict(zip(labels, multilabel.saved_thresholds(model.config, labels)))
+    task = tasks.of_config(model.config)
+    given = labels_given(model.config, probabilities.tolist(), top_k if task.ranks else None)  # what predict lists
+    thresholds = task.saved_thresholds()
     target = indices[0].item() if label is None else model.config.label2id[label]
     layout = token_layout(model.config, attentions[0].shape[-1])
     if method == "rollout":

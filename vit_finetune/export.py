@@ -21,7 +21,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
-from . import distill, methods
+from . import distill, methods, tasks
 from .data import alpha_card_text
 from .families import FAMILIES
 from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
@@ -31,7 +31,7 @@ CURVES_FILE = "training_curves.png"
 HISTORY_FILE = "history.json"
 RUN_INFO_FILE = "run_info.json"
 PICTURE_FILES = ("position_embeddings.png", "confusion_matrix.png", "misclassified.png",
-                 "precision_recall.png")  # see pictures.py
+                 "precision_recall.png", "predicted_vs_true.png")  # see pictures.py
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 CARD_FILE = "README.md"
 ADAPTER_DIR = "adapter"
@@ -41,13 +41,9 @@ MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
 # What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
 TRAINING_ONLY_METRICS = ("steps", "skipped_images", "labels_without_train_images", "train_images_without_labels",
                          "distillation", "method", "probe")
-METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1",
-                "map": "mAP", "micro_f1": "Micro F1"}  # the last two: multi-label runs (accuracy: exact match)
-
-
 def metric_names(metrics: dict) -> dict[str, str]:
-    """The card's name of each metric; a multi-label run's accuracy is exact match (every label of an image right)."""
-    return {**METRIC_NAMES, "accuracy": "Exact-match accuracy"} if metrics.get("multi_label") else METRIC_NAMES
+    """The card's name of each metric, as the task the metrics were measured for names them."""
+    return tasks.of_metrics(metrics).metric_names
 
 
 def is_finished(output_dir: Path) -> bool:
@@ -61,22 +57,25 @@ def is_hub_id(value: str) -> bool:
     )
 
 
-def plot_curves(history: list[dict], path: Path) -> None:
+def plot_curves(history: list[dict], path: Path, task: type[tasks.Task] = tasks.SingleLabel) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
     train = [h for h in history if "loss" in h]
-    evals = [h for h in history if "eval_accuracy" in h]
-    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
+    key, title, limits = task.curve  # the task's own metric: accuracy, or a regression's RMSE
+    evals = [h for h in history if key in h]
+    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
     loss_axis.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
     if evals:
         loss_axis.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
-        accuracy_axis.plot([h["step"] for h in evals], [h["eval_accuracy"] for h in evals], "o-", color="tab:green")
+        metric_axis.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", color="tab:green")
     loss_axis.set(xlabel="optimiser step", ylabel="loss", title="Loss")
     loss_axis.legend()
-    accuracy_axis.set(xlabel="optimiser step", ylabel="accuracy", title="Eval accuracy", ylim=(0, 1))
+    metric_axis.set(xlabel="optimiser step", ylabel=key.removeprefix("eval_"), title=title)
+    if limits:
+        metric_axis.set_ylim(*limits)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
     plt.close(figure)
@@ -109,31 +108,20 @@ def usage_snippet(load_from: str) -> str:
     return USAGE_SNIPPET.format(json.dumps(load_from, ensure_ascii=False))
 
 
+# A task's own snippet (a regression's raw values) loads the model by name too.
+LOADING_CALL = re.compile(r'\.from_pretrained\("(?:[^"\\\n]|\\.)*"\)')
+
+
 def card_loading_from(card_text: str, load_from: str) -> str:
-    """The card with its usage snippet loading `load_from`: a later push names the repo it went to."""
+    """The card with its usage snippets loading `load_from`: a later push names the repo it went to."""
+    literal = json.dumps(load_from, ensure_ascii=False)
+    card_text = LOADING_CALL.sub(lambda _: f".from_pretrained({literal})", card_text)
     return USAGE_LINE.sub(lambda _: usage_snippet(load_from), card_text)
 
 
 def usage_id(recipe: Recipe, output_dir: Path) -> str:
     """What `pipeline(model=...)` should load: the Hub repo when the run pushes there, else the folder itself."""
     return recipe.hub.repo_id if recipe.hub.push and recipe.hub.repo_id else str(output_dir)
-
-
-def per_class_rows(metrics: dict) -> str:
-    """The card's per-class table from metrics.json's per_class entry."""
-    return "\n".join(f"| {markdown_text(label)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
-                     f"{s['support']} |"
-                     for label, s in metrics.get("per_class", {}).items())
-
-
-def per_class_text(metrics: dict) -> str:
-    """The card's per-class section: the single-label table, or the multi-label one with AP and thresholds."""
-    if metrics.get("multi_label"):
-        from .multilabel import card_section
-
-        return card_section(metrics, markdown_text)
-    return ("### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n"
-            f"{per_class_rows(metrics)}\n")
 
 
 def markdown_text(value: str) -> str:
@@ -202,7 +190,7 @@ from transformers import pipeline
 {usage_snippet(load_from or name)}
 classify("photo.jpg")
 ```
-{alpha_card_text(recipe.data)}
+{tasks.of_metrics(metrics).use_text(json.dumps(load_from or name, ensure_ascii=False))}{alpha_card_text(recipe.data)}
 ## Results ({eval_set_text(metrics, recipe)})
 {weights_text(recipe, metrics)}
 
@@ -212,7 +200,7 @@ classify("photo.jpg")
 
 {"![training curves](" + CURVES_FILE + ")" if CURVES_FILE in pictures else ""}
 {picture_text(tuple(name for name in pictures if name != CURVES_FILE))}
-{per_class_text(metrics)}
+{tasks.of_metrics(metrics).card_section(metrics, markdown_text)}
 ## Training
 {info_text(info)}- Method: {methods.card_text(t.method, metrics, lora_text)}{distillation_text(metrics)}
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
@@ -254,8 +242,9 @@ def weights_text(recipe: Recipe, metrics: dict) -> str:
         text = "Measured at the end of training."
     if "weights" in metrics:
         chosen = "the EMA of the weights" if metrics["weights"] == "ema" else "the raw weights"
+        compared = tasks.of_metrics(metrics).ema_compared
         text += (f" With `train.ema_decay={t.ema_decay}`, {chosen} scored better and were saved "
-                 f"(accuracy: EMA {metrics['ema_accuracy']:.4f}, raw {metrics['raw_accuracy']:.4f}).")
+                 f"({compared}: EMA {metrics[f'ema_{compared}']:.4f}, raw {metrics[f'raw_{compared}']:.4f}).")
     return text
 
 
@@ -263,6 +252,7 @@ PICTURE_CAPTIONS = {
     "confusion_matrix.png": "Confusion matrix, each row (true label) normalised to 1",
     "misclassified.png": "Eval images the model got wrong, with true and predicted labels",
     "precision_recall.png": "Precision-recall curve of each label, its chosen threshold marked",
+    "predicted_vs_true.png": "Predicted against true value of each eval image, per target (the diagonal: exact)",
     "position_embeddings.png": "Cosine similarity of each patch's position embedding to every other, before and after "
                                "the resample to the new grid",
 }
@@ -328,7 +318,7 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     write_recipe(recipe, staging)
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
     if recipe.pictures:
-        plot_curves(history, staging / CURVES_FILE)
+        plot_curves(history, staging / CURVES_FILE, tasks.of_metrics(metrics))
     if run_info is not None:
         (staging / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=1))
     if draw_pictures is not None:

@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from functools import partial
 from typing import Iterator
 
 from .errors import VitFinetuneError, shortened
@@ -200,23 +201,21 @@ DEFAULT_TOP_K = 5  # a single-label model's labels listed per image when --top-k
 
 
 def label_scores(config, logits):
-    """Each label's score, as pipeline() gives it: a sigmoid per label for a multi-label model, else a softmax."""
-    from .multilabel import is_multi_label
+    """Each output's score as predict gives it: as pipeline() does for a classifier (a softmax, or a sigmoid per label
+    for a multi-label model), a regression's values in the targets' own units."""
+    from . import tasks
 
-    return logits.sigmoid() if is_multi_label(config) else logits.softmax(-1)
+    return tasks.of_config(config).scores(logits)
 
 
 def labels_given(config, scores: list[float], top_k: int | None = None) -> list[tuple[str, float]]:
-    """What a model gives one image, best first: a single-label model its top_k labels (DEFAULT_TOP_K when None); a
-    multi-label model each label whose score reaches its saved threshold (at most top_k when given). predict,
-    explain and the page all show these."""
-    from . import multilabel
+    """What a model gives one image, best first (the task's `given`): a single-label model its top_k labels
+    (DEFAULT_TOP_K when None); a multi-label model each label whose score reaches its saved threshold (at most top_k
+    when given); a regression model each target's value. predict, explain and the page all show these."""
+    from . import tasks
 
     labels = [config.id2label[i] for i in range(config.num_labels)]
-    if multilabel.is_multi_label(config):
-        return multilabel.labels_given(scores, labels, multilabel.saved_thresholds(config, labels), top_k)
-    ranked = sorted(range(len(scores)), key=lambda index: -scores[index])[:top_k or DEFAULT_TOP_K]
-    return [(labels[index], scores[index]) for index in ranked]
+    return tasks.of_config(config).given(scores, labels, top_k)
 
 
 def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None, batch_size: int,
@@ -265,30 +264,13 @@ def write_jsonl(rows: Iterator[dict], path: Path, top_k: int) -> int:
     return count
 
 
-def write_label_sets_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
-    """A multi-label model's CSV: each image's labels over their thresholds and their scores, ';'-joined."""
-    count = 0
-    with open(path, "w", newline="") as out:
-        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
-        writer.writerow(["image", "error", "labels", "scores"])
-        for row in rows:
-            writer.writerow([row["image"], row["error"] or "", ";".join(guess["label"] for guess in row["predictions"]),
-                             ";".join(f"{guess['score']:.6f}" for guess in row["predictions"])])
-            count += 1
-    return count
+def write_csv(rows: Iterator[dict], path: Path, top_k: int, config=None) -> int:
+    """The CSV of the model's task (a single-label model's ranks, label sets, or a regression's values per target);
+    cells a spreadsheet would run as formulas are written inert."""
+    from . import tasks
 
-
-def write_csv(rows: Iterator[dict], path: Path, top_k: int) -> int:
-    header = ["image", "error"] + [f"{kind}_{rank}" for rank in range(1, top_k + 1) for kind in ("label", "score")]
-    count = 0
-    with open(path, "w", newline="") as out:
-        writer = csv_writer(out)  # cells a spreadsheet would run as formulas are written inert
-        writer.writerow(header)
-        for row in rows:
-            ranked = [value for guess in row["predictions"] for value in (guess["label"], f"{guess['score']:.6f}")]
-            writer.writerow([row["image"], row["error"] or ""] + ranked + [""] * (len(header) - 2 - len(ranked)))
-            count += 1
-    return count
+    task = tasks.of_config(config) if config is not None else tasks.SingleLabel()
+    return task.write_csv(rows, path, top_k, csv_writer)
 
 
 def printable(text: str) -> str:
@@ -315,10 +297,8 @@ WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
 
 
 def writer_for_model(write, config):
-    """The writer for a model: a multi-label model's CSV lists label sets, not ranks."""
-    from .multilabel import is_multi_label
-
-    return write_label_sets_csv if write is write_csv and is_multi_label(config) else write
+    """The writer for a model: the CSV's columns are the task's (write_csv)."""
+    return partial(write_csv, config=config) if write is write_csv else write
 
 
 def writer_for(output: str | None, overwrite: bool = False):
@@ -379,12 +359,12 @@ def check_evaluation_folder(output_dir: Path, overwrite: bool) -> None:
     """evaluate --output-dir: a folder (or a name for a new one) whose metrics.json and pictures may be written,
     checked before the model loads: a file there is replaced only with --overwrite."""
     from .export import METRICS_FILE
-    from .pictures import CONFUSION_FILE, MISCLASSIFIED_FILE
+    from .pictures import CONFUSION_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE
 
     kind = path_kind(output_dir, str(output_dir), "--output-dir")
     if kind == "file":
         raise InputError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
-    taken = [name for name in (METRICS_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE)
+    taken = [name for name in (METRICS_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE)
              if kind == "folder" and (output_dir / name).exists()]
     if taken and not overwrite:
         raise InputError(f"--output-dir {str(output_dir)!r} already holds {taken}; pass --overwrite to replace them, "
@@ -440,9 +420,11 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
                   batch_size: int | None = None) -> EvalSplit:
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
-    from . import data, evaluation, multilabel
+    from . import data, evaluation, multilabel, tasks
+    from .families import FAMILIES
     from .recipe import load_recipe
 
+    task = tasks.of_config(model.config)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     precision = "no"
     if dataset is None:
@@ -461,16 +443,17 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-        table = to_model_labels(table, label_column, labels, multilabel.is_multi_label(model.config))
+        table = task.model_labels(table, label_column, labels)
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
         split_fields = {"eval_split": split, "eval_carved_from_train": False}
-    size = model.config.image_size if hasattr(model.config, "image_size") else 224
-    multi = multilabel.is_multi_label(model.config)
+    # A skipped image's placeholder has the model's own size, asked of its family (CLIP and SigLIP keep it under
+    # vision_config, where config.image_size does not exist).
+    size = FAMILIES[model.config.model_type].image_size(model.config)
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
                                                data.eval_pixels_from_processor(processor),
                                                data.blank_pixels(size, training=False), data.image_folders(settings),
-                                               label_sets_of=len(labels) if multi else None)
+                                               task=task, outputs=len(labels))
     return EvalSplit(eval_set, batch_size or 32, precision, split_fields, rule)
 
 
@@ -479,7 +462,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     """Metrics of a saved model on a split (eval_split_of says which), so metrics.json is reproduced on the run's own."""
     from accelerate import Accelerator
 
-    from . import data, evaluation, pictures
+    from . import data, evaluation, tasks
 
     model_location(name)  # a wrong path fails before the imports below
     model, processor = load_classifier(name, device)
@@ -488,13 +471,13 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision=chosen.precision)
     loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,
                                                   device.startswith("cuda")))
+    task = tasks.of_config(model.config)
     predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
-                                           len(labels))
-    metrics = evaluation.report(predictions, labels, chosen.rule)
+                                           task, len(labels))
+    metrics = task.report(predictions, labels, chosen.rule)
     metrics.update(chosen.fields)
     if output_dir is not None:
-        write_evaluation(output_dir, metrics, lambda: pictures.draw_evaluation(
-            predictions, chosen.dataset, labels, output_dir, thresholds=metrics.get("thresholds")))
+        write_evaluation(output_dir, metrics, lambda: task.draw(predictions, chosen.dataset, labels, output_dir, metrics))
     return metrics
 
 

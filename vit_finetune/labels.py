@@ -215,7 +215,94 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
     table.multi_label = table.multi_label if settings.multi_label is None else settings.multi_label
     table.rows_without_labels = len(unlabelled_lines)
     table.names = sorted({value for values in table.labels for value in values})
+    fraction = fractional_labels(table) if settings.task == "auto" else None
+    if fraction is not None:
+        raise LabelFileError(f"{path}: every label in column {label_column!r} is a number, and {fraction!r} has a "
+                             "fraction; data.task=auto does not guess whether these are classes or values. Set "
+                             "data.task=regression to learn the numbers as values, or data.task=single_label to read "
+                             "each distinct number as a class")
     return table
+
+
+def number_in(cell: Any) -> float | None:
+    """A cell's number (a JSON number, or text such as "0.25" or "1e-3"); None when it holds none."""
+    if isinstance(cell, bool) or cell is None:
+        return None
+    if isinstance(cell, (int, float)):
+        return float(cell)
+    try:
+        return float(str(cell).strip())
+    except ValueError:
+        return None
+
+
+def fractional_labels(table: LabelTable) -> str | None:
+    """A label written as a number with a fraction ("0.333"), when every label is a number: data.task=auto does not
+    guess whether such a column is classes or values (None when the labels are not all numbers, or all whole)."""
+    numbers = [number_in(name) for name in table.names]
+    if not numbers or any(number is None for number in numbers):
+        return None
+    return next((name for name, number in zip(table.names, numbers) if not float(number).is_integer()), None)
+
+
+def load_target_file(path: Path, settings: DataSettings):
+    """A regression's label file as a DatasetDict: the image path column and one float column per target
+    (data.target_columns, else the label column). Every cell must be a finite number; all problems are reported at
+    once, each with its line."""
+    import math
+
+    import datasets
+
+    from .data import LABEL_COLUMN_NAMES
+
+    folder = path.parent.resolve()
+    rows, problems = [], []
+    for item in READERS[path.suffix.lower()](path):
+        (problems if isinstance(item, str) else rows).append(item)
+    if not rows and not problems:
+        raise LabelFileError(f"{path} holds no rows")
+    columns = list(dict.fromkeys(name for row in rows for name in row.cells))
+    path_column = choose_column(columns, settings.image_column, PATH_COLUMNS, "image path", "data.image_column")
+    names = settings.target_columns or [choose_column(columns, settings.label_column, LABEL_COLUMN_NAMES, "target",
+                                                      "data.label_column")]
+    missing = [name for name in names if name not in columns]
+    if missing:
+        raise LabelFileError(f"data.target_columns names {missing}, not columns of the label file; its columns are "
+                             f"{columns}")
+    by_split: dict[str, dict[str, list]] = defaultdict(lambda: {path_column: [], **{name: [] for name in names}})
+    first_line_of_path: dict[Path, int] = {}
+    for row in rows:
+        where = f"line {row.line}"
+        image = check_path(row.cells.get(path_column), folder, path_column, where, problems)
+        if image is not None:
+            if image in first_line_of_path:
+                problems.append(f"{where}: {excerpt(str(row.cells[path_column]))} is already listed on line "
+                                f"{first_line_of_path[image]}; list each image once")
+            first_line_of_path.setdefault(image, row.line)
+        values = []
+        for name in names:
+            cell = row.cells.get(name)
+            number = number_in(cell)
+            if number is None:
+                problems.append(f"{where}: {excerpt(cell)} in column {name!r} is not a number; data.task=regression "
+                                "needs a number in every target cell")
+            elif not math.isfinite(number):
+                problems.append(f"{where}: {excerpt(cell)} in column {name!r} is not finite; give a finite number "
+                                "(NaN and infinity cannot be learned), or remove the row")
+            values.append(number)
+        split = by_split[str(row.cells.get(SPLIT_COLUMN) or settings.train_split)]
+        split[path_column].append(str(image) if image is not None else "")
+        for name, value in zip(names, values):
+            split[name].append(value)
+    if problems:
+        problems.sort(key=lambda problem: int(problem.split(":")[0].removeprefix("line ")))
+        shown = problems[:SHOWN_PROBLEMS]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise LabelFileError(f"{path} has {len(problems)} problem(s); nothing was trained:\n"
+                             + "\n".join(f"  - {problem}" for problem in shown) + more)
+    features = datasets.Features({path_column: datasets.Image(), **{name: datasets.Value("float64") for name in names}})
+    return datasets.DatasetDict({split: datasets.Dataset.from_dict(columns, features=features)
+                                 for split, columns in by_split.items()})
 
 
 def label_set_problems(table: LabelTable, settings: DataSettings, unlabelled_lines: list[int],

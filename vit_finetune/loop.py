@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import augment, checkpoint, data, distill, evaluation, multilabel, progress as display, streaming
+from . import checkpoint, distill, evaluation, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -149,23 +149,8 @@ def teacher_logits(parts: Parts, batch: dict, pixels: torch.Tensor) -> torch.Ten
 
 def label_loss(parts: Parts, logits: torch.Tensor, labels: torch.Tensor, soft_targets: torch.Tensor | None,
                recipe: Recipe) -> torch.Tensor:
-    """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with a
-    zero gradient, when all were skipped (the forward and backward still run: under DDP every process must join
-    each step's gradient all-reduce)."""
-    if labels.dim() == 2:  # label sets (multi-label): (B, C) rows, blended by Mixup/CutMix when mixed
-        return multilabel.loss(logits, labels if soft_targets is None else soft_targets, parts.class_weights,
-                               recipe.train.label_smoothing)
-    if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
-        return augment.soft_target_loss(logits, soft_targets, parts.class_weights)
-    per_image = torch.nn.functional.cross_entropy(logits.float(), labels, weight=parts.class_weights,
-                                                  reduction="none", ignore_index=data.SKIPPED_LABEL,
-                                                  label_smoothing=recipe.train.label_smoothing)
-    # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean is;
-    # computed on the device, no sync. With no real image the sum is 0 and so is the loss, with a zero gradient.
-    real = (labels != data.SKIPPED_LABEL).float()
-    image_weights = real if parts.class_weights is None else parts.class_weights[labels.clamp(min=0)] * real
-    total = image_weights.sum()
-    return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
+    """The task's loss over the batch's real images (see each task's `loss`): images skipped as bad train nothing."""
+    return parts.task.loss(logits, labels, soft_targets, parts.class_weights, recipe.train.label_smoothing)
 
 
 class TrainLog:
@@ -411,8 +396,9 @@ def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
     per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
     predict = streaming.predict_stream if run.recipe.data.streaming else evaluation.predict_split
-    predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, len(parts.labels))
-    metrics = evaluation.report(predictions, parts.labels, evaluation.threshold_rule(run.recipe))
+    predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, parts.task,
+                          len(parts.labels))
+    metrics = parts.task.report(predictions, parts.labels, evaluation.threshold_rule(run.recipe))
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
     return metrics, predictions
 
@@ -428,4 +414,4 @@ def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.Sp
 def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
     metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
-        display.say(f"step {run.state.step}: eval {evaluation.headline(metrics)}")
+        display.say(f"step {run.state.step}: eval {run.parts.task.headline(metrics)}")

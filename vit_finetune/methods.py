@@ -36,9 +36,13 @@ PROBE_ALONE_BELOW_EPOCHS = 2.0
 
 
 def auto_method(images_per_class: float, images_seen: int, epochs: float, pretrained: bool, streaming: bool,
-                needs_steps: str | None = None) -> tuple[str, str]:
+                needs_steps: str | None = None, unprobed_task: str | None = None) -> tuple[str, str]:
     """The method train.method=auto stands for, and why. `needs_steps`: a setting that only optimiser steps serve
-    (LoRA's adapters, a teacher), which rules the probe alone out."""
+    (LoRA's adapters, a teacher), which rules the probe alone out; `unprobed_task`: a task the probe cannot fit or
+    that the study did not measure."""
+    if unprobed_task:
+        return "finetune", (f"the task is {unprobed_task.replace('_', ' ')}: the methods were measured on "
+                            "classification only, and the probe fits a classifier's head")
     if streaming:
         return "finetune", "a stream is not read whole before training, which the probe needs"
     if not pretrained:

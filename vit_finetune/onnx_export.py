@@ -209,30 +209,11 @@ def quantize(staging: Path, kind: str) -> Path:
     return staging / file
 
 
-@dataclass
-class Answers:
-    """How a classifier's logits become its answer, and which answers count as right: single-label, the top class;
-    multi-label, the labels over their saved thresholds, right when the whole set is (exact match, as the run's
-    accuracy). `matches` compares two answers, or an answer and the eval labels, image by image."""
-    kind: str  # what the agreement counts, in words
-    decide: Callable[[torch.Tensor], torch.Tensor]
-    matches: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    real: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
-
-
 def answers_for(config) -> Answers:
-    import torch
+    """How the model's task decides and scores its answers (tasks.Task.answers)."""
+    from .tasks import of_config
 
-    from .data import SKIPPED_LABEL
-    from .multilabel import is_multi_label, saved_thresholds
-
-    if not is_multi_label(config):
-        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
-                       lambda labels: labels != SKIPPED_LABEL)
-    labels = [config.id2label[i] for i in range(config.num_labels)]
-    thresholds = torch.tensor(saved_thresholds(config, labels))
-    return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds, lambda a, b: (a == b.bool()).all(-1),
-                   lambda rows: rows[:, 0] != SKIPPED_LABEL)
+    return of_config(config).answers(config)
 
 
 def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set, batch_size: int, limit: int | None,

@@ -15,10 +15,12 @@ if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to impo
     from .probe import ProbeResult
     from .recipe import Recipe
     from .streaming import StreamLoader
+    from .tasks import Task
 
 
 @dataclass
 class Parts:
+    task: Task  # what the model learns (single-label, multi-label, regression): its loss, metrics and outputs
     model: torch.nn.Module
     processor: object
     labels: list[str]

@@ -14,6 +14,7 @@ POSITION_FILE = "position_embeddings.png"
 CONFUSION_FILE = "confusion_matrix.png"
 MISCLASSIFIED_FILE = "misclassified.png"
 PRECISION_RECALL_FILE = "precision_recall.png"  # multi-label runs, instead of the two above
+PREDICTED_VS_TRUE_FILE = "predicted_vs_true.png"  # regression runs
 MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
 MAX_MISCLASSIFIED = 24
 
@@ -141,21 +142,14 @@ def draw_misclassified(images: list, truths: list[str], guesses: list[str], path
     save_figure(figure, path, dpi=80)
 
 
-def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thresholds: dict | None = None) -> list[str]:
-    """confusion_matrix.png and misclassified.png for one split's predictions (evaluation.SplitPredictions) over
-    `dataset` (a data.ImageClassificationDataset, in the same order); for a multi-label split, precision_recall.png
-    with each label's `thresholds` marked. No confusion matrix beyond DENSE_CONFUSION_LABELS labels (unreadable, and
-    labels² cells). Returns the file names written."""
+def draw_classification(predictions, dataset, labels: list[str], folder: Path) -> list[str]:
+    """confusion_matrix.png and misclassified.png for one single-label split's predictions
+    (evaluation.SplitPredictions) over `dataset` (a data.ImageClassificationDataset, in the same order). No confusion
+    matrix beyond DENSE_CONFUSION_LABELS labels (unreadable, and labels² cells). Returns the file names written."""
     from .data import BadImageError
     from .evaluation import DENSE_CONFUSION_LABELS, confusion_matrix
 
     kept = predictions.kept.numpy()
-    if predictions.scores is not None:
-        from .multilabel import draw_precision_recall
-
-        draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(), labels,
-                              thresholds, Path(folder) / PRECISION_RECALL_FILE)
-        return [PRECISION_RECALL_FILE]
     predicted, references = predictions.ranked[:, 0].numpy(), predictions.references.numpy()
     drawn = []
     if len(labels) <= DENSE_CONFUSION_LABELS:
@@ -174,3 +168,20 @@ def draw_evaluation(predictions, dataset, labels: list[str], folder: Path, thres
         guesses.append(labels[predicted[position]])
     draw_misclassified(images, truths, guesses, Path(folder) / MISCLASSIFIED_FILE)
     return [*drawn, MISCLASSIFIED_FILE]
+
+
+def draw_predicted_vs_true(predicted: np.ndarray, true: np.ndarray, names: list[str], path: Path) -> None:
+    """A regression's eval images as points (true value, predicted value), one panel per target (up to 6), with the
+    diagonal where a perfect model's points would lie."""
+    plt = _pyplot()
+    shown = range(min(6, len(names)))
+    figure, axes = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.3), squeeze=False)
+    for axis, t in zip(axes.flat, shown):
+        low = float(min(predicted[:, t].min(), true[:, t].min()))
+        high = float(max(predicted[:, t].max(), true[:, t].max()))
+        axis.plot([low, high], [low, high], color="grey", linewidth=1)
+        axis.scatter(true[:, t], predicted[:, t], s=10, alpha=0.6)
+        axis.set(xlabel="true", ylabel="predicted", title=str(names[t])[:24])
+    figure.suptitle("Predicted against true value (eval images)")
+    figure.tight_layout()
+    save_figure(figure, path, dpi=80)

@@ -92,7 +92,8 @@ HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "train.distill.t
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 # The metrics train.keep_best can follow, and whether higher or lower is better.
 KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min",
-                   "eval_map": "max", "eval_micro_f1": "max"}  # the last two: multi-label runs
+                   "eval_map": "max", "eval_micro_f1": "max",  # these two: multi-label runs
+                   "eval_mae": "min", "eval_rmse": "min", "eval_r2": "max"}  # regression runs
 
 
 class RecipeError(VitFinetuneError):
@@ -195,6 +196,12 @@ class DataSettings(Strict):
         "each image has a set of labels, which may be empty (sigmoid scores, binary cross-entropy, per-class "
         "thresholds); null = detect: a label file whose cells hold lists, or a dataset whose label column is a list of "
         "ClassLabel (the run says which)"))
+    task: Literal["auto", "single_label", "multi_label", "regression"] = Field("auto", description=(
+        "what the model learns: auto = classification, multi-label when the labels are sets (data.multi_label) and "
+        "refusing a label column of fractional numbers; regression = a number per image (the label column), or "
+        "several (data.target_columns)"))
+    target_columns: list[str] | None = Field(None, description=(
+        "data.task=regression with several targets: the columns holding them (null = data.label_column alone)"))
     label_separator: str = Field(";", description=(
         "label files: the character joining several labels in one cell, e.g. 'cat;dog'; '' = never split"))
     shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
@@ -224,6 +231,27 @@ class DataSettings(Strict):
         if self.multi_label and self.class_balance == "sampler":
             raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
                              "use class_balance=weights (a positive weight per class) or null")
+        chosen_multi = {"single_label": False, "multi_label": True}.get(self.task)
+        if chosen_multi is not None and self.multi_label is not None and self.multi_label != chosen_multi:
+            raise ValueError(f"data.task={self.task} and data.multi_label={str(self.multi_label).lower()} contradict "
+                             "each other; set data.multi_label=null")
+        if chosen_multi is not None and self.multi_label is None:  # the loaders read data.multi_label
+            self.multi_label = chosen_multi
+        if self.task == "regression":
+            given = {"data.multi_label": self.multi_label, "data.class_balance": self.class_balance,
+                     "data.label_names": self.label_names}
+            given = [f"{key}={value}" for key, value in given.items() if value is not None]
+            if self.streaming:
+                given.append("data.streaming=true")
+            if given:
+                raise ValueError(f"data.task=regression has no classes: {', '.join(given)} do not apply; remove "
+                                 "them (a stream is read as classification only)")
+        if self.target_columns is not None and self.task != "regression":
+            raise ValueError("data.target_columns names a regression's targets; set data.task=regression, or remove it")
+        if self.target_columns is not None and (not self.target_columns
+                                                or len(set(self.target_columns)) != len(self.target_columns)):
+            raise ValueError(f"data.target_columns={excerpt(self.target_columns)} must name at least one column, each "
+                             "once")
         if self.label_names is not None and not self.streaming:
             raise ValueError("data.label_names names the classes of a stream's integer labels; it applies with "
                              "data.streaming=true only (a dataset loaded whole finds its classes itself)")
@@ -399,6 +427,9 @@ class TrainSettings(Strict):
     distill: DistillSettings | None = Field(None, description=(
         "null = off; {teacher, weight, temperature, mode, cache_logits} = train against a teacher's predictions as well as the labels"))
 
+    regression_loss: Literal["mse", "huber"] = Field("mse", description=(
+        "data.task=regression: the loss of the standardised targets; huber = squared below one standard deviation, "
+        "linear beyond (less pulled by outliers)"))
     threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
         "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
         "precision); saved with the model and used by predict"))
@@ -484,6 +515,8 @@ class Recipe(Strict):
         if self.train.distill is not None and self.data.multi_label:
             problems.append("train.distill works with single-label classification only (a teacher's top class or "
                             "softmax); set train.distill=null for data.multi_label=true")
+        if self.data.task == "regression":
+            problems.extend(_regression_problems(self))
         if self.train.distill is not None and self.train.distill.cache_logits:
             problems.extend(_cache_logits_problems(self))
         problems.extend(_method_problems(self))
@@ -494,6 +527,19 @@ class Recipe(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def _regression_problems(recipe: Recipe) -> list[str]:
+    """What only classes give meaning to: soft labels, a teacher's classes, a probe's logistic head."""
+    t, a = recipe.train, recipe.augment
+    given = {"train.label_smoothing": t.label_smoothing or None, "augment.mixup": a.mixup or None,
+             "augment.cutmix": a.cutmix or None, "train.distill": t.distill}
+    problems = [f"{key} works on class labels; data.task=regression has none: remove it"
+                for key, value in given.items() if value is not None]
+    if t.method in ("linear_probe", "lp_ft"):
+        problems.append(f"train.method={t.method} fits a classifier's head (logistic regression) on the frozen "
+                        "features, not a regression's; use train.method=finetune (or auto) with data.task=regression")
+    return problems
 
 
 def _cache_logits_problems(recipe: Recipe) -> list[str]:

@@ -25,18 +25,14 @@ from .checkpoint import WRITE_ERRORS, describe_write_error, replace_atomically
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
-from .multilabel import is_multi_label
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
+from .tasks import TASKS, of_config
 
 BEST_DIR = "best"
 BEST_FILE = "weights.safetensors"
 CHECKPOINT_EMA = "ema.safetensors"
 CHECKPOINT_BEST = "best.safetensors"
-SELECTION_METRIC = "eval_accuracy"  # decides raw against EMA when train.keep_best is not set
-MULTI_LABEL_SELECTION_METRIC = "eval_map"  # the same for label sets (exact match is too coarse to rank by)
-# What each kind of run measures that the other does not: train.keep_best must name a metric the run has.
-ONLY_MEASURED_BY = {"multi-label": {"eval_map", "eval_micro_f1"}, "single-label": {"eval_top5_accuracy"}}
 
 
 class SelectionError(VitFinetuneError):
@@ -59,12 +55,15 @@ class WeightSelection(Callback):
     def __init__(self, recipe: Recipe, model: torch.nn.Module, labels: list[str],
                  measure: Callable[[], tuple[dict, object]]):
         t = recipe.train
-        kind = "multi-label" if is_multi_label(getattr(model, "config", None)) else "single-label"
-        other = next(k for k in ONLY_MEASURED_BY if k != kind)
-        if t.keep_best in ONLY_MEASURED_BY[other]:
-            raise SelectionError(f"train.keep_best={t.keep_best} is measured for {other} runs only; this run is "
-                                 f"{kind}. Use one of {sorted(set(KEEP_BEST_GOALS) - ONLY_MEASURED_BY[other])}")
-        self.selection_metric = MULTI_LABEL_SELECTION_METRIC if kind == "multi-label" else SELECTION_METRIC
+        task = of_config(model.config)  # each task says which metrics it measures (task.keep_best_metrics)
+        if t.keep_best is not None and t.keep_best not in task.keep_best_metrics:
+            measured_by = [other.name.replace("_", "-") for other in TASKS.values()
+                           if t.keep_best in other.keep_best_metrics]
+            raise SelectionError(f"train.keep_best={t.keep_best} is measured for {' and '.join(measured_by)} runs "
+                                 f"only; this run is {task.name.replace('_', '-')}. Use one of "
+                                 f"{sorted(task.keep_best_metrics)}")
+        self.selection_metric = task.selection_metric
+        self.compared = task.ema_compared  # the metric the card shows for the raw and the EMA weights
         if t.keep_best == "eval_top5_accuracy" and len(labels) < 5:
             raise SelectionError(f"train.keep_best=eval_top5_accuracy needs at least 5 classes; this dataset has "
                                  f"{len(labels)}. Use train.keep_best=eval_accuracy")
@@ -88,7 +87,7 @@ class WeightSelection(Callback):
             with self.ema.applied():
                 candidates["ema"] = self.measure()[0]
             run.state.history[-1].update({f"ema_{k}": v for k, v in as_eval_entry(candidates["ema"]).items()})
-            self.raw_and_ema = {f"{kind}_accuracy": m["accuracy"] for kind, m in candidates.items()}
+            self.raw_and_ema = {f"{kind}_{self.compared}": m[self.compared] for kind, m in candidates.items()}
         rule = self.keep_best or self.selection_metric
         kind = "ema" if "ema" in candidates and is_better(
             rule, metric_value(candidates["ema"], rule), metric_value(metrics, rule)) else "raw"
@@ -125,7 +124,8 @@ class WeightSelection(Callback):
             load_trainable_state(self.model, load_file(str(self.best_file)))
             said = {"best_step": best["step"], "best_metric": self.keep_best, "best_value": best["value"],
                     **({"stopped_early": run.state.stopped_early} if self.patience else {}),
-                    **({k: best[k] for k in ("weights", "raw_accuracy", "ema_accuracy")} if self.ema else {})}
+                    **({k: best[k] for k in ("weights", f"raw_{self.compared}", f"ema_{self.compared}")}
+                       if self.ema else {})}
         elif self.ema is not None:
             kind, said = self.latest[0], {"weights": self.latest[0], **self.raw_and_ema}
             if kind == "raw":

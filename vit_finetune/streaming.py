@@ -409,12 +409,12 @@ class StreamLoader:
 
 def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batch_size: int, workers: int,
                  accelerator, train_pixels: Callable[[Image.Image, int, int], torch.Tensor],
-                 processor, image_size: int) -> tuple[StreamLoader, StreamLoader]:
+                 processor, image_size: int, task) -> tuple[StreamLoader, StreamLoader]:
     """The train loader (shuffled, endless, augmented by `train_pixels`) and the eval loader (in order, one pass,
-    preprocessed by the saved image processor)."""
+    preprocessed by the saved image processor); labels as `task` (a tasks.Task) targets them."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
-                  image_folders=splits.image_folders, label_sets_of=len(splits.labels) if splits.multi_label else None)
+                  image_folders=splits.image_folders, task=task, outputs=len(splits.labels))
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
                                placeholder=data.blank_pixels(image_size, training=True), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
@@ -435,7 +435,7 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
 
 
 @torch.no_grad()
-def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable,
+def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable, task,
                    num_classes: int) -> evaluation.SplitPredictions:
     """Each process predicts its own share (shares differ in length: no padding), then the shares are gathered
     once, rank after rank, so each image counts exactly once."""
@@ -448,15 +448,14 @@ def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable
              "labels": torch.tensor([loader.dataset.target(data.SKIPPED_LABEL)], device=accelerator.device)}
     batches = []
     for batch in in_lockstep(loader.whole_split(), accelerator):
-        predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, k)
+        predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, task, k)
         if batch is not None:
             batches.append(tuple(part.cpu() for part in predicted))
     model.train(was_training)
-    mine = evaluation.joined(batches, k)
-    # joined() takes per-batch parts: multi-label ones carry every label's score first, not the ranked ids
-    first = mine.ranked if mine.scores is None else mine.scores
-    shares = gather_object([(first, mine.references, mine.losses)])
-    return evaluation.joined(shares, k)
+    mine = task.joined(batches, k)
+    # joined() takes per-batch parts: the task says which part came first (ranked ids, or every output's score)
+    shares = gather_object([(task.first_part(mine), mine.references, mine.losses)])
+    return task.joined(shares, k)
 
 
 def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:

@@ -23,7 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import distill, methods, multilabel, pictures, probe, progress as display, selection, sharding, streaming, tracking
+from . import distill, methods, pictures, probe, progress as display, selection, sharding, streaming, tasks, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -167,11 +167,12 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     data_facts = check_training_data(splits, recipe, accelerator)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
+    task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
     teacher = None
     if recipe.train.distill is not None:  # its labels are checked before the student is built
-        if getattr(splits, "multi_label", False):
-            raise RunError("train.distill works with single-label classification only, and data.dataset has label "
-                           "sets (multi-label); set train.distill=null")
+        if task.name != distill.STUDENT_TASK:
+            raise RunError(f"train.distill works with single-label classification only, and data.dataset is "
+                           f"{task.name.replace('_', '-')}; set train.distill=null")
         teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)
     images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
     steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
@@ -179,7 +180,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
     eval_images = None if streamed else len(splits.eval)
     as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps), accelerator)
+                                          steps_per_epoch, total_steps), accelerator, task)
     method = methods.METHODS[as_run.train.method]
     if not method.fine_tunes:
         total_steps = 0  # the probe is the whole training
@@ -189,8 +190,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
                             on_resample=lambda before, after: tables.update(before=before, after=after))
-    if getattr(splits, "multi_label", False):  # pipeline() and predict then apply a sigmoid per class
-        model.config.problem_type = multilabel.PROBLEM_TYPE
+    task.configure(model.config)  # pipeline(), predict and evaluate read the task back from the config
     if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
         setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
     size = recipe.model.image_size
@@ -202,7 +202,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     sampler, class_weights = (None, None) if streamed else balance.balancing(recipe.data.class_balance, splits, seed)
     fitted = None
     if method.probes and not resuming:
-        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights)
+        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights, task)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
@@ -217,10 +217,10 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
 
     if streamed:  # data.class_balance is refused with streaming (the recipe says why)
         train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
-                                                           accelerator, train_pixels, processor, size)
+                                                           accelerator, train_pixels, processor, size, task)
     else:
-        train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
-        eval_set = data.eval_dataset(splits, recipe.data, processor, size)
+        train_set = data.train_dataset(splits, recipe.data, size, train_pixels, task)
+        eval_set = data.eval_dataset(splits, recipe.data, processor, size, task)
         train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
                                         distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
@@ -232,18 +232,20 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
-    return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
-                 normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
-                 identity, None if class_weights is None else class_weights.to(accelerator.device), teacher,
-                 probe=fitted, data_facts=data_facts)
+    return Parts(task=task, model=model, processor=processor, labels=splits.labels, train_loader=train_loader,
+                 eval_loader=eval_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
+                 augment=batch_augmenter, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                 recipe_as_run=as_run, eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
+                 class_weights=None if class_weights is None else class_weights.to(accelerator.device),
+                 teacher=teacher, probe=fitted, data_facts=data_facts)
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
-                      class_weights) -> probe.ProbeResult:
+                      class_weights, task: tasks.Task) -> probe.ProbeResult:
     """The linear probe: the head fitted on the frozen features of every training image, computed once in the
     split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
     its cost. Without gradients a batch costs about a third of a training step's: four times the batch."""
-    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
+    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size, task)
     loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
                               accelerator.device.type == "cuda")
     model.to(accelerator.device)
@@ -318,13 +320,14 @@ class RunSize:
         return self.images_seen / max(1, self.training_images)
 
 
-def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator) -> Recipe:
+def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task) -> Recipe:
     """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
     the method: the others resolve, for recipe.yaml, but change nothing)."""
     said = {}
     if recipe.train.method == "auto":
         method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
-                                          recipe.data.streaming, needs_optimiser_steps(recipe))
+                                          recipe.data.streaming, needs_optimiser_steps(recipe),
+                                          None if task.probe_fits else task.name)
         said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
         unused = pixel_drawing_settings(recipe) if not methods.METHODS[method].fine_tunes else []
@@ -552,13 +555,12 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         draw = None
         # The pictures show eval images by their place in the split, which a stream cannot look up.
         if recipe.pictures and not recipe.data.streaming:
-            draw = partial(pictures.draw_evaluation, predictions, parts.eval_loader.dataset, parts.labels,
-                           thresholds=metrics.get("thresholds"))
+            draw = partial(parts.task.draw, predictions, parts.eval_loader.dataset, parts.labels, metrics=metrics)
         save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
         if "distillation" in metrics:
             display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
-        print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
+        print(f"eval {parts.task.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
             print(f"pushed to {url}")
@@ -583,8 +585,7 @@ def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: 
     if gathered is not None:
         trained = sharding.unsharded_model(trained, recipe, gathered)
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
-    if "thresholds" in metrics:  # multi-label: the chosen thresholds travel with the model (predict reads them)
-        setattr(model.config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
+    parts.task.finish_config(model.config, metrics)  # e.g. multi-label's chosen thresholds, which predict reads
     try:
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                              adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)

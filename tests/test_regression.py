@@ -1,0 +1,210 @@
+"""Image regression (data.task=regression): the loss on standardised targets, the metrics, bad label files, and one
+run through the real CLI whose folder predict, evaluate, export, push and a plain transformers user all read."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runs import assert_bit_identical, killed_after_a_checkpoint, train
+from tiny import colour_image, make_tiny_vit
+from vit_finetune.cli import main
+from vit_finetune.export import TRAINING_ONLY_METRICS
+from vit_finetune.tasks import Regression, of_config
+from vit_finetune.tasks.regression import summarise
+
+RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
+          "data.num_workers=0", "train.log_every_steps=1", "data.task=regression",
+          "data.target_columns=[brightness,redness]"]
+
+
+def write_targets(root: Path, images: int = 32, seed: int = 0, rows: list[str] | None = None) -> Path:
+    """root/metadata.csv: each noisy image's brightness and redness (0-1), the two targets; a `split` column."""
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    lines = ["file_name,brightness,redness,split"]
+    for i in range(images):
+        brightness, redness = rng.uniform(0.1, 0.9, 2)
+        level = 40 + 180 * brightness
+        colour_image((int(min(255, level * (0.5 + redness))), int(level), int(level)), rng).save(root / "images" / f"{i}.png")
+        lines.append(f"images/{i}.png,{brightness:.4f},{redness:.4f},{'validation' if i % 4 == 0 else 'train'}")
+    (root / "metadata.csv").write_text("\n".join(lines + (rows or [])) + "\n")
+    return root
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def test_the_loss_is_the_squared_error_of_standardised_targets_over_the_images_not_skipped():
+    task = Regression(mean=[2.0, 10.0], std=[0.5, 4.0])
+    logits = torch.tensor([[1.0, -1.0], [0.0, 0.5], [9.0, 9.0]])
+    targets = torch.tensor([[2.5, 2.0], [2.0, 12.0], [float("nan")] * 2])  # the third image was skipped as bad
+    standard = torch.tensor([[1.0, -2.0], [0.0, 0.5]])
+    assert task.loss(logits, targets, None, None, 0.0).item() == pytest.approx(((logits[:2] - standard) ** 2).mean().item())
+    huber = Regression(mean=[2.0, 10.0], std=[0.5, 4.0], loss_kind="huber")
+    assert huber.loss(logits, targets, None, None, 0.0).item() == pytest.approx(
+        torch.nn.functional.huber_loss(logits[:2], standard).item())
+    none_real = task.loss(logits[2:].requires_grad_(), targets[2:], None, None, 0.0)
+    none_real.backward()
+    assert none_real.item() == 0
+    assert task.values(torch.tensor([[1.0, -1.0]])).tolist() == [[2.5, 6.0]]  # undone wherever the model answers
+
+
+def test_mae_rmse_and_r2_on_a_worked_example():
+    true = np.array([[1.0], [2.0], [3.0], [4.0]])
+    predicted = np.array([[1.5], [2.0], [2.0], [4.0]])
+    metrics = summarise(predicted, true, ["y"])
+    assert metrics["mae"] == pytest.approx(0.375)
+    assert metrics["rmse"] == pytest.approx(np.sqrt(1.25 / 4))
+    assert metrics["r2"] == pytest.approx(1 - 1.25 / 5.0)  # residual 1.25 against 5 around the mean 2.5
+    assert summarise(np.full((4, 1), 2.5), true, ["y"])["r2"] == pytest.approx(0.0)  # the mean predicts nothing
+
+
+@pytest.mark.parametrize("cell, said", [("heavy", "'heavy' in column 'brightness' is not a number"),
+                                        ("nan", "'nan' in column 'brightness' is not finite"),
+                                        ("inf", "'inf' in column 'brightness' is not finite")])
+def test_a_bad_target_cell_is_refused_with_its_line_before_training(made, tmp_path, capsys, cell, said):
+    data = write_targets(tmp_path / "data", images=8, rows=[f"images/0.png,{cell},0.5,train"])
+    # line 10: the header, 8 rows, then the bad one (it also lists images/0.png twice)
+    assert main([f"data.dataset={data}", f"output_dir={tmp_path / 'out'}", f"model.base={made['base']}", *RECIPE]) != 0
+    err = capsys.readouterr().err
+    assert f"line 10: {said}" in err and "Traceback" not in err and "nothing was trained" in err
+
+
+def test_auto_refuses_to_read_fractional_numbers_as_classes(made, tmp_path, capsys):
+    data = write_targets(tmp_path / "data", images=8)
+    base = made["base"]
+    assert main([f"data.dataset={data}", "data.label_column=brightness", f"output_dir={tmp_path / 'out'}",
+                 f"model.base={base}", "model.image_size=32"]) != 0
+    err = capsys.readouterr().err
+    assert "data.task=auto does not guess" in err and "data.task=regression" in err
+
+
+def test_settings_that_need_classes_are_refused_with_regression(tmp_path, capsys):
+    assert main(["data.dataset=builtin:shapes", "data.task=regression", "train.label_smoothing=0.1",
+                 "train.method=linear_probe", f"output_dir={tmp_path / 'out'}"]) != 0
+    err = capsys.readouterr().err
+    assert "train.label_smoothing works on class labels" in err and "train.method=linear_probe fits a classifier" in err
+
+
+# ---------------------------------------------------------------- one run, every use of it
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("regression")
+    return {"base": make_tiny_vit(root / "tiny-vit"), "data": write_targets(root / "data"), "root": root}
+
+
+@pytest.fixture(scope="module")
+def trained(made) -> Path:
+    out = made["root"] / "out"
+    assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={out}"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_a_regression_run_saves_its_standardisation_metrics_picture_and_card(trained):
+    config = json.loads((trained / "config.json").read_text())
+    metrics = json.loads((trained / "metrics.json").read_text())
+    assert config["problem_type"] == "regression" and config["num_labels"] == 2
+    assert list(config["id2label"].values()) == ["brightness", "redness"]
+    with open(trained.parent / "data" / "metadata.csv", newline="") as file:
+        train_rows = [row for row in csv.DictReader(file) if row["split"] == "train"]
+    brightness = np.array([float(row["brightness"]) for row in train_rows])
+    assert config["target_mean"][0] == pytest.approx(brightness.mean()) and config["target_std"][0] == pytest.approx(brightness.std())
+    assert metrics["task"] == "regression" and metrics["eval_samples"] == 8 and metrics["method"] == "finetune"
+    assert set(metrics["per_target"]) == {"brightness", "redness"}
+    assert metrics["mae"] == pytest.approx(np.mean([m["mae"] for m in metrics["per_target"].values()]))
+    assert (trained / "predicted_vs_true.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (trained / "confusion_matrix.png").exists()
+    card = (trained / "README.md").read_text()
+    assert "| RMSE |" in card and "`output * target_std + target_mean`" in card
+    assert f'AutoModelForImageClassification.from_pretrained("{trained}")' in card
+
+
+@pytest.mark.slow
+def test_predict_gives_the_values_the_cards_transformers_call_gives(trained, made, tmp_path):
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+    images = sorted((made["data"] / "images").glob("*.png"))[:5]
+    assert main(["predict", str(trained), *map(str, images), "--output", str(tmp_path / "p.jsonl")]) == 0
+    assert main(["predict", str(trained), *map(str, images), "--output", str(tmp_path / "p.csv")]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    # the card's call, as a plain transformers user runs it
+    model = AutoModelForImageClassification.from_pretrained(str(trained))
+    processor = AutoImageProcessor.from_pretrained(str(trained))
+    with torch.no_grad():
+        standardised = model(**processor(images=[Image.open(p).convert("RGB") for p in images], return_tensors="pt")).logits
+    values = standardised * torch.tensor(model.config.target_std) + torch.tensor(model.config.target_mean)
+    for row, expected in zip(rows, values.tolist()):
+        assert [guess["label"] for guess in row["predictions"]] == ["brightness", "redness"]
+        assert [guess["score"] for guess in row["predictions"]] == pytest.approx(expected, abs=1e-5)
+    with open(tmp_path / "p.csv", newline="") as file:
+        table = list(csv.DictReader(file))
+    assert list(table[0]) == ["image", "error", "brightness", "redness"]
+    assert [float(row["redness"]) for row in table] == pytest.approx([v[1] for v in values.tolist()], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_evaluate_reproduces_a_regression_runs_metrics_exactly(trained, tmp_path):
+    assert main(["evaluate", str(trained), "--output-dir", str(tmp_path / "eval")]) == 0
+    saved = json.loads((trained / "metrics.json").read_text())
+    again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert {k: v for k, v in saved.items() if k not in TRAINING_ONLY_METRICS} == again
+    assert (tmp_path / "eval" / "predicted_vs_true.png").is_file()
+
+
+@pytest.mark.slow
+def test_an_onnx_export_of_a_regression_model_matches_and_scores_its_values(trained, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
+    assert main(["export", str(trained), "--onnx", "--quantize", "int8", "--output", str(tmp_path / "onnx")]) == 0
+    report = json.loads((tmp_path / "onnx" / "export.json").read_text())
+    assert report["max_abs_logit_difference"] <= 1e-3
+    assert report["quantized"]["agreement_of"].startswith("values within 5%") and report["quantized"]["images"] == 8
+
+
+@pytest.mark.slow
+def test_explain_shows_the_regression_values(trained, made):
+    from PIL import Image
+
+    from vit_finetune import explain
+    from vit_finetune.inference import load_classifier
+
+    model, processor = load_classifier(str(trained), eager_attention=True)
+    image = Image.open(sorted((made["data"] / "images").glob("*.png"))[0]).convert("RGB")
+    pixels = processor(images=image, return_tensors="pt")["pixel_values"]
+    given = explain.explain_pixels(model, pixels, "rollout").given
+    with torch.no_grad():
+        expected = of_config(model.config).values(model(pixel_values=pixels).logits)[0].tolist()
+    assert [name for name, _ in given] == ["brightness", "redness"]
+    assert [value for _, value in given] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_regression_run_ends_bit_identical(made, tmp_path):
+    args = [*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", "train.epochs=1", "pictures=false"]
+    assert train([*args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    out = killed_after_a_checkpoint(args, tmp_path / "resumed")
+    assert train([*args, f"output_dir={out}", "train.resume=auto"]) == 0
+    assert_bit_identical(out / "model.safetensors", tmp_path / "whole" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_push_puts_the_regression_model_on_the_hub_with_its_card_loading_the_repo(trained, hub, hub_token, monkeypatch):
+    from transformers import AutoModelForImageClassification
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    repo_id = "user/vit-regression"
+    assert main(["push", str(trained), "--repo-id", repo_id]) == 0
+    files = hub.repo_files(repo_id)
+    assert f'AutoModelForImageClassification.from_pretrained("{repo_id}")' in files["README.md"].decode()
+    pulled = AutoModelForImageClassification.from_pretrained(repo_id, token=hub_token)
+    assert pulled.config.problem_type == "regression" and pulled.config.target_std == json.loads(
+        (trained / "config.json").read_text())["target_std"]

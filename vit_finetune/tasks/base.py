@@ -1,0 +1,132 @@
+"""What every task answers: the loop, evaluation, predict, explain, export, the page and the card ask a Task, and
+never which task they are in. A task is one module holding one Task subclass, plus an entry in tasks.TASKS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from ..evaluation import SplitPredictions
+
+SKIPPED = -1  # data.SKIPPED_LABEL: the class id of an image skipped as unreadable (a regression row is NaN instead)
+
+
+@dataclass
+class Answers:
+    """How logits become the model's answer, and which answers count as right (export's int8 scoring): single-label,
+    the top class; multi-label, the labels over their thresholds; regression, the values within a tolerance."""
+    kind: str  # what the agreement counts, in words
+    decide: Callable[[torch.Tensor], torch.Tensor]
+    matches: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    real: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
+
+
+class Task:
+    """One kind of problem a model solves. Class attributes say what it is; methods do what differs."""
+
+    name: ClassVar[str]  # the recipe's data.task value
+    problem_type: ClassVar[str | None]  # config.problem_type (None: transformers' single-label default)
+    selection_metric: ClassVar[str]  # chooses raw against EMA weights when train.keep_best is not set
+    keep_best_metrics: ClassVar[frozenset[str]]  # the train.keep_best names this task measures
+    ema_compared: ClassVar[str] = "accuracy"  # the metric the card gives for the raw and the EMA weights
+    metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
+    curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
+    probe_fits: ClassVar[bool] = True  # whether train.method's linear probe can fit this task's head
+    predict_row_fields: ClassVar[str] = "label, score"  # what a predict row's entries hold, in words
+
+    @classmethod
+    def for_training(cls, splits, loss_kind: str) -> Task:
+        """The task of a new run on `splits` (data.Splits), with what it learns from the training split."""
+        return cls()
+
+    @classmethod
+    def from_config(cls, config) -> Task:
+        """The task of a saved model, with what it carries in its config."""
+        return cls()
+
+    def configure(self, config) -> None:
+        """Write what the task needs into a new model's config (pipeline() and predict read it back)."""
+        config.problem_type = self.problem_type
+
+    def finish_config(self, config, metrics: dict) -> None:
+        """Write what the final evaluation chose into the saved model's config (nothing by default)."""
+
+    # ------------------------------------------------------------ training
+
+    def target(self, label, outputs: int):
+        """A dataset row's label as the loss reads it (SKIPPED for an image skipped as unreadable)."""
+        return label
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, soft_targets: torch.Tensor | None,
+             class_weights: torch.Tensor | None, label_smoothing: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ evaluation
+
+    def batch_outputs(self, logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+        """(what the split keeps of each image's output, its reference, its loss) for one batch, on the device."""
+        raise NotImplementedError
+
+    def joined(self, batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
+        """SplitPredictions from per-batch batch_outputs, in order, on the CPU."""
+        raise NotImplementedError
+
+    def first_part(self, predictions: SplitPredictions) -> torch.Tensor:
+        """What batch_outputs gave first, for gathering a split's shares (streaming) back through joined()."""
+        return predictions.ranked
+
+    def report(self, predictions: SplitPredictions, labels: list[str], rule) -> dict:
+        """Everything metrics.json says of a split's predictions; `rule`: multilabel.ThresholdRule, where used."""
+        raise NotImplementedError
+
+    def headline(self, metrics: dict) -> str:
+        """The console's few words on an evaluation."""
+        raise NotImplementedError
+
+    def draw(self, predictions: SplitPredictions, dataset, labels: list[str], folder: Path, metrics: dict) -> list[str]:
+        """The evaluation's pictures into `folder`; the file names written."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ using the model
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each output's value for predict, explain and the page."""
+        raise NotImplementedError
+
+    def given(self, scores: list[float], labels: list[str], top_k: int | None) -> list[tuple[str, float]]:
+        """What the model gives one image, best first: (label or target name, score or value) pairs."""
+        raise NotImplementedError
+
+    def write_csv(self, rows, path: Path, top_k: int, open_writer) -> int:
+        """predict's CSV; `open_writer(file)` gives a csv writer that writes formula-like cells inert."""
+        raise NotImplementedError
+
+    @classmethod
+    def card_section(cls, metrics: dict, escape: Callable[[str], str]) -> str:
+        """The model card's results beyond the headline table."""
+        raise NotImplementedError
+
+    @classmethod
+    def use_text(cls, load_from: str) -> str:
+        """The card's note after its pipeline() snippet (nothing by default)."""
+        return ""
+
+    def model_labels(self, table, label_column: str, labels: list[str]):
+        """Another dataset's split (evaluate --dataset) with its labels as the model's (matched by name)."""
+        from ..inference import to_model_labels  # inference imports the tasks where it uses them
+
+        return to_model_labels(table, label_column, labels, self.label_sets)
+
+    label_sets: ClassVar[bool] = False  # each row's label is a list of labels
+    ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what `given` decides (thresholds, targets)
+
+    def saved_thresholds(self) -> dict[str, float] | None:
+        """The per-label thresholds the model decides by, if its task has them (explain draws them)."""
+        return None
+
+    def answers(self, config) -> Answers:
+        """How export scores its float and int8 graphs."""
+        raise NotImplementedError

@@ -1,0 +1,118 @@
+"""Multi-label classification: a set of labels per image, a sigmoid per class and a threshold per class
+(the arithmetic lives in vit_finetune/multilabel.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import multilabel
+from ..data import DataError
+from .base import SKIPPED, Answers, SplitPredictions, Task
+
+
+class MultiLabel(Task):
+    name = "multi_label"
+    problem_type = multilabel.PROBLEM_TYPE  # pipeline() applies a sigmoid per class for it
+    selection_metric = "eval_map"  # exact match is too coarse to rank by
+    keep_best_metrics = frozenset({"eval_accuracy", "eval_macro_f1", "eval_loss", "eval_map", "eval_micro_f1"})
+    metric_names = {"accuracy": "Exact-match accuracy", "macro_f1": "Macro F1", "map": "mAP", "micro_f1": "Micro F1"}
+    curve = ("eval_accuracy", "Eval exact-match accuracy", (0, 1))
+    predict_row_fields = "label, score (the labels over their thresholds)"
+    label_sets = True
+    ranks = False
+
+    def target(self, label, outputs):
+        """A 0/1 row over the classes; a row of SKIPPED for a skipped image."""
+        if label == SKIPPED:
+            return [SKIPPED] * outputs
+        row = [0] * outputs
+        for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
+            row[class_id] = 1
+        return row
+
+    def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
+        return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
+                               label_smoothing)
+
+    def batch_outputs(self, logits, labels, k):
+        return logits.sigmoid(), labels, multilabel.per_image_loss(logits, labels)
+
+    def joined(self, batches, k):
+        if not batches:
+            return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                                    torch.empty(0))
+        scores, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
+        return SplitPredictions(scores.topk(k, dim=-1).indices, references, losses, scores=scores)
+
+    def first_part(self, predictions):
+        return predictions.scores
+
+    def report(self, predictions, labels, rule):
+        kept = predictions.kept
+        if not kept.any():
+            raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+        if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
+            raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
+                            f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")
+        metrics = multilabel.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+                                       predictions.losses[kept].numpy(), labels, rule)
+        metrics["eval_skipped_images"] = int((~kept).sum())
+        return metrics
+
+    def headline(self, metrics):
+        return (f"mAP {metrics['map']:.4f}, micro F1 {metrics['micro_f1']:.4f}, exact match {metrics['accuracy']:.4f}, "
+                f"loss {metrics['eval_loss']:.4f}")
+
+    def draw(self, predictions, dataset, labels, folder, metrics):
+        from ..pictures import PRECISION_RECALL_FILE
+
+        kept = predictions.kept.numpy()
+        multilabel.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+                                         labels, metrics.get("thresholds"), Path(folder) / PRECISION_RECALL_FILE)
+        return [PRECISION_RECALL_FILE]
+
+    def scores(self, logits):
+        return logits.sigmoid()
+
+    def given(self, scores, labels, top_k):
+        return multilabel.labels_given(scores, labels, self.thresholds, top_k)
+
+    def __init__(self, labels: list[str] | None = None, thresholds: list[float] | None = None):
+        self.labels, self.thresholds = labels or [], thresholds or []  # saved with a model; a new one has none yet
+
+    @classmethod
+    def from_config(cls, config) -> MultiLabel:
+        labels = [config.id2label[i] for i in range(config.num_labels)]
+        return cls(labels, multilabel.saved_thresholds(config, labels))
+
+    def saved_thresholds(self):
+        return dict(zip(self.labels, self.thresholds))
+
+    def finish_config(self, config, metrics: dict) -> None:
+        """The thresholds chosen on the eval split travel with the model (predict reads them)."""
+        setattr(config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
+
+    def write_csv(self, rows, path, top_k, open_writer):
+        """Each image's labels over their thresholds and their scores, ';'-joined."""
+        count = 0
+        with open(path, "w", newline="") as out:
+            writer = open_writer(out)
+            writer.writerow(["image", "error", "labels", "scores"])
+            for row in rows:
+                writer.writerow([row["image"], row["error"] or "",
+                                 ";".join(guess["label"] for guess in row["predictions"]),
+                                 ";".join(f"{guess['score']:.6f}" for guess in row["predictions"])])
+                count += 1
+        return count
+
+    @classmethod
+    def card_section(cls, metrics, escape):
+        return multilabel.card_section(metrics, escape)
+
+    def answers(self, config):
+        thresholds = torch.tensor(np.asarray(self.thresholds, dtype=np.float32))
+        return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds,
+                       lambda a, b: (a == b.bool()).all(-1), lambda rows: rows[:, 0] != SKIPPED)

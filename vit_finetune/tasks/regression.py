@@ -1,0 +1,220 @@
+"""Image regression: one or several numbers per image (a defect probability, an age, a count), a linear head.
+
+transformers' `problem_type="regression"`: num_labels is the number of targets and id2label names them. The head
+learns the targets standardised by the training split's mean and standard deviation (each target weighs alike in the
+loss, and the head's scale is that of a classifier's logits); both are saved in config.json (`target_mean`,
+`target_std`) and undone wherever the model answers: evaluation, predict, explain, export and the page. The loss
+is the mean squared error of the standardised values (train.regression_loss=huber: Huber's, delta 1, i.e. one
+standard deviation). Metrics are in the targets' own units: MAE, RMSE and R² per target and their mean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import pictures
+from ..data import DataError
+from .base import Answers, SplitPredictions, Task
+
+PROBLEM_TYPE = "regression"
+MEAN_KEY, STD_KEY, LOSS_KEY = "target_mean", "target_std", "regression_loss"  # config.json keys
+LOSSES = ("mse", "huber")
+# export's int8 scoring: two answers agree when every value is within this share of its target's standard deviation
+AGREEMENT_SHARE_OF_STD = 0.05
+
+
+class Regression(Task):
+    name = "regression"
+    problem_type = PROBLEM_TYPE
+    selection_metric = "eval_rmse"
+    keep_best_metrics = frozenset({"eval_mae", "eval_rmse", "eval_r2", "eval_loss"})
+    ema_compared = "rmse"
+    metric_names = {"mae": "MAE", "rmse": "RMSE", "r2": "R²"}
+    curve = ("eval_rmse", "Eval RMSE", None)
+    ranks = False
+    probe_fits = False  # the probe fits a logistic regression; a least-squares head is not built
+    predict_row_fields = "label (the target's name), score (its predicted value, in the target's units)"
+
+    def __init__(self, mean: list[float], std: list[float], loss_kind: str = "mse"):
+        self.mean = torch.tensor(mean, dtype=torch.float32)
+        self.std = torch.tensor(std, dtype=torch.float32)
+        self.loss_kind = loss_kind
+
+    @classmethod
+    def from_targets(cls, values: np.ndarray, loss_kind: str) -> Regression:
+        """Standardised by the training targets (N, T); a constant target keeps a scale of 1."""
+        values = np.asarray(values, dtype=np.float64)
+        std = values.std(axis=0)
+        return cls(values.mean(axis=0).tolist(), np.where(std > 0, std, 1.0).tolist(), loss_kind)
+
+    @classmethod
+    def for_training(cls, splits, loss_kind):
+        return cls.from_targets(np.asarray(splits.train[splits.label_column], dtype=np.float64), loss_kind)
+
+    @classmethod
+    def from_config(cls, config) -> Regression:
+        count = config.num_labels
+        return cls(getattr(config, MEAN_KEY, None) or [0.0] * count, getattr(config, STD_KEY, None) or [1.0] * count,
+                   getattr(config, LOSS_KEY, None) or "mse")
+
+    def configure(self, config) -> None:
+        config.problem_type = PROBLEM_TYPE
+        setattr(config, MEAN_KEY, self.mean.tolist())
+        setattr(config, STD_KEY, self.std.tolist())
+        setattr(config, LOSS_KEY, self.loss_kind)
+
+    # ------------------------------------------------------------ training
+
+    def target(self, label, outputs):
+        """The row of values; NaN for an image skipped as unreadable (data.SKIPPED_LABEL)."""
+        return [float("nan")] * outputs if not isinstance(label, list) else [float(value) for value in label]
+
+    def per_image_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The loss of each image on the standardised scale, the mean over targets; 0 for a skipped image (NaN row)."""
+        real = ~targets[:, 0].isnan()
+        standard = (targets.float().nan_to_num() - self.mean.to(logits.device)) / self.std.to(logits.device)
+        if self.loss_kind == "huber":
+            per_value = torch.nn.functional.huber_loss(logits.float(), standard, reduction="none", delta=1.0)
+        else:
+            per_value = torch.nn.functional.mse_loss(logits.float(), standard, reduction="none")
+        return per_value.mean(dim=-1) * real
+
+    def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
+        """The mean over the batch's real images; 0 with a zero gradient when all were skipped."""
+        real = (~targets[:, 0].isnan()).float()
+        total = real.sum()
+        return self.per_image_loss(logits, targets).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+    # ------------------------------------------------------------ evaluation
+
+    def values(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's standardised outputs in the targets' own units."""
+        return logits.float() * self.std.to(logits.device) + self.mean.to(logits.device)
+
+    def batch_outputs(self, logits, labels, k):
+        return self.values(logits), labels, self.per_image_loss(logits, labels)
+
+    def joined(self, batches, k):
+        if not batches:
+            return SplitPredictions(torch.empty(0, 0, dtype=torch.long), torch.empty(0, len(self.mean)),
+                                    torch.empty(0), scores=torch.empty(0, len(self.mean)))
+        values, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
+        return SplitPredictions(torch.empty(len(values), 0, dtype=torch.long), references.float(), losses,
+                                scores=values)
+
+    def first_part(self, predictions):
+        return predictions.scores
+
+    def report(self, predictions, labels, rule):
+        kept = predictions.kept
+        if not kept.any():
+            raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+        metrics = summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].double().numpy(),
+                            labels)
+        metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
+        metrics["regression_loss"] = self.loss_kind
+        metrics["eval_skipped_images"] = int((~kept).sum())
+        return metrics
+
+    def headline(self, metrics):
+        return (f"MAE {metrics['mae']:.4f}, RMSE {metrics['rmse']:.4f}, R² {metrics['r2']:.4f}, "
+                f"loss {metrics['eval_loss']:.4f}")
+
+    def draw(self, predictions, dataset, labels, folder, metrics):
+        kept = predictions.kept
+        pictures.draw_predicted_vs_true(predictions.scores[kept].numpy(), predictions.references[kept].numpy(), labels,
+                                        Path(folder) / pictures.PREDICTED_VS_TRUE_FILE)
+        return [pictures.PREDICTED_VS_TRUE_FILE]
+
+    # ------------------------------------------------------------ using the model
+
+    def scores(self, logits):
+        return self.values(logits)
+
+    def given(self, scores, labels, top_k):
+        """Every target's value, in the targets' order (there is nothing to rank)."""
+        return list(zip(labels, scores))
+
+    def write_csv(self, rows, path, top_k, open_writer):
+        """One column per target, holding its predicted value."""
+        count, header = 0, None
+        with open(path, "w", newline="") as out:
+            writer = open_writer(out)
+            for row in rows:
+                if header is None:
+                    header = [guess["label"] for guess in row["predictions"]] or None
+                    if header is not None or row["error"] is None:
+                        writer.writerow(["image", "error", *(header or [])])
+                values = [f"{guess['score']:.6g}" for guess in row["predictions"]]
+                writer.writerow([row["image"], row["error"] or "", *values])
+                count += 1
+        return count
+
+    @classmethod
+    def card_section(cls, metrics, escape):
+        rows = "\n".join(f"| {escape(name)} | {s['mae']:.4g} | {s['rmse']:.4g} | {s['r2']:.4f} | {s['true_mean']:.4g} | "
+                         f"{s['true_std']:.4g} |" for name, s in metrics.get("per_target", {}).items())
+        return ("Regression: the model gives a number per target. Its head outputs the targets *standardised* by "
+                f"the training split's mean and standard deviation, saved in `config.json` (`{MEAN_KEY}`, "
+                f"`{STD_KEY}`); the value is `output * {STD_KEY} + {MEAN_KEY}`. Trained with the "
+                f"{metrics.get('regression_loss', 'mse').upper()} loss of the standardised values.\n\n"
+                "### Per target\n| target | MAE | RMSE | R² | eval mean | eval std |\n|---|---|---|---|---|---|\n"
+                f"{rows}\n")
+
+    @classmethod
+    def use_text(cls, load_from: str) -> str:
+        return RAW_VALUE_SNIPPET.format(model=load_from)
+
+    def model_labels(self, table, label_column, labels):
+        raise DataError("evaluate --dataset takes classification datasets only; evaluate a regression model on its "
+                        "own run's eval split (no --dataset), which its recipe.yaml names")
+
+    def answers(self, config):
+        tolerance = AGREEMENT_SHARE_OF_STD * self.std
+        return Answers(f"values within {AGREEMENT_SHARE_OF_STD:.0%} of each target's std",
+                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1),
+                       lambda rows: ~rows[:, 0].float().isnan())
+
+
+# pipeline("image-classification") applies a softmax (one target) or a sigmoid to the head's output and ranks it:
+# for a regression model its scores are not the values. The card gives the call that is.
+RAW_VALUE_SNIPPET = """
+`pipeline()` applies a softmax or a sigmoid to the head's output, so its scores are not this model's values. The
+values, in the targets' own units:
+```python
+import torch
+from PIL import Image
+from transformers import AutoImageProcessor, AutoModelForImageClassification
+
+model = AutoModelForImageClassification.from_pretrained({model})
+processor = AutoImageProcessor.from_pretrained({model})
+with torch.no_grad():
+    standardised = model(**processor(images=Image.open("image.png").convert("RGB"), return_tensors="pt")).logits
+values = standardised * torch.tensor(model.config.target_std) + torch.tensor(model.config.target_mean)
+print(dict(zip(model.config.id2label.values(), values[0].tolist())))
+```
+"""
+
+
+def summarise(predicted: np.ndarray, true: np.ndarray, names: list[str]) -> dict:
+    """MAE, RMSE and R² of each target (in its units) and their means over the targets. R² is 1 - residual sum of
+    squares / the sum of squares around the eval mean: 0 for predicting that mean, negative when worse; 0 for a
+    target that is constant on the split."""
+    error = predicted - true
+    mae = np.abs(error).mean(axis=0)
+    rmse = np.sqrt((error ** 2).mean(axis=0))
+    around_mean = ((true - true.mean(axis=0)) ** 2).sum(axis=0)
+    residual = (error ** 2).sum(axis=0)
+    r2 = np.divide(residual, around_mean, out=np.ones_like(residual), where=around_mean > 0)
+    r2 = np.where(around_mean > 0, 1 - r2, 0.0)
+    return {
+        "eval_samples": int(len(true)),
+        "task": PROBLEM_TYPE,
+        "mae": float(mae.mean()), "rmse": float(rmse.mean()), "r2": float(r2.mean()),
+        "per_target": {name: {"mae": float(a), "rmse": float(b), "r2": float(c), "true_mean": float(m),
+                              "true_std": float(s)}
+                       for name, a, b, c, m, s in zip(names, mae, rmse, r2, true.mean(axis=0), true.std(axis=0))},
+    }

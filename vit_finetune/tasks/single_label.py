@@ -1,0 +1,95 @@
+"""Single-label classification: one class per image, a softmax over the classes, cross-entropy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import augment, evaluation, pictures
+from .base import SKIPPED, Answers, SplitPredictions, Task
+
+DEFAULT_TOP_K = 5  # the labels predict lists per image when --top-k is not given
+
+
+class SingleLabel(Task):
+    name = "single_label"
+    problem_type = None
+    selection_metric = "eval_accuracy"
+    keep_best_metrics = frozenset({"eval_accuracy", "eval_top5_accuracy", "eval_macro_f1", "eval_loss"})
+    metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
+    curve = ("eval_accuracy", "Eval accuracy", (0, 1))
+
+    def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
+        """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with
+        a zero gradient, when all were skipped (the forward and backward still run: under DDP every process must
+        join each step's gradient all-reduce)."""
+        if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
+            return augment.soft_target_loss(logits, soft_targets, class_weights)
+        per_image = torch.nn.functional.cross_entropy(logits.float(), targets, weight=class_weights, reduction="none",
+                                                      ignore_index=SKIPPED, label_smoothing=label_smoothing)
+        # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean
+        # is; computed on the device, no sync. With no real image the sum is 0 and so is the loss, with a zero
+        # gradient.
+        real = (targets != SKIPPED).float()
+        image_weights = real if class_weights is None else class_weights[targets.clamp(min=0)] * real
+        total = image_weights.sum()
+        return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+    def batch_outputs(self, logits, labels, k):
+        losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
+        return logits.topk(k, dim=-1).indices, labels, losses
+
+    def joined(self, batches, k):
+        if not batches:
+            return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long),
+                                    torch.empty(0))
+        ranked, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
+        return SplitPredictions(ranked, references, losses)
+
+    def report(self, predictions, labels, rule):
+        metrics = evaluation.summarise(predictions, len(labels))
+        if "confusion_matrix" in metrics:
+            metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
+        else:
+            kept = predictions.kept
+            counts = evaluation.class_counts(predictions.ranked[kept, 0].numpy(), predictions.references[kept].numpy(),
+                                             len(labels))
+            metrics.update(evaluation.per_class_report(*counts, labels), confusion_matrix_labels=list(labels),
+                           confusion_matrix_axes=evaluation.SPARSE_AXES)
+        return metrics
+
+    def headline(self, metrics):
+        return f"accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
+
+    def draw(self, predictions, dataset, labels, folder, metrics):
+        return pictures.draw_classification(predictions, dataset, labels, Path(folder))
+
+    def scores(self, logits):
+        return logits.softmax(-1)
+
+    def given(self, scores, labels, top_k):
+        ranked = sorted(range(len(scores)), key=lambda index: -scores[index])[:top_k or DEFAULT_TOP_K]
+        return [(labels[index], scores[index]) for index in ranked]
+
+    def write_csv(self, rows, path, top_k, open_writer):
+        header = ["image", "error"] + [f"{kind}_{rank}" for rank in range(1, top_k + 1) for kind in ("label", "score")]
+        count = 0
+        with open(path, "w", newline="") as out:
+            writer = open_writer(out)
+            writer.writerow(header)
+            for row in rows:
+                ranked = [value for guess in row["predictions"] for value in (guess["label"], f"{guess['score']:.6f}")]
+                writer.writerow([row["image"], row["error"] or ""] + ranked + [""] * (len(header) - 2 - len(ranked)))
+                count += 1
+        return count
+
+    @classmethod
+    def card_section(cls, metrics, escape):
+        rows = "\n".join(f"| {escape(label)} | {s['precision']:.3f} | {s['recall']:.3f} | {s['f1']:.3f} | "
+                         f"{s['support']} |" for label, s in metrics.get("per_class", {}).items())
+        return f"### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n{rows}\n"
+
+    def answers(self, config):
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
+                       lambda labels: labels != SKIPPED)
