@@ -778,13 +778,41 @@ def sample_name(encoded: dict, index: int) -> str:
     return encoded.get("path") or f"sample #{index}"
 
 
+def class_id(label: int, outputs: int) -> int:
+    return label
+
+
+def label_set_row(label, outputs: int) -> list[int]:
+    """A set of class ids as a 0/1 row over the classes; a row of SKIPPED_LABEL for a skipped image."""
+    if label == SKIPPED_LABEL:
+        return [SKIPPED_LABEL] * outputs
+    row = [0] * outputs
+    for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
+        row[class_id] = 1
+    return row
+
+
+def value_row(label, outputs: int) -> list[float]:
+    """A regression's target values as floats; NaN for a skipped image (every number is a possible target)."""
+    return [float("nan")] * outputs if label == SKIPPED_LABEL else [float(value) for value in label]
+
+
+# How a label column's cells reach the loss, by what they hold: a class, a set of classes, or numbers.
+TARGET_ENCODINGS: dict[str, Callable[[Any, int], Any]] = {"class": class_id, "set": label_set_row, "values": value_row}
+
+
+def target_encoding(splits) -> str:
+    """The TARGET_ENCODINGS entry of loaded splits (a stream's too)."""
+    return "values" if getattr(splits, "task", None) == "regression" else "set" if splits.multi_label else "class"
+
+
 class ImageClassificationDataset(Dataset):
     """Indexed by (sample index, epoch); yields (pixels, label, None), and for a bad image skipped with
     data.skip_bad_images (placeholder, SKIPPED_LABEL, its name): the placeholder keeps the image's place."""
 
     def __init__(self, table, image_column: str, label_column: str, settings: DataSettings,
                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor], placeholder: torch.Tensor,
-                 image_folders: tuple[Path, ...] | None = None, task=None, outputs: int = 0):
+                 image_folders: tuple[Path, ...] | None = None, encoding: str = "class", outputs: int = 0):
         self.table = table
         self.image_folders = image_folders
         self.image_column = image_column
@@ -792,12 +820,13 @@ class ImageClassificationDataset(Dataset):
         self.settings = settings
         self.make_pixels = make_pixels
         self.placeholder = placeholder
-        self.task, self.outputs = task, outputs  # a tasks.Task turns each label into the loss's target
+        self.encode = TARGET_ENCODINGS[encoding]  # how a row's label reaches the loss (see TARGET_ENCODINGS)
+        self.outputs = outputs  # the model's outputs: classes, or a regression's targets
 
     def target(self, label) -> int | list:
-        """The label as the loss reads it (the task's target: a class id, a 0/1 row, a row of values); SKIPPED_LABEL
-        for a skipped image becomes the task's mark of one."""
-        return label if self.task is None else self.task.target(label, self.outputs)
+        """The label as the loss reads it: a class id, a 0/1 row over the classes, or a row of values; SKIPPED_LABEL
+        (a skipped image) becomes the encoding's mark of one."""
+        return self.encode(label, self.outputs)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -898,29 +927,26 @@ def make_loader(dataset: ImageClassificationDataset, batch_size: int, shuffle: b
 
 
 def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
-                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor], task=None) -> ImageClassificationDataset:
-    """The train split as uint8 crops from `make_pixels`, labels as `task` (a tasks.Task) targets them; a skipped
-    bad image keeps its place, blank."""
+                  make_pixels: Callable[[Image.Image, int, int], torch.Tensor]) -> ImageClassificationDataset:
+    """The train split as uint8 crops from `make_pixels`; a skipped bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings, make_pixels,
                                       blank_pixels(image_size, training=True), splits.image_folders,
-                                      task=task, outputs=len(splits.labels))
+                                      encoding=target_encoding(splits), outputs=len(splits.labels))
 
 
-def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int,
-                 task=None) -> ImageClassificationDataset:
+def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
     """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
     return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
                                       eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders, task=task, outputs=len(splits.labels))
+                                      splits.image_folders, encoding=target_encoding(splits), outputs=len(splits.labels))
 
 
-def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int,
-                               task=None) -> ImageClassificationDataset:
+def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
     """The train split preprocessed as evaluation does (the saved image processor, no augmentation): what a linear
     probe fits the head on, so the head meets at evaluation the features it was fitted to."""
     return ImageClassificationDataset(splits.train, splits.image_column, splits.label_column, settings,
                                       eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders, task=task, outputs=len(splits.labels))
+                                      splits.image_folders, encoding=target_encoding(splits), outputs=len(splits.labels))
 
 
 def blank_pixels(image_size: int, training: bool) -> torch.Tensor:

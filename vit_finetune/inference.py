@@ -453,7 +453,7 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
     eval_set = data.ImageClassificationDataset(table, image_column, label_column, settings,
                                                data.eval_pixels_from_processor(processor),
                                                data.blank_pixels(size, training=False), data.image_folders(settings),
-                                               task=task, outputs=len(labels))
+                                               encoding=task.label_encoding, outputs=len(labels))
     return EvalSplit(eval_set, batch_size or 32, precision, split_fields, rule)
 
 

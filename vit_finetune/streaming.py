@@ -409,12 +409,13 @@ class StreamLoader:
 
 def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batch_size: int, workers: int,
                  accelerator, train_pixels: Callable[[Image.Image, int, int], torch.Tensor],
-                 processor, image_size: int, task) -> tuple[StreamLoader, StreamLoader]:
+                 processor, image_size: int) -> tuple[StreamLoader, StreamLoader]:
     """The train loader (shuffled, endless, augmented by `train_pixels`) and the eval loader (in order, one pass,
-    preprocessed by the saved image processor); labels as `task` (a tasks.Task) targets them."""
+    preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
-                  image_folders=splits.image_folders, task=task, outputs=len(splits.labels))
+                  image_folders=splits.image_folders, encoding=data.target_encoding(splits),
+                  outputs=len(splits.labels))
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
                                placeholder=data.blank_pixels(image_size, training=True), **common)
     eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),

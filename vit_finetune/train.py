@@ -202,7 +202,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     sampler, class_weights = (None, None) if streamed else balance.balancing(recipe.data.class_balance, splits, seed)
     fitted = None
     if method.probes and not resuming:
-        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights, task)
+        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
@@ -217,10 +217,10 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
 
     if streamed:  # data.class_balance is refused with streaming (the recipe says why)
         train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
-                                                           accelerator, train_pixels, processor, size, task)
+                                                           accelerator, train_pixels, processor, size)
     else:
-        train_set = data.train_dataset(splits, recipe.data, size, train_pixels, task)
-        eval_set = data.eval_dataset(splits, recipe.data, processor, size, task)
+        train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
+        eval_set = data.eval_dataset(splits, recipe.data, processor, size)
         train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
                                         distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
@@ -241,11 +241,11 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
-                      class_weights, task: tasks.Task) -> probe.ProbeResult:
+                      class_weights) -> probe.ProbeResult:
     """The linear probe: the head fitted on the frozen features of every training image, computed once in the
     split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
     its cost. Without gradients a batch costs about a third of a training step's: four times the batch."""
-    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size, task)
+    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
     loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
                               accelerator.device.type == "cuda")
     model.to(accelerator.device)

@@ -9,9 +9,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
 from ..evaluation import SplitPredictions
-
-SKIPPED = -1  # data.SKIPPED_LABEL: the class id of an image skipped as unreadable (a regression row is NaN instead)
 
 
 @dataclass
@@ -35,7 +34,6 @@ class Task:
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
     probe_fits: ClassVar[bool] = True  # whether train.method's linear probe can fit this task's head
-    predict_row_fields: ClassVar[str] = "label, score"  # what a predict row's entries hold, in words
 
     @classmethod
     def for_training(cls, splits, loss_kind: str) -> Task:
@@ -55,10 +53,6 @@ class Task:
         """Write what the final evaluation chose into the saved model's config (nothing by default)."""
 
     # ------------------------------------------------------------ training
-
-    def target(self, label, outputs: int):
-        """A dataset row's label as the loss reads it (SKIPPED for an image skipped as unreadable)."""
-        return label
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, soft_targets: torch.Tensor | None,
              class_weights: torch.Tensor | None, label_smoothing: float) -> torch.Tensor:
@@ -121,6 +115,7 @@ class Task:
         return to_model_labels(table, label_column, labels, self.label_sets)
 
     label_sets: ClassVar[bool] = False  # each row's label is a list of labels
+    label_encoding: ClassVar[str] = "class"  # data.TARGET_ENCODINGS: how its labels reach the loss
     ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what `given` decides (thresholds, targets)
 
     def saved_thresholds(self) -> dict[str, float] | None:

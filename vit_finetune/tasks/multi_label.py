@@ -20,18 +20,9 @@ class MultiLabel(Task):
     keep_best_metrics = frozenset({"eval_accuracy", "eval_macro_f1", "eval_loss", "eval_map", "eval_micro_f1"})
     metric_names = {"accuracy": "Exact-match accuracy", "macro_f1": "Macro F1", "map": "mAP", "micro_f1": "Micro F1"}
     curve = ("eval_accuracy", "Eval exact-match accuracy", (0, 1))
-    predict_row_fields = "label, score (the labels over their thresholds)"
     label_sets = True
+    label_encoding = "set"
     ranks = False
-
-    def target(self, label, outputs):
-        """A 0/1 row over the classes; a row of SKIPPED for a skipped image."""
-        if label == SKIPPED:
-            return [SKIPPED] * outputs
-        row = [0] * outputs
-        for class_id in label if isinstance(label, list) else [label]:  # a stream's single ClassLabel: a set of one
-            row[class_id] = 1
-        return row
 
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,

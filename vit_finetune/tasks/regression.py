@@ -35,8 +35,8 @@ class Regression(Task):
     metric_names = {"mae": "MAE", "rmse": "RMSE", "r2": "R²"}
     curve = ("eval_rmse", "Eval RMSE", None)
     ranks = False
+    label_encoding = "values"
     probe_fits = False  # the probe fits a logistic regression; a least-squares head is not built
-    predict_row_fields = "label (the target's name), score (its predicted value, in the target's units)"
 
     def __init__(self, mean: list[float], std: list[float], loss_kind: str = "mse"):
         self.mean = torch.tensor(mean, dtype=torch.float32)
@@ -67,10 +67,6 @@ class Regression(Task):
         setattr(config, LOSS_KEY, self.loss_kind)
 
     # ------------------------------------------------------------ training
-
-    def target(self, label, outputs):
-        """The row of values; NaN for an image skipped as unreadable (data.SKIPPED_LABEL)."""
-        return [float("nan")] * outputs if not isinstance(label, list) else [float(value) for value in label]
 
     def per_image_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of each image on the standardised scale, the mean over targets; 0 for a skipped image (NaN row)."""
