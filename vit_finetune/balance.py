@@ -1,5 +1,5 @@
 """Skewed label counts (data.class_balance): class weights in the loss, or a sampler that draws classes equally often.
-Multi-label: `weights` weighs each class's positives by its negatives / positives (multilabel.positive_weights).
+(The multi-label task weighs each class's positives instead: see vit_finetune/tasks.)
 
 `weights`: the loss of an image of class c is weighted by N / (C × n_c) (inverse frequency, normalised so that
 the average weight over the training images is 1). `sampler`: each epoch draws N images with replacement, each
@@ -31,18 +31,6 @@ def balancing(kind: str | None, splits: Splits, seed: int) -> tuple[EpochSampler
     if kind is None:
         return None, None
     labels = list(splits.train[splits.label_column])
-    if splits.multi_label:  # the recipe refuses sampler with data.multi_label=true; a detected label set lands here
-        if kind == "sampler":
-            from .data import DataError
-
-            raise DataError("data.class_balance=sampler draws images by their one class, but this dataset's images "
-                            "hold label sets (multi-label); use data.class_balance=weights or null")
-        from .multilabel import positive_weights
-
-        rows = torch.zeros(len(labels), len(splits.labels))
-        for row, class_ids in zip(rows, labels):
-            row[class_ids] = 1
-        return None, positive_weights(rows)
     if kind == "sampler":
         return BalancedEpochSampler(labels, len(splits.labels), seed), None
     return None, class_weights(labels, len(splits.labels))

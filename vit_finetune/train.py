@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
+from . import augment, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, probe, progress as display, selection, sharding, streaming, tasks, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
@@ -199,7 +199,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     if workers is None:
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
     pin = accelerator.device.type == "cuda"
-    sampler, class_weights = (None, None) if streamed else balance.balancing(recipe.data.class_balance, splits, seed)
+    sampler, class_weights = (None, None) if streamed else task.balancing(recipe.data.class_balance, splits, seed)
     fitted = None
     if method.probes and not resuming:
         fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights)

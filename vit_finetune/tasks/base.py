@@ -9,6 +9,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from .. import balance
 from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
 from ..evaluation import SplitPredictions
 
@@ -57,6 +58,10 @@ class Task:
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, soft_targets: torch.Tensor | None,
              class_weights: torch.Tensor | None, label_smoothing: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def balancing(self, kind: str | None, splits, seed: int) -> tuple:
+        """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
+        return balance.balancing(kind, splits, seed)
 
     # ------------------------------------------------------------ evaluation
 

@@ -28,6 +28,18 @@ class MultiLabel(Task):
         return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
                                label_smoothing)
 
+    def balancing(self, kind, splits, seed):
+        """data.class_balance=weights weighs each class's positives by its negatives / positives (BCE's pos_weight)."""
+        if kind is None:
+            return None, None
+        if kind == "sampler":  # the recipe refuses it with data.multi_label=true; a detected label set lands here
+            raise DataError("data.class_balance=sampler draws images by their one class, but this dataset's images "
+                            "hold label sets (multi-label); use data.class_balance=weights or null")
+        rows = torch.zeros(len(splits.train), len(splits.labels))
+        for row, class_ids in zip(rows, splits.train[splits.label_column]):
+            row[class_ids] = 1
+        return None, multilabel.positive_weights(rows)
+
     def batch_outputs(self, logits, labels, k):
         return logits.sigmoid(), labels, multilabel.per_image_loss(logits, labels)
 

@@ -1,0 +1,54 @@
+"""The task seam: every task is one module (vit_finetune/tasks) and a registry entry, and nothing outside the task
+modules asks which task a model is; the model's image size is asked of its family, one way."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from runs import train
+from tiny import REPO, make_tiny_family, write_colour_folder
+from vit_finetune import tasks
+from vit_finetune.cli import main
+
+# What only a task (or the multi-label helper module it uses) may read: which task a model is.
+TASK_TESTS = re.compile(r"problem_type|multi_label|\"regression\"")
+# Modules that decide the task from the data and the recipe (the loaders, the recipe's own checks), and the tasks.
+CHOOSERS = {"data.py", "labels.py", "streaming.py", "recipe.py", "multilabel.py"}
+
+
+def test_no_module_outside_the_tasks_asks_which_task_a_model_is():
+    package = REPO / "vit_finetune"
+    asking = {path.relative_to(package).as_posix(): sorted({match.group() for match in TASK_TESTS.finditer(path.read_text())})
+              for path in package.rglob("*.py")
+              if path.parent.name != "tasks" and path.name not in CHOOSERS and TASK_TESTS.search(path.read_text())}
+    assert asking == {}
+
+
+def test_every_task_is_registered_by_its_name_and_read_back_from_its_problem_type():
+    from transformers import ViTConfig
+
+    assert set(tasks.TASKS) == {"single_label", "multi_label", "regression"}
+    for name, task in tasks.TASKS.items():
+        config = ViTConfig(num_labels=2, problem_type=task.problem_type, target_mean=[1.0, 2.0], target_std=[3.0, 4.0])
+        assert tasks.of_config(config).name == name
+    regression = tasks.of_config(ViTConfig(num_labels=2, problem_type="regression", target_mean=[1.0, 2.0],
+                                           target_std=[3.0, 4.0]))
+    assert regression.mean.tolist() == [1.0, 2.0] and regression.std.tolist() == [3.0, 4.0]
+
+
+def test_evaluating_a_clip_run_with_a_skipped_image_uses_a_placeholder_of_the_models_size(tmp_path, capsys):
+    """CLIP keeps its image size under vision_config: a skipped image's blank must still match the other pixels."""
+    images = write_colour_folder(tmp_path / "images", train=8, validation=4)
+    (images / "validation" / "red" / "broken.png").write_bytes(b"not an image")
+    base = make_tiny_family("clip", tmp_path / "clip", image_size=32)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", "model.image_size=32", f"data.dataset={images}", f"output_dir={out}",
+                  "data.skip_bad_images=true", "train.epochs=1", "train.batch_size=8", "data.num_workers=0",
+                  "pictures=false"]) == 0
+    saved = json.loads((out / "metrics.json").read_text())
+    assert saved["eval_skipped_images"] == 1
+    assert main(["evaluate", str(out), "--output-dir", str(tmp_path / "eval")]) == 0, capsys.readouterr().err[-2000:]
+    again = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert again["eval_skipped_images"] == 1 and again["accuracy"] == saved["accuracy"]
