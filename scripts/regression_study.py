@@ -16,7 +16,8 @@ base); every cell trains at 56 px, batch 16, lr 2e-5, AdamW, one torch thread, e
   trainer: the image-classification example's recipe with a regression head (num_labels=1, problem_type=
       "regression": MSE of the raw target), its RandomResizedCrop(8-100 %) + flip, one lr for every weight, linear
       schedule without warm-up; eval Resize + CenterCrop.
-Results are appended to <root>/results.jsonl, one line per cell; a recorded cell is not redone.
+Results are appended to <root>/results.jsonl, one line per cell; a cell recorded (or claimed by another process of the
+study running beside this one: --seeds 2,1,0 in a second shell shares the work) is not redone.
 """
 
 from __future__ import annotations
@@ -148,6 +149,17 @@ def run_trainer(base: Path, data: Path, steps: int, seed: int, out: Path) -> dic
     return scores(np.concatenate(predicted), eval_values)
 
 
+def claim(path: Path) -> bool:
+    """Whether this process takes the cell: the first to create its claim file does (several processes may share the
+    work, one thread each); a cell whose process died leaves its claim: delete the file to redo it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.open("x").close()
+    except FileExistsError:
+        return False
+    return True
+
+
 def table(results: list[dict]) -> str:
     lines = ["| steps | arm | MAE | RMSE | R² | CPU s / run |", "|---|---|---|---|---|---|"]
     for steps in sorted({r["steps"] for r in results}):
@@ -184,12 +196,11 @@ def main() -> None:
 
         torch.set_num_threads(1)
         data = write_data(args.root / "elpv")
-        done = {(r["arm"], r["steps"], r["seed"]) for r in results}
         for steps in map(int, args.steps.split(",")):
             for seed in map(int, args.seeds.split(",")):
                 for arm in args.arms.split(","):
-                    if (arm, steps, seed) in done:
-                        continue
+                    if not claim(args.root / "runs" / f"{arm}-{steps}-{seed}.claimed"):
+                        continue  # recorded, or another process of the study runs it
                     started, cpu = time.perf_counter(), time.process_time()
                     run = run_toolkit if arm == "toolkit" else run_trainer
                     outcome = run(args.base, data, steps, seed, args.root / "runs" / f"{arm}-{steps}-{seed}")

@@ -123,8 +123,9 @@ def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(t
     from accelerate import Accelerator
     from transformers import AutoImageProcessor, ViTForImageClassification
 
-    from vit_finetune import data, evaluation
+    from vit_finetune import data
     from vit_finetune.recipe import DataSettings
+    from vit_finetune.tasks import single_label
 
     out = two_process_run["out"]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -141,7 +142,7 @@ def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(t
     eval_set = data.eval_dataset(splits, settings, processor, image_size=32)
     model = ViTForImageClassification.from_pretrained(out)
     model, loader = accelerator.prepare(model, data.make_loader(eval_set, BATCH, False, 1, 0, False))
-    single = evaluation.evaluate_model(model, loader, accelerator, data.PixelNormalizer(processor, torch.device("cpu")),
+    single = single_label.evaluate_model(model, loader, accelerator, data.PixelNormalizer(processor, torch.device("cpu")),
                                        len(splits.labels))
     assert single["eval_samples"] == good and single["eval_skipped_images"] == BAD_EVAL_IMAGES
     assert single["confusion_matrix"] == metrics["confusion_matrix"] and single["accuracy"] == metrics["accuracy"]

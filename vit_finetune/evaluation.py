@@ -203,13 +203,6 @@ def threshold_rule(recipe) -> multilabel.ThresholdRule:
     return multilabel.ThresholdRule(recipe.train.threshold_metric, recipe.train.threshold_holdout, recipe.train.seed)
 
 
-def evaluate_model(model, loader, accelerator, normalize: Callable, num_classes: int) -> dict:
-    """Metrics over the whole eval split of a single-label model (see predict_split and summarise)."""
-    from .tasks import SingleLabel  # the tasks build on this module's metrics: a real cycle
-
-    return summarise(predict_split(model, loader, accelerator, normalize, SingleLabel(), num_classes), num_classes)
-
-
 SPARSE_AXES = (f"more than {DENSE_CONFUSION_LABELS} labels: confusion_matrix_cells holds the non-zero cells as "
                "[true label, predicted label, images], both as positions in confusion_matrix_labels")
 

@@ -443,7 +443,9 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-        table = task.model_labels(table, label_column, labels)
+        if task.other_dataset_refusal:
+            raise data.DataError(task.other_dataset_refusal)
+        table = to_model_labels(table, label_column, labels, task.label_sets)
         rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
         split_fields = {"eval_split": split, "eval_carved_from_train": False}

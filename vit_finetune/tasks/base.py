@@ -113,13 +113,9 @@ class Task:
         """The card's note after its pipeline() snippet (nothing by default)."""
         return ""
 
-    def model_labels(self, table, label_column: str, labels: list[str]):
-        """Another dataset's split (evaluate --dataset) with its labels as the model's (matched by name)."""
-        from ..inference import to_model_labels  # inference imports the tasks where it uses them
-
-        return to_model_labels(table, label_column, labels, self.label_sets)
-
     label_sets: ClassVar[bool] = False  # each row's label is a list of labels
+    # evaluate --dataset matches another dataset's labels to the model's by name; a task that cannot says why here
+    other_dataset_refusal: ClassVar[str | None] = None
     label_encoding: ClassVar[str] = "class"  # data.TARGET_ENCODINGS: how its labels reach the loss
     ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what `given` decides (thresholds, targets)
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import multilabel
 from ..data import DataError
+from ..pictures import PRECISION_RECALL_FILE
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 
@@ -70,8 +71,6 @@ class MultiLabel(Task):
                 f"loss {metrics['eval_loss']:.4f}")
 
     def draw(self, predictions, dataset, labels, folder, metrics):
-        from ..pictures import PRECISION_RECALL_FILE
-
         kept = predictions.kept.numpy()
         multilabel.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
                                          labels, metrics.get("thresholds"), Path(folder) / PRECISION_RECALL_FILE)

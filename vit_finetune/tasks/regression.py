@@ -36,6 +36,8 @@ class Regression(Task):
     curve = ("eval_rmse", "Eval RMSE", None)
     ranks = False
     label_encoding = "values"
+    other_dataset_refusal = ("evaluate --dataset matches class labels by name; evaluate a regression model on its own "
+                             "run's eval split (no --dataset), which its recipe.yaml names")
     probe_fits = False  # the probe fits a logistic regression; a least-squares head is not built
 
     def __init__(self, mean: list[float], std: list[float], loss_kind: str = "mse"):
@@ -163,10 +165,6 @@ class Regression(Task):
     @classmethod
     def use_text(cls, load_from: str) -> str:
         return RAW_VALUE_SNIPPET.format(model=load_from)
-
-    def model_labels(self, table, label_column, labels):
-        raise DataError("evaluate --dataset takes classification datasets only; evaluate a regression model on its "
-                        "own run's eval split (no --dataset), which its recipe.yaml names")
 
     def answers(self, config):
         tolerance = AGREEMENT_SHARE_OF_STD * self.std

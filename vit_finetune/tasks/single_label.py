@@ -93,3 +93,9 @@ class SingleLabel(Task):
     def answers(self, config):
         return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
                        lambda labels: labels != SKIPPED)
+
+
+def evaluate_model(model, loader, accelerator, normalize, num_classes: int) -> dict:
+    """Metrics over the whole eval split of a single-label model (evaluation.predict_split, then summarise)."""
+    predictions = evaluation.predict_split(model, loader, accelerator, normalize, SingleLabel(), num_classes)
+    return evaluation.summarise(predictions, num_classes)
