@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from runs import train, warm_launch_command
+from runs import assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
 from vit_finetune.augment import BatchAugmenter
@@ -246,6 +246,29 @@ def test_evaluate_on_a_label_file_uses_the_saved_thresholds(trained, label_sets,
     # the same split at the same thresholds: the same numbers
     for key in ("eval_samples", "accuracy", "map", "micro_f1", "macro_f1", "eval_loss", "per_class"):
         assert again[key] == saved[key], key
+
+
+@pytest.mark.slow
+def test_a_resumed_multi_label_run_ends_bit_identical(label_sets, tmp_path):
+    args = [*RECIPE, f"model.base={label_sets['base']}", f"data.dataset={label_sets['jsonl']}", "train.epochs=1",
+            "augment.mixup=true", "pictures=false"]
+    assert train([*args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    out = killed_after_a_checkpoint(args, tmp_path / "resumed")
+    assert train([*args, f"output_dir={out}", "train.resume=auto"]) == 0
+    assert_bit_identical(out / "model.safetensors", tmp_path / "whole" / "model.safetensors")
+    assert json.loads((out / "metrics.json").read_text()) == json.loads((tmp_path / "whole" / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+def test_push_carries_the_thresholds_and_problem_type_to_the_hub(trained, hub, hub_token, monkeypatch):
+    from transformers import AutoConfig
+
+    monkeypatch.setenv("HF_TOKEN", hub_token)
+    assert main(["push", str(trained), "--repo-id", "user/vit-label-sets"]) == 0
+    config = AutoConfig.from_pretrained("user/vit-label-sets", token=hub_token)
+    saved = json.loads((trained / "config.json").read_text())
+    assert config.problem_type == "multi_label_classification" and config.label_thresholds == saved["label_thresholds"]
+    assert 'model="user/vit-label-sets")' in hub.repo_files("user/vit-label-sets")["README.md"].decode()
 
 
 @pytest.mark.slow

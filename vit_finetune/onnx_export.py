@@ -28,9 +28,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from .errors import VitFinetuneError, shortened
+
+if TYPE_CHECKING:  # annotations only: the command line's help reads this module, and the tasks load torch
+    from .tasks import Answers
 
 # torch is imported where it is used: the command line reads RUNTIMES and QUANTIZATIONS for its help.
 
