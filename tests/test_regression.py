@@ -210,3 +210,19 @@ def test_push_puts_the_regression_model_on_the_hub_with_its_card_loading_the_rep
     pulled = AutoModelForImageClassification.from_pretrained(repo_id, token=hub_token)
     assert pulled.config.problem_type == "regression" and pulled.config.target_std == json.loads(
         (trained / "config.json").read_text())["target_std"]
+
+
+@pytest.mark.slow
+def test_keep_best_follows_a_regression_metric_and_refuses_accuracy(made, tmp_path, capsys):
+    args = [*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", "train.epochs=2", "pictures=false"]
+    assert train([*args, f"output_dir={tmp_path / 'refused'}", "train.keep_best=eval_accuracy"]) == 1
+    err = capsys.readouterr().err
+    assert "this run is regression" in err and "eval_rmse" in err
+    assert train([*args, f"output_dir={tmp_path / 'best'}", "train.keep_best=eval_r2", "train.ema_decay=0.5"]) == 0
+    metrics = json.loads((tmp_path / "best" / "metrics.json").read_text())
+    history = json.loads((tmp_path / "best" / "history.json").read_text())
+    best = max((entry for entry in history if "eval_r2" in entry),
+               key=lambda entry: max(entry["eval_r2"], entry["ema_eval_r2"]))
+    assert metrics["best_metric"] == "eval_r2" and metrics["best_step"] == best["step"]
+    assert metrics["best_value"] == pytest.approx(max(best["eval_r2"], best["ema_eval_r2"]))
+    assert {"raw_rmse", "ema_rmse"} <= set(metrics)  # what the card compares the raw and EMA weights by
