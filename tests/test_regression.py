@@ -226,3 +226,31 @@ def test_keep_best_follows_a_regression_metric_and_refuses_accuracy(made, tmp_pa
     assert metrics["best_metric"] == "eval_r2" and metrics["best_step"] == best["step"]
     assert metrics["best_value"] == pytest.approx(max(best["eval_r2"], best["ema_eval_r2"]))
     assert {"raw_rmse", "ema_rmse"} <= set(metrics)  # what the card compares the raw and EMA weights by
+
+
+def test_a_saved_dataset_with_a_column_of_numbers_is_read_as_targets(tmp_path):
+    import datasets
+
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    rng = np.random.default_rng(0)
+    images = []
+    for i in range(6):
+        colour_image((200, 40, 40), rng).save(tmp_path / f"{i}.png")
+        images.append(str(tmp_path / f"{i}.png"))
+    features = datasets.Features({"image": datasets.Image(), "name": datasets.Value("string"),
+                                  "tag": datasets.ClassLabel(names=["a", "b"]), "score": datasets.Value("float32")})
+    scores = [0.5, 1.5, 2.0, 3.25, 4.0, float("nan")]
+    table = datasets.Dataset.from_dict({"image": images, "name": list("uvwxyz"), "tag": [0, 1] * 3, "score": scores},
+                                       features=features)
+    datasets.DatasetDict({"train": table.select(range(4)), "validation": table.select(range(4, 5))}).save_to_disk(
+        tmp_path / "saved")
+    splits = data.load_splits(DataSettings(dataset=str(tmp_path / "saved"), task="regression"), seed=0)
+    assert splits.labels == ["score"] and splits.task == "regression"  # the only plain numbers: not the ClassLabel
+    assert list(splits.train[splits.label_column]) == [[0.5], [1.5], [2.0], [3.25]]
+    with pytest.raises(data.DataError, match="holds numbers"):  # auto does not read them as classes
+        data.load_splits(DataSettings(dataset=str(tmp_path / "saved"), label_column="score"), seed=0)
+    datasets.DatasetDict({"train": table}).save_to_disk(tmp_path / "with-nan")
+    with pytest.raises(data.DataError, match=r"row 5 of split 'train' has a target that is missing or not finite"):
+        data.load_splits(DataSettings(dataset=str(tmp_path / "with-nan"), task="regression"), seed=0)

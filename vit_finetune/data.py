@@ -297,8 +297,7 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
     import datasets
 
     train = loaded[settings.train_split]
-    names = settings.target_columns or [
-        detect_column(train.features, settings.label_column, "target", LABEL_COLUMN_NAMES, datasets.Value)]
+    names = settings.target_columns or [target_column(train.features, settings.label_column)]
     eval_split = eval_split_in(loaded, settings)
     folders = image_folders(settings)
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
@@ -317,6 +316,27 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
                   notes=notes, task="regression")
 
 
+def is_numeric(feature) -> bool:
+    """A column of plain numbers (a ClassLabel's ids are classes, not values)."""
+    return getattr(feature, "_type", "") == "Value" and feature.dtype.startswith(("float", "int", "uint"))
+
+
+def target_column(features: dict, wanted: str | None) -> str:
+    """A regression's one target column: data.label_column, else a numeric column with a label's usual name, else
+    the only numeric column."""
+    if wanted is not None:
+        if wanted not in features:
+            raise DataError(f"data.label_column={wanted!r} is not a column of the dataset; its columns are "
+                            f"{list(features)}")
+        return wanted
+    numeric = [name for name, feature in features.items() if is_numeric(feature)]
+    found = [name for name in LABEL_COLUMN_NAMES if name in numeric] or (numeric if len(numeric) == 1 else [])
+    if not found:
+        raise DataError(f"no target column chosen among the dataset's columns {list(features)} (numeric: {numeric}); "
+                        "set data.label_column=<column>, or data.target_columns=[...] for several targets")
+    return found[0]
+
+
 def as_targets(table, image_column: str, names: list[str], split: str):
     """The image column and TARGETS_COLUMN (each row's target values); a missing, non-numeric or non-finite target is
     refused, naming the column and the row."""
@@ -326,8 +346,7 @@ def as_targets(table, image_column: str, names: list[str], split: str):
         if name not in table.features:
             raise DataError(f"data.target_columns: {name!r} is not a column of split {split!r}; its columns are "
                             f"{list(table.features)}")
-        dtype = getattr(table.features[name], "dtype", "")
-        if not dtype.startswith(("float", "int", "uint")):
+        if not is_numeric(table.features[name]):
             raise DataError(f"the target column {name!r} of split {split!r} holds {table.features[name]}, not numbers; "
                             "data.task=regression needs a number per image in each target column")
     values = np.stack([np.asarray(table[name], dtype=np.float64) for name in names], axis=1) if len(table) else \

@@ -19,6 +19,7 @@ import torch
 
 from . import tasks
 from .errors import VitFinetuneError
+from .families import FAMILIES
 from .inference import label_scores, labels_given
 
 METHODS = ("rollout", "gradient")
@@ -54,7 +55,8 @@ def token_layout(config, tokens: int) -> TokenLayout:
     """From the model's config and its sequence length (CLS, distillation or register tokens come first)."""
     check_supported(config)
     vision = getattr(config, "vision_config", None) or config
-    grid = vision.image_size // vision.patch_size
+    family = FAMILIES[config.model_type]  # the model's size is asked of its family, as everywhere
+    grid = family.image_size(config) // family.patch_size(config)
     prefix = tokens - grid * grid
     if prefix < 0:
         raise ExplainError(f"{tokens} tokens cannot hold a {grid}x{grid} patch grid; explain cannot map this model")
@@ -201,7 +203,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
     check_supported(model.config)  # before any image is read
     if label is not None and label not in model.config.label2id:
         raise ExplainError(f"--class {label!r} is not a label of the model; its labels: {list(model.config.label2id)[:20]}")
-    vision = getattr(model.config, "vision_config", None) or model.config
     settings = decoding_settings(model.config)  # as training decoded (data.alpha_background)
     written = []
     for source, name in zip(sources, output_names([s.name for s in sources], method)):
@@ -214,7 +215,8 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
         explanation = explain_pixels(model, pixels, method, label, top_k)
         try:
             (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
+            draw_explanation(image, explanation, FAMILIES[model.config.model_type].image_size(model.config), method,
+                             output_dir / name)
         except OSError as error:
             from .checkpoint import describe_write_error
 
