@@ -170,10 +170,12 @@ def table(results: list[dict]) -> str:
 
             def cell(key: str) -> str:
                 values = [r[key] for r in runs]
-                spread = statistics.stdev(values) if len(values) > 1 else 0.0
-                return f"{statistics.mean(values):.3f} ± {spread:.3f}"
+                if len(values) == 1:
+                    return f"{values[0]:.3f}"
+                return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
             cpu = statistics.mean(r["cpu_seconds"] for r in runs)
-            lines.append(f"| {steps} | {arm} ({len(runs)} seeds) | {cell('mae')} | {cell('rmse')} | {cell('r2')} | "
+            seeds = f"{len(runs)} seed{'s' if len(runs) > 1 else ''}"
+            lines.append(f"| {steps} | {arm} ({seeds}) | {cell('mae')} | {cell('rmse')} | {cell('r2')} | "
                          f"{cpu:.0f} |")
     return "\n".join(lines)
 

@@ -15,6 +15,7 @@ from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, 
 from vit_finetune import balance, ema, loop, model as vit, optim, train
 from vit_finetune.families import FAMILIES
 from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
+from vit_finetune.tasks import SingleLabel
 
 LAYERS = 3
 
@@ -259,7 +260,8 @@ def test_class_weights_weight_each_images_loss_by_its_class():
     model = tiny_vit().eval()
     weights = balance.class_weights(SKEWED, 3)
     parts = SimpleNamespace(model=model, normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
-                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights, teacher=None)
+                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights, teacher=None,
+                            task=SingleLabel())
     pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
     loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
     with torch.no_grad():
