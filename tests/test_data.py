@@ -158,12 +158,14 @@ def test_the_training_loss_averages_over_real_images_only_and_is_zero_without_on
 
     from vit_finetune import loop
     from vit_finetune.recipe import Recipe
+    from vit_finetune.tasks import SingleLabel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
     parts = SimpleNamespace(model=lambda pixel_values: SimpleNamespace(logits=model(pixel_values.float())),
                             normalize=SimpleNamespace(rescale=lambda p: p, standardize=lambda p: p),
-                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=None, teacher=None)
+                            augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=None, teacher=None,
+                            task=SingleLabel())
     pixels, labels = torch.randn(4, 3, 2, 2), torch.tensor([0, data.SKIPPED_LABEL, 2, data.SKIPPED_LABEL])
     loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, Recipe())
     real = torch.nn.functional.cross_entropy(model(pixels[[0, 2]]), labels[[0, 2]])
