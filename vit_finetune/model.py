@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTr
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import hub
+from . import hub, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
@@ -92,6 +92,7 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
             "attention window: remove the key or set it to null"
         )
     set_drop_path_rate(config, settings)  # a family without stochastic depth is refused before any download
+    student.check(settings, config, family)  # model.keep_blocks: a family or depth that cannot be cut
     return config
 
 
@@ -229,6 +230,10 @@ def build_model(settings: ModelSettings, labels: list[str],
     """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
+        if settings.keep_blocks is not None:  # the cut student's architecture, from random weights
+            family = family_of(config)
+            depth = len(student.chosen_blocks(settings.keep_blocks, family.num_blocks(config)))
+            config = student.with_depth(config, family, depth)
         model = family_of(config).model_class()(config).float()
         after = absolute_table(family_of(config), model.state_dict())
         if on_resample is not None and after is not None:
@@ -236,18 +241,22 @@ def build_model(settings: ModelSettings, labels: list[str],
         return model
     family = family_of(load_base_config(settings), settings.base)
     pretrained = load_pretrained(settings, family)
+    if settings.keep_blocks is not None:  # a student cut from the base's own blocks, its head kept if it fits
+        pretrained = student.cut(pretrained, settings.keep_blocks, labels)
+    keeps_head = student.kept_head(pretrained.config)
     config = target_config(pretrained.config, settings, labels)
     model = family.model_class()(config).float()
 
     # What the family initialises with the head (BEiT's pooling norm) is in `pretrained`: loaded, or fresh there.
-    state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(f"{family.head}.")}
+    state = {k: v for k, v in pretrained.state_dict().items() if keeps_head or not k.startswith(f"{family.head}.")}
     before = absolute_table(family, state)
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
         resize(state, moved)
     if on_resample is not None and before is not None:
         on_resample(before, absolute_table(family, state))
-    state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
+    if not keeps_head:
+        state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model
 
@@ -353,5 +362,6 @@ def describe(config: PretrainedConfig) -> str:
     family = family_of(config)
     size, patch = family.image_size(config), family.patch_size(config)
     grid = size // patch
-    return (f"{family.name} {family.vision_config(config).hidden_size}d x {family.num_blocks(config)} blocks, "
-            f"patch {patch}, {size}px ({grid}x{grid} grid)")
+    cut = student.config_in_words(config)
+    return (f"{family.name} {family.vision_config(config).hidden_size}d x {family.num_blocks(config)} blocks"
+            f"{f' ({cut})' if cut else ''}, patch {patch}, {size}px ({grid}x{grid} grid)")
