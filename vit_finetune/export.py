@@ -225,11 +225,14 @@ classify("photo.jpg")
 
 
 def distillation_text(metrics: dict) -> str:
-    """The card's line on a distilled run's teacher (distill.describe), the teacher's name as inert code."""
+    """The card's line on a distilled run's teacher and student (distill.describe), their names as inert code."""
     facts = metrics.get("distillation")
     if not facts:
         return ""
-    return "; " + distill.describe({**facts, "teacher": markdown_code(facts["teacher"])})
+    inert = {"teacher": markdown_code(facts["teacher"])}
+    if "student" in facts:  # its base is a path or id too
+        inert["student"] = {**facts["student"], "from": markdown_code(facts["student"]["from"])}
+    return "; " + distill.describe({**facts, **inert})
 
 
 def saved_weights(metrics: dict) -> str:

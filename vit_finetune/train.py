@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import distill, multilabel, pictures, progress as display, selection, sharding, streaming, tracking
+from . import distill, multilabel, pictures, progress as display, selection, sharding, streaming, student, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -442,8 +442,9 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, **parts.data_facts)
     if parts.teacher is not None:
+        facts = student.facts(recipe.model, accelerator.unwrap_model(parts.model).config, recipe.train.distill.teacher)
         metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
-                                                 training_seconds)
+                                                 training_seconds, facts)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
