@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from runs import RECIPE, train
 from tiny import make_tiny_family, make_tiny_vit
 from vit_finetune import student
+from vit_finetune.families import FAMILIES
 from vit_finetune.model import build_model
 from vit_finetune.positions import resample_position_embeddings
 from vit_finetune.recipe import ModelSettings
@@ -201,3 +202,22 @@ def test_a_student_from_random_weights_has_the_cut_depth(tmp_path):
     model = build_model(ModelSettings(base=str(base), image_size=32, pretrained=False, keep_blocks=[0, 2, 3]),
                         ["a", "b"])
     assert model.config.num_hidden_layers == 3 and blocks_of(model) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("model_type", [t for t, family in FAMILIES.items() if family.one_block_stack])
+def test_every_family_of_one_block_stack_can_be_cut_and_saved_and_loaded_back(model_type, tmp_path):
+    """Each family's tiny checkpoint (2 blocks) cut to its last block: it runs, and its saved config builds it again."""
+    from transformers import AutoConfig
+
+    base = make_tiny_family(model_type, tmp_path / "base")
+    model = build_model(ModelSettings(base=str(base), image_size=32, keep_blocks=1), ["a", "b"])
+    family = FAMILIES[model_type]
+    assert family.num_blocks(model.config) == 1 and blocks_of(model) == {0}
+    original = family.model_class().from_pretrained(base)
+    for name, tensor in block_weights(model.state_dict(), 0).items():
+        torch.testing.assert_close(tensor, block_weights(original.state_dict(), 1)[name])
+    model.save_pretrained(tmp_path / "cut")
+    again = family.model_class().from_pretrained(tmp_path / "cut")
+    assert family.num_blocks(AutoConfig.from_pretrained(tmp_path / "cut")) == 1 and blocks_of(again) == {0}
+    with torch.no_grad():
+        assert again(pixel_values=torch.rand(1, 3, 32, 32)).logits.shape == (1, 2)
