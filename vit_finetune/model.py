@@ -231,9 +231,7 @@ def build_model(settings: ModelSettings, labels: list[str],
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
         if settings.keep_blocks is not None:  # the cut student's architecture, from random weights
-            family = family_of(config)
-            depth = len(student.chosen_blocks(settings.keep_blocks, family.num_blocks(config)))
-            config = student.with_depth(config, family, depth)
+            config = student.with_depth(config, family_of(config), len(student.chosen_blocks(settings.keep_blocks)))
         model = family_of(config).model_class()(config).float()
         after = absolute_table(family_of(config), model.state_dict())
         if on_resample is not None and after is not None:

@@ -141,8 +141,8 @@ class ModelSettings(Strict):
         "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))
     keep_blocks: StrictInt | list[StrictInt] | None = Field(None, description=(
         "a shallower model cut from model.base's own blocks, e.g. a student of a fine-tuned teacher (model.base="
-        "the teacher's output_dir): N keeps N blocks spread evenly, the first and the last among them (6 of 12: "
-        "0,2,4,7,9,11); a list keeps those blocks (0-based). Embeddings, position table, final norm and, when its "
+        "the teacher's output_dir): N keeps the first N blocks (measured better than every other one), a list "
+        "keeps those blocks (0-based), e.g. [0, 2, 4, 7, 9, 11]. Embeddings, position table, final norm and, when its "
         "labels are the dataset's, the head come with them; null = every block"))
 
     @field_validator("keep_blocks", mode="before")
