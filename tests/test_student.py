@@ -211,3 +211,12 @@ def test_every_family_of_one_block_stack_can_be_cut_and_saved_and_loaded_back(mo
     assert family.num_blocks(AutoConfig.from_pretrained(tmp_path / "cut")) == 1 and blocks_of(again) == {0}
     with torch.no_grad():
         assert again(pixel_values=torch.rand(1, 3, 32, 32)).logits.shape == (1, 2)
+
+
+def test_training_on_from_a_cut_student_without_a_cut_replaces_its_head_and_forgets_the_cut(cut_student, images,
+                                                                                           tmp_path):
+    out = tmp_path / "out"
+    assert train([f"model.base={cut_student}", f"data.dataset={images}", *RECIPE, *STILL, f"output_dir={out}"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and student.STUDENT_KEY not in config
+    assert saved(out)["classifier.weight"].abs().max() < 1e-6  # a new head, as for any base

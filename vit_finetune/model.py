@@ -204,6 +204,8 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     config.id2label = dict(enumerate(labels))
     config.label2id = {label: index for index, label in enumerate(labels)}
     config.architectures = [family.classification_class]
+    if settings.keep_blocks is None:  # a base an earlier run cut: that record is not this run's
+        student.forget_cut(config)
     set_drop_path_rate(config, settings)
     return config
 
@@ -241,7 +243,7 @@ def build_model(settings: ModelSettings, labels: list[str],
     pretrained = load_pretrained(settings, family)
     if settings.keep_blocks is not None:  # a student cut from the base's own blocks, its head kept if it fits
         pretrained = student.cut(pretrained, settings.keep_blocks, labels)
-    keeps_head = student.kept_head(pretrained.config)
+    keeps_head = settings.keep_blocks is not None and student.kept_head(pretrained.config)
     config = target_config(pretrained.config, settings, labels)
     model = family.model_class()(config).float()
 

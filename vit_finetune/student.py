@@ -107,6 +107,13 @@ def kept_blocks(state: dict, blocks: list[int]) -> dict:
     return kept
 
 
+def forget_cut(config: PretrainedConfig) -> None:
+    """Drop the record of a cut from `config`: a base cut by an earlier run, trained on without a cut of its own, is a
+    model of that depth like any other (its head replaced, its blocks not this run's choice)."""
+    if hasattr(config, STUDENT_KEY):
+        delattr(config, STUDENT_KEY)
+
+
 def kept_head(config: PretrainedConfig) -> bool:
     """Whether the model was cut with its trained head (the base classified the dataset's labels)."""
     return bool((getattr(config, STUDENT_KEY, None) or {}).get("head"))
