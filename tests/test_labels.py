@@ -155,10 +155,10 @@ def run(base: Path, dataset: Path, out: Path, *extra: str) -> int:
 
 
 def test_a_header_that_names_a_column_twice_is_refused_before_training(base, tmp_path, capsys):
-    paths = images(tmp_path, 6)
+    paths = images(tmp_path / "data", 6)  # the run writes outside the data
     # DictReader would keep the last 'label' column: the run would train on 'x'/'y', not the first column's labels
     rows = [f"{p},{'ab'[i % 2]},{'xy'[i // 3]},{'validation' if i % 3 == 0 else 'train'}" for i, p in enumerate(paths)]
-    path = write_csv(tmp_path / "labels.csv", "file_name,label,label,split", rows)
+    path = write_csv(tmp_path / "data" / "labels.csv", "file_name,label,label,split", rows)
     assert run(base, path, tmp_path / "out") == 1
     error = capsys.readouterr().err
     assert "line 1: the header names 2 columns 'label' (columns 2, 3)" in error and "Traceback" not in error
@@ -167,10 +167,10 @@ def test_a_header_that_names_a_column_twice_is_refused_before_training(base, tmp
 
 def test_one_joined_cell_makes_the_run_multi_label_and_the_run_says_which_and_how_to_keep_one_label(
         base, tmp_path, capsys):
-    paths = images(tmp_path, 12)
+    paths = images(tmp_path / "data", 12)  # the run writes outside the data
     rows = [f"{p},{'cat' if i % 2 else 'dog'},{'validation' if i % 4 == 0 else 'train'}" for i, p in enumerate(paths)]
     rows[5] = f"{paths[5]},cat;dog,train"  # line 7: one cell joined by the separator
-    path = write_csv(tmp_path / "labels.csv", "file_name,label,split", rows)
+    path = write_csv(tmp_path / "data" / "labels.csv", "file_name,label,split", rows)
     assert run(base, path, tmp_path / "multi") == 0
     said = capsys.readouterr().out
     note = next(line for line in said.splitlines() if "is multi-label" in line)
@@ -185,8 +185,8 @@ def test_one_joined_cell_makes_the_run_multi_label_and_the_run_says_which_and_ho
 
 
 def test_a_label_written_as_a_number_and_as_text_is_refused_naming_both_lines(base, tmp_path, capsys):
-    paths = images(tmp_path, 6)
-    path = tmp_path / "labels.jsonl"
+    paths = images(tmp_path / "data", 6)  # the run writes outside the data
+    path = tmp_path / "data" / "labels.jsonl"
     path.write_text("".join(json.dumps({"file_name": p, "label": [1, "2"][i % 2] if i != 4 else "1"}) + "\n"
                             for i, p in enumerate(paths)))
     assert run(base, path, tmp_path / "out") == 1
@@ -196,10 +196,10 @@ def test_a_label_written_as_a_number_and_as_text_is_refused_naming_both_lines(ba
 
 
 def test_a_label_with_no_training_image_is_named_on_the_console_and_in_metrics(base, tmp_path, capsys):
-    paths = images(tmp_path, 10)
+    paths = images(tmp_path / "data", 10)  # the run writes outside the data
     rows = [f"{p},{'ab'[i % 2]},{'validation' if i >= 7 else 'train'}" for i, p in enumerate(paths)]
     rows[9] = f"{paths[9]},c,validation"  # 'c' only in the eval split: nothing trains it
-    path = write_csv(tmp_path / "labels.csv", "file_name,label,split", rows)
+    path = write_csv(tmp_path / "data" / "labels.csv", "file_name,label,split", rows)
     assert run(base, path, tmp_path / "out") == 0
     note = next(line for line in capsys.readouterr().out.splitlines() if "no training image" in line)
     assert "1 label(s) have no training image: ['c']" in note
@@ -208,9 +208,9 @@ def test_a_label_with_no_training_image_is_named_on_the_console_and_in_metrics(b
 
 
 def test_an_image_with_no_label_in_a_single_label_file_names_the_key_that_allows_it(base, tmp_path, capsys):
-    paths = images(tmp_path, 6)
+    paths = images(tmp_path / "data", 6)  # the run writes outside the data
     rows = [f"{p},{'ab'[i % 2] if i != 3 else ''}" for i, p in enumerate(paths)]
-    path = write_csv(tmp_path / "labels.csv", "file_name,label", rows)
+    path = write_csv(tmp_path / "data" / "labels.csv", "file_name,label", rows)
     assert run(base, path, tmp_path / "out") == 1
     error = capsys.readouterr().err
     assert "line 5: no label in column 'label'" in error and "data.multi_label=true" in error

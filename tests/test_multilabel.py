@@ -308,7 +308,7 @@ def unlabelled(label_sets) -> dict:
         writer = csv.DictWriter(file, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    out = root / "out"
+    out = label_sets["root"] / "unlabelled-out"  # beside the label file's folder: a run never writes into it
     assert train([*RECIPE, "pictures=false", f"model.base={label_sets['base']}", f"data.dataset={path}",
                   f"output_dir={out}"]) == 0
     validation = [root / row["file_name"] for row in rows if row["split"] == "validation"]

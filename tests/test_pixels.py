@@ -276,7 +276,7 @@ def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the
     assert main(["explain", str(out), str(files[0]), "--output-dir", str(tmp_path / "explain")]) == 0
     assert f"{files[0]}: {rows[0]['predictions'][0]['label']} {rows[0]['predictions'][0]['score']:.2f}" in \
         capsys.readouterr().out
-    page = classifier(str(out), top_k=2)[0](str(files[0]))[0]
+    page = classifier(str(out), top_k=2, scratch=tmp_path)[0](str(files[0]))[0]
     assert page == pytest.approx({g["label"]: g["score"] for g in rows[0]["predictions"]}, abs=1e-5)
     # export --onnx checks its graph on --images decoded as the model was trained
     from transformers import AutoConfig, AutoImageProcessor

@@ -403,8 +403,8 @@ def test_the_page_refuses_what_predict_refuses_by_name_and_stopping_it_removes_e
         message = str(refused.value)
         assert name in message and reason in message, message
         assert str(page.temp) not in message and "/tmp" not in message  # nothing of the server's folders
-    top, picture = client.predict(handle_file(str(sorted(_demo_validation_folder().rglob("*.png"))[0])),
-                                  api_name="/classify")
+    top, picture, _verdict = client.predict(handle_file(str(sorted(_demo_validation_folder().rglob("*.png"))[0])),
+                                            api_name="/classify")
     assert len(top["confidences"]) == 5 and Path(picture).is_file()
     assert [p for p in page.temp.rglob("*") if p.is_file()]  # the uploads are on disk while the page runs
     assert page.stop(signal.SIGINT) == 0  # Ctrl-C

@@ -74,6 +74,7 @@ class TrainState:
     best: dict | None = None
     evaluations_without_gain: int = 0
     stopped_early: bool = False
+    probe: dict | None = None  # train.method linear_probe / lp_ft: how the head was fitted (probe.ProbeResult)
 
 
 def checkpoint_name(step: int) -> str:

@@ -6,6 +6,7 @@ classes defined here: the same API and result format, and they work offline.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -116,6 +117,33 @@ def headline(metrics: dict) -> str:
         return (f"mAP {metrics['map']:.4f}, micro F1 {metrics['micro_f1']:.4f}, exact match {metrics['accuracy']:.4f}, "
                 f"loss {metrics['eval_loss']:.4f}")
     return f"accuracy {metrics['accuracy']:.4f}, loss {metrics['eval_loss']:.4f}"
+
+
+# train.eval_every_steps=auto. An evaluation forwards each eval image once; a training step forwards, backwards and
+# updates, about three times a forward's work per image (EVAL_IMAGE_COST). Evaluations during training are spaced by
+# whole epochs so that they cost at most EVAL_SHARE of the training; the final evaluation is not counted (it always
+# runs). On a few hundred images that leaves only the final one: most of a short run's extra time went to them.
+EVAL_IMAGE_COST = 1 / 3
+EVAL_SHARE = 0.1
+
+
+def auto_eval_every_steps(eval_images: int | None, images_per_epoch: int, steps_per_epoch: int, total_steps: int,
+                          selecting: str | None) -> tuple[int | None, str]:
+    """(train.eval_every_steps that auto stands for: a number of steps, or None for every epoch; why).
+    `selecting`: the setting that chooses weights among the evaluations (they must then come every epoch)."""
+    if selecting:
+        return None, f"{selecting} chooses among the evaluations, so every epoch has one"
+    if eval_images is None:
+        return None, "a stream's eval size is not known before it is read: every epoch"
+    cost = eval_images * EVAL_IMAGE_COST / EVAL_SHARE  # training images between two evaluations
+    epochs = max(1, math.ceil(cost / max(1, images_per_epoch)))
+    share = f"an evaluation of {eval_images:,} images costs about {eval_images * EVAL_IMAGE_COST / max(1, images_per_epoch):.0%} of an epoch"
+    if epochs == 1:
+        return None, f"every epoch: {share}"
+    every = epochs * steps_per_epoch
+    if every >= total_steps:
+        return every, f"only at the end: {share}, and evaluating every {epochs} epochs keeps them under {EVAL_SHARE:.0%} of the training"
+    return every, f"every {epochs} epochs ({every} steps): {share}; so they stay under {EVAL_SHARE:.0%} of the training"
 
 
 def eval_split_fields(eval_split: str | None) -> dict:

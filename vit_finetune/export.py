@@ -21,7 +21,7 @@ from typing import Callable
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
-from . import distill
+from . import distill, methods
 from .data import alpha_card_text
 from .families import FAMILIES
 from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
@@ -40,7 +40,7 @@ STAGING = ".staging-final"
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
 # What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
 TRAINING_ONLY_METRICS = ("steps", "skipped_images", "labels_without_train_images", "train_images_without_labels",
-                         "distillation")
+                         "distillation", "method", "probe")
 METRIC_NAMES = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1",
                 "map": "mAP", "micro_f1": "Micro F1"}  # the last two: multi-label runs (accuracy: exact match)
 
@@ -214,7 +214,7 @@ classify("photo.jpg")
 {picture_text(tuple(name for name in pictures if name != CURVES_FILE))}
 {per_class_text(metrics)}
 ## Training
-{info_text(info)}- Method: {lora_text}{distillation_text(metrics)}
+{info_text(info)}- Method: {methods.card_text(t.method, metrics, lora_text)}{distillation_text(metrics)}
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr} (new head: {t.head_lr}), weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}

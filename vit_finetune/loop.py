@@ -251,7 +251,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         callbacks.on_step_end(run)
         if _due(state.step, t.log_every_steps) or state.step == last:
             callbacks.on_log(run, log.write(state, _scheduled_lr(run)))
-        if _due(state.step, t.eval_every_steps) and state.step < last:  # run() evaluates the last step's weights
+        if _due(state.step, eval_every_steps(run)) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
         stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
         _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
@@ -301,8 +301,13 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback,
         _report_skipped(accelerator, run.recipe, state.epoch, log)
         state.epoch += 1
         state.batches_done = 0
-        if not run.recipe.train.eval_every_steps and state.step < parts.total_steps:
+        if not eval_every_steps(run) and state.step < parts.total_steps:
             _evaluate_during_training(run, callbacks)
+
+
+def eval_every_steps(run: TrainingRun) -> int | None:
+    """train.eval_every_steps as this run resolved it (auto chooses from the data): steps, or None for every epoch."""
+    return run.parts.recipe_as_run.train.eval_every_steps
 
 
 def _epoch_batches(run: TrainingRun) -> Iterable[dict]:

@@ -86,8 +86,10 @@ def auto_lr(lora: bool) -> tuple[float, str]:
 AUTO_HEAD_LR_ADAMW = 2e-3
 
 
-def auto_head_lr(optimizer: str, lr: float) -> tuple[float, str]:
-    """The new head's peak lr that train.head_lr=auto stands for, and why."""
+def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False) -> tuple[float, str]:
+    """The head's peak lr that train.head_lr=auto stands for, and why; `head_fitted`: a linear probe fitted it."""
+    if head_fitted:
+        return lr, "train.lr: the linear probe fitted the head, so it fine-tunes with the rest"
     if optimizer != "adamw":
         return lr, f"train.lr: a separate head lr is measured for AdamW only, not {optimizer}"
     if lr >= AUTO_HEAD_LR_ADAMW:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to impo
     from .augment import BatchAugmenter
     from .data import PixelNormalizer
     from .distill import Teacher, TeacherLogitsCache
+    from .probe import ProbeResult
     from .recipe import Recipe
     from .streaming import StreamLoader
 
@@ -36,4 +37,5 @@ class Parts:
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device
     teacher: Teacher | None = None  # train.distill: the frozen classifier the student also learns from
     teacher_cache: TeacherLogitsCache | None = None  # train.distill.cache_logits: its logits of every training image
+    probe: ProbeResult | None = None  # train.method linear_probe / lp_ft: how the head was fitted (None on a resume)
     data_facts: dict = field(default_factory=dict)  # what metrics.json records of the training split (data.training_facts)

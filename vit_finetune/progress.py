@@ -108,3 +108,14 @@ def progress(total: int, initial: int = 0, desc: str = "train", enabled: bool = 
 
         return tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True, unit=unit)
     return LogLines(total, initial, desc, disable, unit)
+
+
+def passes(batches, desc: str, enabled: bool = True):
+    """`batches` (a sized iterable) with a bar of its own, counted in batches; closed when the iteration ends."""
+    bar = progress(len(batches), desc=desc, enabled=enabled, unit="batch")
+    try:
+        for batch in batches:
+            yield batch
+            bar.update(1)
+    finally:
+        bar.close()

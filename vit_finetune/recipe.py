@@ -18,6 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
+from .methods import METHODS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
@@ -282,6 +283,21 @@ PIXEL_DRAWS: dict[str, Callable[[Any], bool]] = {
 }
 
 
+# Each of PIXEL_DRAWS' keys at the value that draws nothing.
+PIXEL_DRAWS_OFF = {"data.crop_scale": (1.0, 1.0), "data.horizontal_flip": False, "augment.policy": "none",
+                   "augment.erasing_prob": 0.0, "augment.mixup": False, "augment.cutmix": False}
+
+
+def without_pixel_draws(recipe: Recipe) -> Recipe:
+    """The recipe with every setting that draws training pixels anew set to draw nothing."""
+    sections: dict[str, dict] = {}
+    for key, value in PIXEL_DRAWS_OFF.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=values)
+                                     for section, values in sections.items()})
+
+
 def pixel_drawing_settings(recipe: Recipe) -> list[str]:
     """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
     values = flatten(recipe.model_dump(mode="json"))
@@ -339,8 +355,11 @@ class TrainSettings(Strict):
         description="no, bf16 or fp16 autocast; weights stay float32")
     log_every_steps: StrictInt = Field(10, gt=0,
         description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
-    eval_every_steps: StrictInt | None = Field(None, gt=0,
-        description="evaluate every this many steps; null = at the end of every epoch")
+    eval_every_steps: StrictInt | Literal["auto"] | None = Field("auto", description=(
+        "evaluate during training every this many steps; null = at the end of every epoch; auto: every epoch when "
+        "that costs little, else every few epochs or only at the end, so evaluations take at most about 10% of the "
+        "training (evaluation.auto_eval_every_steps; every epoch with keep_best, early stopping or an EMA), "
+        "printed. The final evaluation is always on the whole eval split"))
     checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
         description="save a resumable checkpoint every this many steps; null = none")
     keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
@@ -365,6 +384,10 @@ class TrainSettings(Strict):
     layer_decay: Float | None = Field(None, gt=0, le=1, description=(
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
+    method: Literal[("auto", *METHODS)] = Field("auto", description=(
+        "finetune: train every weight (or LoRA's) from a new head; linear_probe: fit only the head, on the frozen "
+        "backbone's features of each training image, computed once; lp_ft: that probe, then fine-tuning from its "
+        "head; auto: chosen from the data and the schedule (methods.auto_method), printed with its reason"))
     head_lr: Float | Literal["auto"] = Field("auto", description=(
         "peak lr of the new classifier head (it starts from nothing, the backbone from pretraining); auto: "
         "optim.auto_head_lr, printed with its reason (AdamW: at least 2e-3; SGD: train.lr)"))
@@ -407,6 +430,13 @@ class TrainSettings(Strict):
         "multi-label: share of the eval split (seeded) on which the thresholds are chosen; the metrics are then "
         "measured on the rest. null = chosen on the same images they are scored on (optimistic; metrics.json "
         "says so)"))
+
+    @field_validator("eval_every_steps")
+    @classmethod
+    def _eval_every_positive(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"must be a number of steps above 0, null (every epoch) or auto, got {value}")
+        return value
 
     @field_validator("seed")
     @classmethod
@@ -480,6 +510,7 @@ class Recipe(Strict):
                             "softmax); set train.distill=null for data.multi_label=true")
         if self.train.distill is not None and self.train.distill.cache_logits:
             problems.extend(_cache_logits_problems(self))
+        problems.extend(_method_problems(self))
         if self.train.warmup_steps and self.train.max_steps and self.train.warmup_steps >= self.train.max_steps:
             problems.append(
                 f"train.warmup_steps={self.train.warmup_steps} must be smaller than train.max_steps={self.train.max_steps}"
@@ -502,6 +533,31 @@ def _cache_logits_problems(recipe: Recipe) -> list[str]:
         problems.append("train.distill.cache_logits=true labels the whole training split before training, which a "
                         "stream is not (data.streaming=true); set train.distill.cache_logits=false or "
                         "data.streaming=false")
+    return problems
+
+
+def _method_problems(recipe: Recipe) -> list[str]:
+    """What train.method=linear_probe or lp_ft cannot do, named with the way out."""
+    method = recipe.train.method
+    if method == "auto":  # methods.auto_method chooses what the data allows
+        return []
+    problems = []
+    if METHODS[method].probes and recipe.data.streaming:
+        problems.append(f"train.method={method} reads every training image once before training, which a stream is "
+                        "not read as (data.streaming=true); use train.method=finetune, or data.streaming=false")
+    if METHODS[method].fine_tunes:
+        return problems
+    if recipe.model.lora is not None:
+        problems.append("train.method=linear_probe trains the head alone, so model.lora's adapters would never "
+                        "train; set model.lora=null, or train.method=lp_ft to fine-tune the adapters after the probe")
+    if recipe.train.distill is not None:
+        problems.append("train.method=linear_probe fits the head on the labels in one step, with no training steps a "
+                        "teacher could guide; set train.distill=null, or train.method=lp_ft")
+    drawing = pixel_drawing_settings(recipe)
+    if drawing:
+        problems.append(f"train.method=linear_probe reads each training image once, unaugmented, so {', '.join(drawing)} "
+                        "would never be used; turn them off, or use train.method=lp_ft (the fine-tuning after the "
+                        "probe uses them)")
     return problems
 
 

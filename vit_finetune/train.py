@@ -12,6 +12,7 @@ import re
 import shutil
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -22,13 +23,14 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
-from . import distill, multilabel, pictures, progress as display, selection, sharding, streaming, student, tracking
+from . import distill, methods, multilabel, pictures, probe, progress as display, selection, sharding, streaming
+from . import student, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
                         refuse_a_lone_process, unshared_folder_refusal, watch_launcher)
-from .recipe import Recipe, write_recipe
+from .recipe import Recipe, pixel_drawing_settings, without_pixel_draws, write_recipe
 
 
 class RunError(VitFinetuneError):
@@ -94,7 +96,8 @@ def learning_rates(recipe: Recipe) -> tuple[float, float]:
     """(train.lr, train.head_lr) with `auto` resolved (resolve_auto prints why)."""
     t = recipe.train
     lr = optim.auto_lr(recipe.model.lora is not None)[0] if t.lr == "auto" else t.lr
-    return lr, optim.auto_head_lr(t.optimizer, lr)[0] if t.head_lr == "auto" else t.head_lr
+    head_fitted = t.method != "auto" and methods.METHODS[t.method].probes
+    return lr, optim.auto_head_lr(t.optimizer, lr, head_fitted)[0] if t.head_lr == "auto" else t.head_lr
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
@@ -152,7 +155,9 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
             group["momentum"] = t.momentum
 
 
-def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
+def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> Parts:
+    """Data, model (its head fitted by the linear probe first when the method says so, unless `resuming`: the
+    checkpoint holds the head then), loaders, optimiser and schedule, with every `auto` of the recipe resolved."""
     streamed = recipe.data.streaming
     if streamed:
         splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
@@ -169,6 +174,19 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
             raise RunError("train.distill works with single-label classification only, and data.dataset has label "
                            "sets (multi-label); set train.distill=null")
         teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)
+    images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
+    steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
+                                / recipe.train.grad_accum)
+    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
+    eval_images = None if streamed else len(splits.eval)
+    as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
+                                          steps_per_epoch, total_steps), accelerator)
+    method = methods.METHODS[as_run.train.method]
+    if not method.fine_tunes:
+        total_steps = 0  # the probe is the whole training
+    elif recipe.train.warmup_steps >= total_steps:
+        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
+                       "lower it or train longer")
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
                             on_resample=lambda before, after: tables.update(before=before, after=after))
@@ -176,36 +194,34 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
         model.config.problem_type = multilabel.PROBLEM_TYPE
     if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
         setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
+    size = recipe.model.image_size
+    seed = recipe.train.seed
+    workers = recipe.data.num_workers
+    if workers is None:
+        workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
+    pin = accelerator.device.type == "cuda"
+    sampler, class_weights = (None, None) if streamed else balance.balancing(recipe.data.class_balance, splits, seed)
+    fitted = None
+    if method.probes and not resuming:
+        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights)
+    if not method.fine_tunes:
+        freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
         model = vit.with_distillation_head(model)  # DeiT: its distillation token gets a head of its own
     if recipe.model.lora is not None:
         model = vit.apply_lora(model, recipe.model.lora)
-    size = recipe.model.image_size
-    seed = recipe.train.seed
-    images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
-    steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
-                                / recipe.train.grad_accum)
-    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
-    if recipe.train.warmup_steps >= total_steps:
-        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
-                       "lower it or train longer")
-    as_run = resolve_auto(recipe, total_steps * images_per_step, accelerator)
+
+    resample = data.resample_of(processor)  # training resizes as evaluation does
 
     def train_pixels(image, index, epoch):
-        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data)
+        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data, resample)
 
-    workers = recipe.data.num_workers
-    if workers is None:
-        workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
-    if streamed:
+    if streamed:  # data.class_balance is refused with streaming (the recipe says why)
         train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
                                                            accelerator, train_pixels, processor, size)
-        class_weights = None  # data.class_balance is refused with streaming (the recipe says why)
     else:
-        pin = accelerator.device.type == "cuda"
         train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
         eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-        sampler, class_weights = balance.balancing(recipe.data.class_balance, splits, seed)
         train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
                                         distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
@@ -220,7 +236,30 @@ def build_parts(recipe: Recipe, accelerator: Accelerator) -> Parts:
     return Parts(model, processor, splits.labels, train_loader, eval_loader, optimizer, scheduler,
                  normalize, batch_augmenter, steps_per_epoch, total_steps, as_run, splits.eval_split, tables,
                  identity, None if class_weights is None else class_weights.to(accelerator.device), teacher,
-                 data_facts=data_facts)
+                 probe=fitted, data_facts=data_facts)
+
+
+def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
+                      class_weights) -> probe.ProbeResult:
+    """The linear probe: the head fitted on the frozen features of every training image, computed once in the
+    split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
+    its cost. Without gradients a batch costs about a third of a training step's: four times the batch."""
+    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
+    loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
+                              accelerator.device.type == "cuda")
+    model.to(accelerator.device)
+    result = probe.probe(model, display.passes(loader, "features", accelerator.is_main_process), accelerator,
+                         class_weights)
+    if accelerator.is_main_process:
+        display.say(result.describe())
+    return result
+
+
+def freeze_all_but_heads(model) -> None:
+    """train.method=linear_probe: the backbone never changes, and the count of trainable parameters says so."""
+    heads = tuple(f"{name}." for name in vit.head_names(model))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad = name.startswith(heads)
 
 
 def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
@@ -260,27 +299,81 @@ def cache_teacher_logits(parts: Parts, recipe: Recipe, accelerator: Accelerator)
                     f"{time.perf_counter() - started:.1f} s")
 
 
-def resolve_auto(recipe: Recipe, images_seen: int, accelerator: Accelerator) -> Recipe:
-    """The recipe with every `auto` replaced by its value for this run, which is printed."""
-    said = []
+@dataclass(frozen=True)
+class RunSize:
+    """What the `auto` choices are measured against: the training images the run will see, and the data's size."""
+
+    images_seen: int
+    training_images: int
+    classes: int
+    eval_images: int | None  # None: not known before it is read (a stream)
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def images_per_class(self) -> float:
+        return self.training_images / max(1, self.classes)
+
+    @property
+    def epochs(self) -> float:
+        return self.images_seen / max(1, self.training_images)
+
+
+def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator) -> Recipe:
+    """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
+    the method: the others resolve, for recipe.yaml, but change nothing)."""
+    said = {}
+    if recipe.train.method == "auto":
+        method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
+                                          recipe.data.streaming, needs_optimiser_steps(recipe))
+        said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
+        unused = pixel_drawing_settings(recipe) if not methods.METHODS[method].fine_tunes else []
+        if unused:  # the probe reads each image once, as evaluation does: the recipe as run says so
+            said["train.method"] += f"\n  {', '.join(unused)} not used: a probe reads each image once, unaugmented"
+            recipe = without_pixel_draws(recipe)
     if recipe.data.crop_scale == "auto":
-        crop_scale, why = data.auto_crop_scale(images_seen)
+        crop_scale, why = data.auto_crop_scale(size.images_seen)
         # One short sentence, the reason on a line of its own.
-        said.append(f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, high] to choose)\n"
-                    f"  why: this run sees {images_seen:,} training images; {why}")
+        said["data.crop_scale"] = (f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, "
+                                   f"high] to choose)\n  why: this run sees {size.images_seen:,} training images; {why}")
         recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
     if recipe.train.lr == "auto":
         lr, why = optim.auto_lr(recipe.model.lora is not None)
-        said.append(f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose")
+        said["train.lr"] = f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
     if recipe.train.head_lr == "auto":
-        head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr)
-        said.append(f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose")
+        head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
+                                          head_fitted=methods.METHODS[recipe.train.method].probes)
+        said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
+    if recipe.train.eval_every_steps == "auto":
+        every, why = evaluation.auto_eval_every_steps(size.eval_images, size.training_images, size.steps_per_epoch,
+                                                      size.total_steps, weight_selection(recipe))
+        said["train.eval_every_steps"] = (f"train.eval_every_steps=auto -> {'null' if every is None else every}: "
+                                          f"evaluating {why}; set train.eval_every_steps to choose")
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"eval_every_steps": every})})
+    if not methods.METHODS[recipe.train.method].fine_tunes:
+        said = {key: line for key, line in said.items() if key == "train.method"}
     if accelerator.is_main_process:
-        for line in said:
+        for line in said.values():
             display.say(line)
     return recipe
+
+
+def needs_optimiser_steps(recipe: Recipe) -> str | None:
+    """A setting that only optimiser steps serve, if the recipe has one."""
+    if recipe.model.lora is not None:
+        return "model.lora"
+    return "train.distill" if recipe.train.distill is not None else None
+
+
+def weight_selection(recipe: Recipe) -> str | None:
+    """The setting that chooses the saved weights among the evaluations during training, if any."""
+    t = recipe.train
+    chooser = {"train.keep_best": t.keep_best, "train.early_stopping_patience": t.early_stopping_patience,
+               "train.ema_decay": t.ema_decay}
+    return next((f"{key}={value}" for key, value in chooser.items() if value is not None), None)
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
@@ -400,7 +493,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
                 checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
-            return resume_from, build_parts(recipe, accelerator)
+            return resume_from, build_parts(recipe, accelerator, resuming=resume_from is not None)
 
     # As in run(): one process per machine downloads, the others then read its cache.
     resume_from, parts = local_main_first(accelerator, load_data_and_model)
@@ -409,6 +502,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if resume_from:
         resume_from, state = checkpoint.load_resumable(accelerator, resume_from, recipe, parts.data_identity)
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
+    if parts.probe is not None:  # a resumed run's comes from its checkpoint
+        state.probe = parts.probe.as_metrics()
     if resume_from:
         reapply_hyperparameters(parts, recipe)
     cache_teacher_logits(parts, recipe, accelerator)
@@ -440,7 +535,10 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images, **parts.data_facts)
+    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
+                   **parts.data_facts)
+    if state.probe is not None:
+        metrics["probe"] = state.probe
     if parts.teacher is not None:
         facts = student.facts(recipe.model, accelerator.unwrap_model(parts.model).config, recipe.train.distill.teacher)
         metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
@@ -451,6 +549,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if accelerator.is_main_process:
         info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
+        if parts.probe is not None:
+            info["probe_seconds"] = round(parts.probe.seconds, 1)
         draw = None
         # The pictures show eval images by their place in the split, which a stream cannot look up.
         if recipe.pictures and not recipe.data.streaming:

@@ -1,0 +1,253 @@
+"""train.method: the linear probe, LP-FT, and the rule `auto` follows; train.eval_every_steps=auto.
+
+Through the real CLI on the tests' tiny ViT and colour folders, and on the probe's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import pipeline
+
+from runs import SimulatedKill, assert_bit_identical, history, kill_at, train, warm_launch_command
+from tiny import REPO
+from vit_finetune import evaluation, methods, probe
+from vit_finetune.recipe import load_recipe
+
+HEAD = ("classifier.weight", "classifier.bias")
+
+
+def metrics_of(output: Path) -> dict:
+    return json.loads((output / "metrics.json").read_text())
+
+
+def backbone(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: tensor for key, tensor in weights.items() if not key.startswith("classifier.")}
+
+
+@pytest.fixture(scope="module")
+def probed(args, tmp_path_factory) -> Path:
+    """A linear_probe run of the tiny ViT on 3 colours x 8 training images."""
+    out = tmp_path_factory.mktemp("probe") / "out"
+    assert train([*args, "train.method=linear_probe", f"output_dir={out}"]) == 0
+    return out
+
+
+# ---------------------------------------------------------------- the linear probe
+
+
+def test_a_linear_probe_changes_only_the_head_and_saves_a_model_pipeline_runs(probed, base, images, capsys):
+    saved, pretrained = load_file(str(probed / "model.safetensors")), load_file(str(base / "model.safetensors"))
+    # The backbone is the base's, to the bit (4.x names on disk both ways; the base's own head is replaced).
+    assert backbone(saved).keys() == backbone(pretrained).keys()
+    assert all(torch.equal(saved[key], pretrained[key]) for key in backbone(saved))
+    assert saved["classifier.weight"].abs().sum() > 0  # fitted, not the zero head a fine-tune starts from
+    metrics = metrics_of(probed)
+    assert metrics["method"] == "linear_probe" and metrics["steps"] == 0
+    assert metrics["probe"]["images"] == 24 and metrics["probe"]["folds"] == 5 and metrics["probe"]["c"] in probe.STRENGTHS
+    # Plain transformers runs the folder, and agrees with the metrics the run reported on the same eval images.
+    classify = pipeline("image-classification", model=str(probed))
+    files = sorted((images / "validation").glob("*/*.png"))
+    correct = [classify(Image.open(f))[0]["label"] == f.parent.name for f in files]
+    assert metrics["accuracy"] == pytest.approx(sum(correct) / len(files))
+
+
+def test_the_probe_fit_is_the_regularised_optimum_folded_back_onto_the_raw_features():
+    generator = torch.Generator().manual_seed(0)
+    targets = torch.arange(60) % 3
+    features = torch.randn(60, 8, generator=generator) * 3 + 5  # far from standard: the fold-back is exercised
+    features[:, 0] += targets * 12.0
+    weight, bias, c, cv_loss, folds = probe.fit_head(features, targets, classes=4)  # one class never seen
+    assert weight.shape == (4, 8) and folds == 5 and c in probe.STRENGTHS
+    # The same head on standardised features: the objective's gradient there is ~0 (L-BFGS converged).
+    mean, std = features.mean(0), features.std(0)
+    standard = ((features - mean) / std).requires_grad_(False)
+    w = (weight * std).clone().requires_grad_(True)
+    b = (bias + weight @ mean).clone().requires_grad_(True)
+    objective = (torch.nn.functional.cross_entropy(standard @ w.T + b, targets)
+                 + w.pow(2).sum() / (2 * c * len(targets)))
+    objective.backward()
+    assert w.grad.abs().max() < 1e-3 and b.grad.abs().max() < 1e-3
+    assert (features @ weight.T + bias).argmax(1).eq(targets).float().mean() > 0.9
+
+
+def test_the_cross_validation_folds_are_stratified_and_drawn_from_no_shared_generator():
+    targets = torch.tensor([0] * 10 + [1] * 7 + [2] * 3)
+    state = torch.get_rng_state()
+    fold = probe.fold_of_each_image(targets, 3)
+    assert torch.equal(torch.get_rng_state(), state)
+    for class_id, count in ((0, 10), (1, 7), (2, 3)):
+        sizes = torch.bincount(fold[targets == class_id], minlength=3)
+        assert sizes.max() - sizes.min() <= 1 and sizes.sum() == count
+    assert torch.equal(fold, probe.fold_of_each_image(targets, 3))
+
+
+def test_two_linear_probes_of_the_same_recipe_are_bit_identical(probed, args, tmp_path):
+    assert train([*args, "train.method=linear_probe", "train.seed=7", f"output_dir={tmp_path}/again"]) == 0
+    # The seed does not enter a probe: it draws nothing (the head's random start is replaced, no batch is shuffled).
+    assert_bit_identical(tmp_path / "again" / "model.safetensors", probed / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_two_processes_fit_the_head_one_process_fits(probed, args, tmp_path):
+    """Each process computes the features of every training image (while the model is built no process may wait for
+    another) and fits the head one process fits; DDP then starts from it."""
+    out = tmp_path / "two"
+    result = subprocess.run([*warm_launch_command(), "-m", "vit_finetune", *args, "train.method=linear_probe",
+                             f"output_dir={out}"], capture_output=True, text=True, timeout=360, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    two_probe, one_probe = metrics_of(out)["probe"], metrics_of(probed)["probe"]
+    assert two_probe["cv_loss"] == pytest.approx(one_probe["cv_loss"], rel=1e-4)  # other thread counts: last bits
+    assert {**two_probe, "cv_loss": None} == {**one_probe, "cv_loss": None}
+    two, one = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
+    for key in HEAD:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- LP-FT
+
+
+def test_lp_ft_fine_tunes_from_the_probe_head(probed, args, tmp_path):
+    # At an lr of 1e-12 nothing moves: the head the fine-tuning started from is the probe's.
+    still = tmp_path / "still"
+    assert train([*args, "train.method=lp_ft", "train.lr=1e-12", f"output_dir={still}"]) == 0
+    probe_head, started_from = load_file(str(probed / "model.safetensors")), load_file(str(still / "model.safetensors"))
+    for key in HEAD:
+        torch.testing.assert_close(started_from[key], probe_head[key], rtol=0, atol=1e-6)
+    metrics = metrics_of(still)
+    assert metrics["method"] == "lp_ft" and metrics["steps"] == 12 and metrics["probe"]["images"] == 24
+    # With a real lr the first steps start from a fitted head: far below the zero head's loss, ln 3.
+    tuned, plain = tmp_path / "tuned", tmp_path / "plain"
+    assert train([*args, "train.method=lp_ft", f"output_dir={tuned}"]) == 0
+    assert train([*args, "train.method=finetune", f"output_dir={plain}"]) == 0
+    first = {run: next(e["loss"] for e in history(run) if "loss" in e) for run in (tuned, plain)}
+    assert first[plain] == pytest.approx(torch.log(torch.tensor(3.0)).item(), abs=0.05)
+    assert first[tuned] < first[plain] - 0.1
+    card = (tuned / "README.md").read_text()
+    assert "a linear probe" in card and "then full fine-tuning from that head" in card
+
+
+def test_lp_ft_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_run(args, tmp_path):
+    run = [*args, "train.method=lp_ft", "train.checkpoint_every_steps=4"]
+    reference = tmp_path / "reference"
+    assert train([*run, f"output_dir={reference}"]) == 0
+    out = tmp_path / "out"
+    with pytest.raises(SimulatedKill):
+        train([*run, f"output_dir={out}"], callbacks=[kill_at(7)])
+    assert train([*run, f"output_dir={out}", "train.resume=auto"]) == 0  # the probe is not run again
+    assert history(out) == history(reference)
+    assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
+    assert metrics_of(out)["probe"] == metrics_of(reference)["probe"]
+
+
+def test_lp_ft_with_lora_saves_the_probe_head_beside_the_adapter(probed, args, tmp_path):
+    out = tmp_path / "lora"
+    assert train([*args, "train.method=lp_ft", "model.lora={r: 2}", "train.lr=1e-12", f"output_dir={out}"]) == 0
+    merged, probe_head = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
+    for key in HEAD:
+        torch.testing.assert_close(merged[key], probe_head[key], rtol=0, atol=1e-6)
+
+
+def test_lp_ft_distils_from_a_teacher_after_the_probe(probed, args, tmp_path):
+    out = tmp_path / "student"
+    assert train([*args, "train.method=lp_ft", f"train.distill={{teacher: {probed}, mode: soft}}",
+                  f"output_dir={out}"]) == 0
+    metrics = metrics_of(out)
+    assert metrics["method"] == "lp_ft" and metrics["probe"]["images"] == 24 and metrics["steps"] == 12
+
+
+def test_a_multi_label_linear_probe_chooses_thresholds(base, tmp_path):
+    from runs import RECIPE
+    from tiny import write_label_sets
+
+    labels = write_label_sets(tmp_path / "sets", images=30, classes=3)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={labels}", *RECIPE, "train.method=linear_probe",
+                  f"output_dir={out}"]) == 0
+    metrics = metrics_of(out)
+    assert metrics["multi_label"] and metrics["method"] == "linear_probe"
+    assert set(metrics["thresholds"]) == set(json.loads((out / "config.json").read_text())["label2id"])
+
+
+# ---------------------------------------------------------------- refusals and the auto rule
+
+
+@pytest.mark.parametrize("override, says", [
+    ("model.lora={r: 2}", "model.lora=null, or train.method=lp_ft"),
+    ("data.horizontal_flip=true", "data.horizontal_flip=true would never be used"),
+    ("augment.mixup=true", "augment.mixup=true would never be used"),
+    ("train.distill={teacher: some/teacher}", "set train.distill=null, or train.method=lp_ft"),
+])
+def test_a_linear_probe_refuses_what_it_would_never_use(args, tmp_path, capsys, override, says):
+    assert train([*args, "train.method=linear_probe", override, f"output_dir={tmp_path}/out"]) == 2
+    assert says in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("method", ["linear_probe", "lp_ft"])
+def test_a_probe_refuses_a_stream(method):
+    with pytest.raises(Exception, match=f"train.method={method} reads every training image once"):
+        load_recipe(None, [f"train.method={method}", "data.streaming=true", "data.eval_split=validation"])
+
+
+def test_auto_is_conservative_outside_what_was_measured():
+    low, high = methods.MEASURED_IMAGES_PER_CLASS
+    shortest, longest = methods.MEASURED_IMAGES_SEEN
+    few_seen, few_epochs = methods.PROBE_ALONE_BELOW_IMAGES_SEEN, methods.PROBE_ALONE_BELOW_EPOCHS
+
+    def auto(per_class: float, seen: int, **options) -> tuple[str, str]:
+        return methods.auto_method(per_class, seen, seen / (per_class * 10), **{"pretrained": True, "streaming": False,
+                                                                                  **options})
+
+    # Inside the measured range: the probe alone while fine-tuning would be short, in steps or in epochs; LP-FT beyond.
+    assert auto(low, shortest)[0] == "linear_probe" and auto(low, few_seen - 16)[0] == "linear_probe"
+    assert auto(high, int(high * 10 * few_epochs) - 16)[0] == "linear_probe"
+    assert auto(low, few_seen)[0] == "lp_ft" and auto(high, int(high * 10 * few_epochs))[0] == "lp_ft"
+    assert auto(low, longest)[0] == "lp_ft"
+    # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
+    assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
+    # Beyond the range, on either axis: fine-tuning, saying why.
+    for per_class, seen in ((high * 2, longest), (low - 1, longest), (40, longest * 2), (40, shortest // 2)):
+        method, why = auto(per_class, seen)
+        assert method == "finetune" and "not here" in why, (per_class, seen)
+    assert auto(40, 1000, pretrained=False)[0] == "finetune"
+    assert auto(40, 1000, streaming=True)[0] == "finetune"
+
+
+def test_a_run_prints_the_method_auto_chose_and_saves_it_resolved(args, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train([*args, "train.method=auto", f"output_dir={out}"]) == 0
+    chosen, why = methods.auto_method(8, 48, 2.0, pretrained=True, streaming=False)
+    assert f"train.method=auto -> {chosen}: {why}" in capsys.readouterr().out
+    assert metrics_of(out)["method"] == chosen
+
+
+# ---------------------------------------------------------------- evaluations during training
+
+
+def test_auto_spaces_evaluations_by_their_cost_and_keeps_every_epoch_when_they_choose_weights():
+    # 300 eval images against 400 training images an epoch: each evaluation ~25 % of an epoch -> every 3 epochs.
+    assert evaluation.auto_eval_every_steps(300, 400, 25, 200, None)[0] == 75
+    assert evaluation.auto_eval_every_steps(300, 400, 25, 60, None)[0] == 75  # >= the run: only the final one
+    assert evaluation.auto_eval_every_steps(30, 400, 25, 200, None)[0] is None  # cheap: every epoch
+    assert evaluation.auto_eval_every_steps(300, 400, 25, 200, "train.keep_best=eval_loss")[0] is None
+
+
+def test_a_run_with_eval_every_steps_auto_evaluates_as_the_rule_says(args, tmp_path):
+    # 9 eval images cost about a third of an epoch of 24: the 2-epoch run is evaluated only at its end ...
+    every, _ = evaluation.auto_eval_every_steps(9, 24, 6, 12, None)
+    assert every == 12
+    assert train([*args, "train.eval_every_steps=auto", f"output_dir={tmp_path}/auto"]) == 0
+    assert [e["step"] for e in history(tmp_path / "auto") if "eval_accuracy" in e] == [12]
+    # ... unless the evaluations choose the saved weights: then every epoch has one.
+    assert train([*args, "train.eval_every_steps=auto", "train.keep_best=eval_accuracy",
+                  f"output_dir={tmp_path}/best"]) == 0
+    assert [e["step"] for e in history(tmp_path / "best") if "eval_accuracy" in e] == [6, 12]
