@@ -22,10 +22,9 @@ import tempfile
 from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
-from .pictures import POSITION_FILE
+from .layout import CARD_FILE, POSITION_FILE, SPACE_DIR
 
 DEFAULT_PORT = 7860
-SPACE_DIR = "space"  # push --space: the page as a Space-ready folder inside the model repo
 MAX_UPLOAD = "100mb"  # larger uploads are refused before they reach the disk
 # Every 5 minutes Gradio deletes what this page made (uploads, its copies, pictures) over 10 minutes old: a page left
 # running for days does not fill the disk. Everything goes when the page stops.
@@ -240,7 +239,7 @@ SPACE_FILES = {
     "app.py": lambda repo_id, top_k: SPACE_APP.format(repo_id=repo_id, top_k=top_k, position_file=POSITION_FILE),
     "requirements.txt": lambda repo_id, top_k: "transformers>=5,<6\ntorch\npillow\ngradio>=5,<7\n",
     # The YAML values quoted (a JSON string is a YAML one): a repo named null, true or 1e3 keeps its name as text.
-    "README.md": lambda repo_id, top_k: (f"---\ntitle: {json.dumps(repo_id.split('/')[-1])}\nsdk: gradio\n"
+    CARD_FILE: lambda repo_id, top_k: (f"---\ntitle: {json.dumps(repo_id.split('/')[-1])}\nsdk: gradio\n"
                                          f"app_file: app.py\nmodels:\n- {json.dumps(repo_id)}\n---\nTry "
                                          f"[{repo_id}](https://huggingface.co/{repo_id}): copy this folder into a new "
                                          "Space, or run `python app.py`.\n"),

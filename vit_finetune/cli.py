@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from .onnx_export import QUANTIZATIONS, RUNTIMES
+from .layout import QUANTIZED_ONNX_FILES, RUNTIME_FILES
 
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
@@ -78,7 +78,7 @@ def _predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
-    parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
+    parser.add_argument("--runtime", choices=RUNTIME_FILES, default="torch",
                         help="onnx / onnx-int8: the graph `export --onnx [--quantize int8]` wrote (MODEL may be the "
                              "export folder itself), run by onnxruntime on the CPU")
     return parser
@@ -94,7 +94,7 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="the folder to write (default: MODEL/onnx, or ./NAME-onnx for a "
                                                     "Hub id); of an earlier export there, only the files it wrote "
                                                     "(export.json lists them) are replaced")
-    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+    parser.add_argument("--quantize", choices=QUANTIZED_ONNX_FILES,
                         help="also write model_quantized.onnx (dynamic int8) and measure its CPU speed-up and accuracy "
                              "change on the run's eval split")
     parser.add_argument("--tolerance", type=float, default=None,

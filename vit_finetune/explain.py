@@ -20,6 +20,7 @@ import torch
 from . import multilabel
 from .errors import VitFinetuneError
 from .inference import label_scores, labels_given
+from .layout import describe_write_error
 
 METHODS = ("rollout", "gradient")
 # Families whose attention does not span the whole image: a rollout over all patches is not defined there.
@@ -219,7 +220,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
             (output_dir / name).parent.mkdir(parents=True, exist_ok=True)
             draw_explanation(image, explanation, vision.image_size, method, output_dir / name)
         except OSError as error:
-            from .checkpoint import describe_write_error
 
             reason = describe_write_error(error, output_dir)
             raise ExplainError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}) at {name!r}; the "

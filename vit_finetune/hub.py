@@ -17,6 +17,7 @@ from huggingface_hub import HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError
 
 from .errors import VitFinetuneError, shortened
+from .layout import CARD_FILE, CONFIG_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE
 
 # The model card's module (.export) loads torch: it is imported where a push needs it, so that asking the Hub about an
 # id (predict's check of a model that is not a folder) answers without it.
@@ -137,7 +138,7 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return None
-    cached_file = "config.json" if repo_type == "model" else "README.md"
+    cached_file = CONFIG_FILE if repo_type == "model" else CARD_FILE  # a dataset repo's card
     if isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str):
         return None
     ask = HfApi().model_info if repo_type == "model" else HfApi().dataset_info
@@ -176,14 +177,10 @@ def failure_reason(error: Exception, timeout: float) -> str:
 def published_files(output_dir: Path) -> list[str]:
     """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
     left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
-    from .checkpoint import CHECKPOINTS
-    from .export import STAGING
-    from .outputs import MANIFEST, claimed
-    from .selection import BEST_DIR
+    from .outputs import claimed
 
-    kept_for_the_run = {CHECKPOINTS, STAGING, BEST_DIR}  # resumable state, the final save's staging, keep-best's copy
     names = sorted(name for name in claimed(output_dir)
-                   if not name.startswith(".") and name not in kept_for_the_run and (output_dir / name).exists())
+                   if not name.startswith(".") and name not in KEPT_FOR_THE_RUN and (output_dir / name).exists())
     if not names:
         raise PushError(f"{output_dir} holds no {MANIFEST} listing what a run wrote there, so what to publish is unknown; "
                         "push a folder written by `python -m vit_finetune` (or upload your own files with `hf upload`)")
@@ -195,7 +192,7 @@ def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
     (the local card is not changed)."""
     from huggingface_hub import CommitOperationAdd
 
-    from .export import CARD_FILE, card_loading_from
+    from .export import card_loading_from
 
     files = sorted(path for name in names for path in ([output_dir / name] if (output_dir / name).is_file()
                                                           else (output_dir / name).rglob("*"))
@@ -216,8 +213,6 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     import httpx2
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
-
-    from .export import METRICS_FILE
 
     output_dir = Path(output_dir)
     try:

@@ -16,13 +16,10 @@ import os
 from pathlib import Path
 from typing import IO
 
-from .checkpoint import PARTIAL_PREFIX, describe_write_error, replace_atomically
 from .labels import READERS
+from .layout import LOCK, MANIFEST, PARTIAL_PREFIX, SHARED_CHECK, describe_write_error, replace_atomically
 from .recipe import BUILTIN_PREFIX, Recipe, _is_dir, _is_file, excerpt
 
-MANIFEST = ".vit_finetune_manifest.json"
-LOCK = ".vit_finetune.lock"
-SHARED_CHECK = ".vit_finetune_shared"  # several processes: a token from the main process that all must read back
 
 
 def claimed(output_dir: Path) -> set[str]:

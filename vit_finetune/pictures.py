@@ -10,10 +10,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-POSITION_FILE = "position_embeddings.png"
-CONFUSION_FILE = "confusion_matrix.png"
-MISCLASSIFIED_FILE = "misclassified.png"
-PRECISION_RECALL_FILE = "precision_recall.png"  # multi-label runs, instead of the two above
+from .layout import CONFUSION_FILE, MISCLASSIFIED_FILE, PRECISION_RECALL_FILE, replace_atomically
+
 MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
 MAX_MISCLASSIFIED = 24
 
@@ -30,8 +28,6 @@ def _pyplot():
 def save_figure(figure, path: Path, **options) -> None:
     """`figure` drawn into `path` through a temporary file renamed over it, then closed: a kill or a full disk
     midway leaves a picture already there (a user's, or an earlier evaluation's) as it was, never half of one."""
-    from .checkpoint import replace_atomically
-
     try:
         replace_atomically(Path(path), lambda partial: figure.savefig(partial, **options))
     finally:

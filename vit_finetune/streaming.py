@@ -33,13 +33,13 @@ from . import data, evaluation, hub
 from .callbacks import Callback
 from .checkpoint import CheckpointError
 from .data import DataError
+from .layout import STREAM_POSITION_FILE
 from .processes import any_process
 from .recipe import DataSettings, Recipe, excerpt
 
 # The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
 # label per sample key; their labels are plain integers, named by data.label_names).
 SHARD_SUFFIXES = (".parquet", ".tar")
-POSITION_FILE = "stream_position_{rank}.json"  # one per process, in each checkpoint
 
 
 @dataclass
@@ -481,12 +481,12 @@ class StreamPositions(Callback):
 
     def on_save_checkpoint(self, run, folder: Path) -> None:
         position = self.loader.position
-        (folder / POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
+        (folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
             {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
              "batches_done": run.state.batches_done}))
 
     def on_load_checkpoint(self, run, folder: Path) -> None:
-        path = folder / POSITION_FILE.format(rank=run.accelerator.process_index)
+        path = folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)
         try:
             saved = json.loads(path.read_text())
             self.loader.position = Position(int(saved["pass"]), int(saved["offset"]))

@@ -24,6 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, multilabel, pictures, probe, progress as display, selection, sharding, streaming, tracking
+from . import layout
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -40,7 +41,7 @@ def check_output_dir(recipe: Recipe) -> None:
     """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
     toolkit did not write, or to write into the dataset's folder."""
     output_dir = Path(recipe.output_dir)
-    refused = outputs.refusal(recipe, export.run_names())
+    refused = outputs.refusal(recipe, layout.RUN_NAMES)
     if refused:
         raise RunError(refused)
     if recipe.overwrite or recipe.train.resume is not None:
@@ -49,7 +50,7 @@ def check_output_dir(recipe: Recipe) -> None:
                            "Use overwrite=true to train again, or another output_dir")
         return
     if export.is_finished(output_dir):
-        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({export.METRICS_FILE}). "
+        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({layout.METRICS_FILE}). "
                        "Fix: choose another output_dir, or pass overwrite=true to replace it")
     if checkpoint.complete_checkpoints(output_dir):
         raise RunError(f"output_dir={str(output_dir)!r} holds checkpoints of an unfinished run. "
@@ -87,7 +88,7 @@ def _accelerator(recipe: Recipe) -> Accelerator:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=t.collective_timeout_s))],
         # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
         log_with=t.report_to or None,
-        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
+        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / layout.TRACKER_DIR)),
     )
 
 
@@ -457,7 +458,7 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
         raise RunError(refused or "the main process could not lock output_dir")
     # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
     patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
-    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
+    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), layout.SHARED_CHECK, patience_s)
     if unshared:
         lock.release()
         raise RunError(f"output_dir={unshared}")
@@ -472,7 +473,7 @@ def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
     if refused:
         return refused
     try:
-        outputs.claim(output_dir, export.run_names())
+        outputs.claim(output_dir, layout.RUN_NAMES)
     except OSError as error:
         refused = outputs.unwritable(output_dir, error)
     refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
@@ -516,7 +517,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
         if parts.position_tables and recipe.pictures:
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
-                                              output_dir / pictures.POSITION_FILE)
+                                              output_dir / layout.POSITION_FILE)
 
     training = TrainingRun(recipe, accelerator, parts, state)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
@@ -589,10 +590,10 @@ def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: 
         export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                              adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
-        shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
+        shutil.rmtree(output_dir / layout.STAGING, ignore_errors=True)  # give back the space the attempt took
         previous = checkpoint.latest_checkpoint(output_dir)
         raise RunError(
-            f"could not write the final model into {output_dir} ({checkpoint.describe_write_error(error, output_dir)}); "
+            f"could not write the final model into {output_dir} ({layout.describe_write_error(error, output_dir)}); "
             "nothing there looks finished. "
             + (f"The last checkpoint is intact: {previous}. Free disk space, then run the same command with "
                "train.resume=auto (only the steps after that checkpoint are redone)"

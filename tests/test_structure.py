@@ -1,0 +1,151 @@
+"""The package's shape, read from its source with `ast`: no import cycle among its modules, imports at the top
+unless a module must stay light to import, and one module (layout.py) that spells the names a run writes.
+
+A function-local import counts like one at the top: Python resolves it later, but the two modules depend on each
+other all the same, and a cycle hidden that way still decides what may be imported first. Imports under
+`if TYPE_CHECKING:` are for annotations only and never run, so they are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import vit_finetune
+from vit_finetune import layout
+
+PACKAGE = Path(vit_finetune.__file__).resolve().parent
+
+
+
+def module_names(package: Path) -> dict[str, Path]:
+    """Every module of the package under `package`, by its dotted name (a sub-package by its folder's name)."""
+    names = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def runtime_imports(tree: ast.AST, inside_function: bool = False):
+    """(import node, whether it sits inside a function) for each import that can run, TYPE_CHECKING blocks left out."""
+    for child in ast.iter_child_nodes(tree):
+        if is_type_checking_block(child):
+            yield from runtime_imports(ast.Module(body=child.orelse, type_ignores=[]), inside_function)
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, inside_function
+        else:
+            yield from runtime_imports(child, inside_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                                   ast.Lambda)))
+
+
+def imported_modules(node: ast.Import | ast.ImportFrom, importer: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The package's modules one import statement of `importer` loads (`from . import a, b` loads a and b)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    base = node.module or ""
+    if node.level:
+        anchor = importer.split(".") if is_package else importer.split(".")[:-1]
+        anchor = anchor[:len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([node.module] if node.module else []))
+    submodules = {f"{base}.{alias.name}" for alias in node.names} & modules
+    return (submodules or {base} & modules) - {importer}
+
+
+def import_graph(package: Path) -> tuple[dict[str, dict[str, int]], list[tuple[str, str, int]]]:
+    """importer -> {imported module: line of the first import}, and every (importer, imported, line) inside a function."""
+    modules = module_names(package)
+    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
+    local = []
+    for name, path in modules.items():
+        for node, inside_function in runtime_imports(ast.parse(path.read_text(), str(path))):
+            for target in imported_modules(node, name, path.name == "__init__.py", set(modules)):
+                graph[name].setdefault(target, node.lineno)
+                if inside_function:
+                    local.append((name, target, node.lineno))
+    return graph, local
+
+
+def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None if it has none (a depth-first search)."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" once every path from it is searched
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, {})):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (cycle := visit(start)):
+            return cycle
+    return None
+
+
+def spelled(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    package = root / "pkg"
+    for name, source in {"__init__.py": "", **files}.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(source)
+    return package
+
+
+def test_the_check_finds_a_cycle_closed_inside_a_function_and_names_it(tmp_path):
+    package = write_package(tmp_path, {
+        "low.py": "def f():\n    from .high import g\n",  # the import that closes the circle, hidden in a function
+        "middle.py": "from . import low\n",
+        "high.py": "from .middle import low\n\n\ndef g():\n    pass\n",
+        "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .high import g\n",
+    })
+    graph, local = import_graph(package)
+    assert find_cycle(graph) == ["pkg.high", "pkg.middle", "pkg.low", "pkg.high"]
+    assert spelled(find_cycle(graph), graph) == "pkg.high (line 1) -> pkg.middle (line 1) -> pkg.low (line 2) -> pkg.high"
+    assert local == [("pkg.low", "pkg.high", 2)]
+    assert "pkg.high" not in graph["pkg.typed"]  # an annotation-only import is no dependency
+    (package / "low.py").write_text("def f():\n    pass\n")
+    assert find_cycle(import_graph(package)[0]) is None
+
+
+def names_a_run_writes() -> dict[str, str]:
+    """layout's file names (a name with a dot: `runs` or `best` are words too common to search the source for)."""
+    return {value: key for key, value in vars(layout).items()
+            if key.isupper() and isinstance(value, str) and "." in value.strip(".")}
+
+
+def test_no_module_but_layout_spells_a_name_a_run_writes():
+    names = names_a_run_writes()
+    assert {"metrics.json", "recipe.yaml", "model.onnx", "export.json", ".vit_finetune_manifest.json"} <= set(names)
+    spelled_elsewhere = [f"{path.relative_to(PACKAGE)}:{node.lineno} spells {node.value!r}: use layout.{names[node.value]}"
+                         for path in sorted(PACKAGE.rglob("*.py")) if path.name != "layout.py"
+                         for node in ast.walk(ast.parse(path.read_text()))
+                         if isinstance(node, ast.Constant) and node.value in names]
+    assert not spelled_elsewhere, "\n".join(spelled_elsewhere)
+
+
+def test_layout_spells_transformers_names_as_transformers_does():
+    """layout writes them out so that reading a name does not import transformers; they must stay the same names."""
+    from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
+
+    assert (layout.CONFIG_FILE, layout.WEIGHTS_FILE, layout.PROCESSOR_FILE) == (CONFIG_NAME, SAFE_WEIGHTS_NAME,
+                                                                              IMAGE_PROCESSOR_NAME)
+
+
+def test_layout_imports_nothing_of_the_package():
+    graph, _ = import_graph(PACKAGE)
+    assert graph["vit_finetune.layout"] == {}
