@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from .layout import QUANTIZED_ONNX_FILES, RUNTIME_FILES
+from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
@@ -307,7 +307,7 @@ def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from . import inference
     from .hub import PushError, push_folder, require_token
-    from .recipe import RECIPE_FILE, read_yaml, validate
+    from .recipe import read_yaml, validate
 
     output_dir = Path(args.output_dir)
     inference.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
@@ -317,8 +317,6 @@ def push_command(argv: list[str]) -> int:
         raise PushError("no repo id: pass --repo-id namespace/name")
     validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
     private = args.private if args.private is not None else bool(saved.get("private", False))
-    from .export import METRICS_FILE
-
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true

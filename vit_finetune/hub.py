@@ -192,7 +192,7 @@ def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
     (the local card is not changed)."""
     from huggingface_hub import CommitOperationAdd
 
-    from .export import card_loading_from
+    from .run_outputs import card_loading_from
 
     files = sorted(path for name in names for path in ([output_dir / name] if (output_dir / name).is_file()
                                                           else (output_dir / name).rglob("*"))

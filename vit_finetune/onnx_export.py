@@ -348,7 +348,7 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
                 tolerance: float = DEFAULT_TOLERANCE, images: list | None = None,
                 eval_limit: int | None = None) -> Path:
     """Export `name` (a run's folder or a Hub id) to `output`; returns the folder written. See the module doc."""
-    from .export import save_image_processor
+    from .run_outputs import save_image_processor
     from .families import FAMILIES
     from .inference import load_classifier, model_location
 

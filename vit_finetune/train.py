@@ -22,9 +22,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, balance, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
+from . import augment, balance, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, multilabel, pictures, probe, progress as display, selection, sharding, streaming, tracking
-from . import layout
+from . import layout, run_outputs
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -45,11 +45,11 @@ def check_output_dir(recipe: Recipe) -> None:
     if refused:
         raise RunError(refused)
     if recipe.overwrite or recipe.train.resume is not None:
-        if recipe.train.resume is not None and export.is_finished(output_dir):
+        if recipe.train.resume is not None and run_outputs.is_finished(output_dir):
             raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
                            "Use overwrite=true to train again, or another output_dir")
         return
-    if export.is_finished(output_dir):
+    if run_outputs.is_finished(output_dir):
         raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({layout.METRICS_FILE}). "
                        "Fix: choose another output_dir, or pass overwrite=true to replace it")
     if checkpoint.complete_checkpoints(output_dir):
@@ -489,7 +489,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         with hub.offline_unless(accelerator.is_local_main_process):
             set_seed(recipe.train.seed)
             if accelerator.is_main_process and recipe.overwrite:
-                export.clear_previous_run(output_dir)
+                run_outputs.clear_previous_run(output_dir)
             resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
                 checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
@@ -546,7 +546,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
     if accelerator.is_main_process:
-        info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
+        info = run_outputs.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
         if parts.probe is not None:
             info["probe_seconds"] = round(parts.probe.seconds, 1)
@@ -587,7 +587,7 @@ def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: 
     if "thresholds" in metrics:  # multi-label: the chosen thresholds travel with the model (predict reads them)
         setattr(model.config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
     try:
-        export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
+        run_outputs.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                              adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
         shutil.rmtree(output_dir / layout.STAGING, ignore_errors=True)  # give back the space the attempt took
