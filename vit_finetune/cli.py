@@ -306,7 +306,7 @@ def app_command(argv: list[str]) -> int:
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from . import inference
-    from .hub import PushError, push_folder, require_token
+    from .hub import PushError, require_token
     from .recipe import read_yaml, validate
 
     output_dir = Path(args.output_dir)
@@ -320,10 +320,10 @@ def push_command(argv: list[str]) -> int:
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
+    from .publish import push_folder, push_space_app  # loads the training stack: after the refusals above
+
     print(f"pushed to {push_folder(output_dir, repo_id, private, args.space_app)}")
     if args.space_app:
-        from .app import push_space_app
-
         print(f"app added: {push_space_app(repo_id)}")
     return 0
 

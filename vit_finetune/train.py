@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, balance, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, multilabel, pictures, probe, progress as display, selection, sharding, streaming, tracking
-from . import layout, run_outputs
+from . import layout, publish, run_outputs
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -561,7 +561,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
         print(f"eval {evaluation.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
-            url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
+            url = publish.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
             print(f"pushed to {url}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
