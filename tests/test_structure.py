@@ -9,6 +9,7 @@ other all the same, and a cycle hidden that way still decides what may be import
 from __future__ import annotations
 
 import ast
+from dataclasses import dataclass
 from pathlib import Path
 
 import vit_finetune
@@ -16,6 +17,18 @@ from vit_finetune import layout
 
 PACKAGE = Path(vit_finetune.__file__).resolve().parent
 
+# Libraries that take a measurable part of a second or more to import (torch and transformers: seconds; pydantic,
+# for the recipe's schema: ~0.4 s; huggingface_hub: ~0.3 s), against ~0.05 s for the command line's own module.
+SLOW_TO_IMPORT = {"torch", "transformers", "datasets", "accelerate", "peft", "evaluate", "pydantic", "huggingface_hub",
+                  "gradio", "matplotlib", "onnx", "onnxruntime"}
+# The modules that may import some of the package's slow modules inside functions, and why: each must stay light
+# to import for a command that tests time or whose imports they list (test_first_minutes.py, test_launch.py).
+# Anywhere else, or of a module that is quick to import, an import inside a function only hides the layering.
+KEPT_LIGHT = {
+    "vit_finetune.cli": "--help and the recipe listings answer at once; each command imports its own stage",
+    "vit_finetune.inference": "predict refuses a model that is neither a folder nor on the Hub before torch loads",
+    "vit_finetune.app": "the page refuses a taken port or a missing gradio before the model's stack loads",
+}
 
 
 def module_names(package: Path) -> dict[str, Path]:
@@ -57,18 +70,42 @@ def imported_modules(node: ast.Import | ast.ImportFrom, importer: str, is_packag
     return (submodules or {base} & modules) - {importer}
 
 
-def import_graph(package: Path) -> tuple[dict[str, dict[str, int]], list[tuple[str, str, int]]]:
-    """importer -> {imported module: line of the first import}, and every (importer, imported, line) inside a function."""
+@dataclass
+class Imports:
+    graph: dict[str, dict[str, int]]  # importer -> {imported module of the package: line of its first import}
+    inside_functions: list[tuple[str, str, int]]  # (importer, imported, line) of each import inside a function
+    at_top: dict[str, set[str]]  # importer -> what it imports when it is imported: the package's modules and libraries
+
+
+def read_imports(package: Path) -> Imports:
+    """Every runtime import among the modules of `package`, and the libraries each imports at its top."""
     modules = module_names(package)
-    graph: dict[str, dict[str, int]] = {name: {} for name in modules}
-    local = []
+    found = Imports({name: {} for name in modules}, [], {name: set() for name in modules})
     for name, path in modules.items():
         for node, inside_function in runtime_imports(ast.parse(path.read_text(), str(path))):
-            for target in imported_modules(node, name, path.name == "__init__.py", set(modules)):
-                graph[name].setdefault(target, node.lineno)
+            targets = imported_modules(node, name, path.name == "__init__.py", set(modules))
+            for target in targets:
+                found.graph[name].setdefault(target, node.lineno)
                 if inside_function:
-                    local.append((name, target, node.lineno))
-    return graph, local
+                    found.inside_functions.append((name, target, node.lineno))
+            if not inside_function:
+                libraries = {alias.name for alias in node.names} if isinstance(node, ast.Import) else (
+                    {node.module} if node.module and not node.level else set())
+                found.at_top[name] |= targets | {library.split(".")[0] for library in libraries}
+    return found
+
+
+def slow_to_import(module: str, at_top: dict[str, set[str]]) -> bool:
+    """Whether importing `module` imports one of SLOW_TO_IMPORT, itself or through the package's modules."""
+    seen, waiting = set(), [module]
+    while waiting:
+        name = waiting.pop()
+        if name in SLOW_TO_IMPORT:
+            return True
+        if name not in seen:
+            seen.add(name)
+            waiting.extend(at_top.get(name, ()))
+    return False
 
 
 def find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
@@ -98,6 +135,20 @@ def spelled(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
     return " -> ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
 
 
+def test_no_import_cycle_among_the_package_modules():
+    graph = read_imports(PACKAGE).graph
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {spelled(cycle, graph)}"
+
+
+def test_imports_inside_functions_only_of_slow_modules_into_modules_kept_light():
+    found = read_imports(PACKAGE)
+    hidden = [f"{importer}:{line} imports {target}" + ("" if importer in KEPT_LIGHT else f" ({importer} is not kept light)")
+              for importer, target, line in found.inside_functions
+              if importer not in KEPT_LIGHT or not slow_to_import(target, found.at_top)]
+    assert not hidden, "move these imports to the top of their module:\n" + "\n".join(hidden)
+
+
 def write_package(root: Path, files: dict[str, str]) -> Path:
     package = root / "pkg"
     for name, source in {"__init__.py": "", **files}.items():
@@ -113,13 +164,25 @@ def test_the_check_finds_a_cycle_closed_inside_a_function_and_names_it(tmp_path)
         "high.py": "from .middle import low\n\n\ndef g():\n    pass\n",
         "typed.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .high import g\n",
     })
-    graph, local = import_graph(package)
-    assert find_cycle(graph) == ["pkg.high", "pkg.middle", "pkg.low", "pkg.high"]
-    assert spelled(find_cycle(graph), graph) == "pkg.high (line 1) -> pkg.middle (line 1) -> pkg.low (line 2) -> pkg.high"
-    assert local == [("pkg.low", "pkg.high", 2)]
-    assert "pkg.high" not in graph["pkg.typed"]  # an annotation-only import is no dependency
+    found = read_imports(package)
+    assert find_cycle(found.graph) == ["pkg.high", "pkg.middle", "pkg.low", "pkg.high"]
+    assert spelled(find_cycle(found.graph), found.graph) == ("pkg.high (line 1) -> pkg.middle (line 1) -> "
+                                                             "pkg.low (line 2) -> pkg.high")
+    assert found.inside_functions == [("pkg.low", "pkg.high", 2)]
+    assert "pkg.high" not in found.graph["pkg.typed"]  # an annotation-only import is no dependency
     (package / "low.py").write_text("def f():\n    pass\n")
-    assert find_cycle(import_graph(package)[0]) is None
+    assert find_cycle(read_imports(package).graph) is None
+
+
+def test_a_module_is_slow_to_import_through_what_it_imports_at_its_top(tmp_path):
+    package = write_package(tmp_path, {
+        "heavy.py": "import torch.nn\n",
+        "through.py": "from .heavy import x\n",
+        "light.py": "import json\n\n\ndef f():\n    import torch\n    from . import heavy\n",
+    })
+    at_top = read_imports(package).at_top
+    assert slow_to_import("pkg.heavy", at_top) and slow_to_import("pkg.through", at_top)
+    assert not slow_to_import("pkg.light", at_top)  # its torch is imported when f runs, not when it is imported
 
 
 def names_a_run_writes() -> dict[str, str]:
@@ -147,5 +210,4 @@ def test_layout_spells_transformers_names_as_transformers_does():
 
 
 def test_layout_imports_nothing_of_the_package():
-    graph, _ = import_graph(PACKAGE)
-    assert graph["vit_finetune.layout"] == {}
+    assert read_imports(PACKAGE).graph["vit_finetune.layout"] == {}

@@ -21,6 +21,9 @@ import json
 import sys
 from pathlib import Path
 
+from . import progress
+from .app import AppError, refuse_a_taken_port, require_gradio, serve
+from .errors import VitFinetuneError, report
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
@@ -194,7 +197,6 @@ def train_command(argv: list[str]) -> int:
 
         print(format_keys(recipe), end="")
         return 0
-    from . import progress
     from .processes import refuse_a_lone_process
 
     # Before the training stack loads (transformers, datasets): a launch refused here answers in about 2 s, not 8.
@@ -292,7 +294,6 @@ def export_command(argv: list[str]) -> int:
 def app_command(argv: list[str]) -> int:
     args = _app_parser().parse_args(argv)
     from . import inference
-    from .app import AppError, refuse_a_taken_port, require_gradio, serve
 
     if not 0 < args.port < 65536:
         raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
@@ -330,16 +331,12 @@ def push_command(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
-    from .errors import VitFinetuneError, report
-
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
                 "export": export_command, "app": app_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
-    from . import progress
-
     with progress.configured():  # before the heavy libraries load: their bars follow the terminal / log-file choice
         try:
             return command(argv)

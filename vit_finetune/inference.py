@@ -15,7 +15,8 @@ from .errors import VitFinetuneError, shortened
 from .labels import LabelFileError, label_file_of
 from .layout import (CONFIG_FILE, CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, RECIPE_FILE, describe_write_error,
                      replace_atomically)
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
+from .progress import progress
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt, load_recipe
 from .spreadsheet import csv_writer
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
@@ -228,8 +229,6 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None
     import torch
 
     from .data import BadImageError, decode_image, decoding_settings
-    from .progress import progress
-
     settings = decoding_settings(model.config)
     device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
@@ -440,7 +439,6 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
     from . import data, evaluation, multilabel
-    from .recipe import load_recipe
 
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     precision = "no"

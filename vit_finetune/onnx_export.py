@@ -30,10 +30,17 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
+from .data import SKIPPED_LABEL, decode_image, decoding_settings, make_loader
 from .errors import VitFinetuneError, shortened
+from .families import FAMILIES
+from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
 from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
                      QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, rename_into_place,
                      replace_atomically)
+from .multilabel import is_multi_label, saved_thresholds
+from .outputs import claim
+from .run_outputs import save_image_processor
+from .synthetic import generate_arrays
 
 DEFAULT_TOLERANCE = 1e-3  # max abs logit difference; fp32 exports measure ~1e-7 to 1e-5
 PARITY_IMAGES = 8
@@ -166,8 +173,6 @@ def parity_images(images: list | None, eval_set, processor, image_size: int, con
     eval images of the run, else rendered shapes."""
     import torch
 
-    from .data import decode_image, decoding_settings
-
     if images:
         settings = decoding_settings(config)
         decoded = [decode_image(source.encoded, index, settings, source.folders) for index, source in enumerate(images)]
@@ -178,8 +183,6 @@ def parity_images(images: list | None, eval_set, processor, image_size: int, con
         return ParityImages(pixels, f"the first {count} images of the run's eval split")
     else:
         from PIL import Image
-
-        from .synthetic import generate_arrays
 
         arrays, _, _ = generate_arrays(2, split="validation", task="demo", image_size=image_size)
         decoded = [Image.fromarray(array) for array in arrays[:PARITY_IMAGES]]
@@ -215,9 +218,6 @@ class Answers:
 def answers_for(config) -> Answers:
     import torch
 
-    from .data import SKIPPED_LABEL
-    from .multilabel import is_multi_label, saved_thresholds
-
     if not is_multi_label(config):
         return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
                        lambda labels: labels != SKIPPED_LABEL)
@@ -232,8 +232,6 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
     """Accuracy and CPU speed of the float and the quantised graph, batch by batch on the same pixels (interleaved,
     so a busy machine slows both alike); only session.run is timed, not the image decoding. Without a labelled
     eval split, agreement of their answers on the parity pixels."""
-    from .data import make_loader
-
     batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
                make_loader(eval_set, batch_size, False, 0, 0, False))
     seconds, correct, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0, 0
@@ -272,8 +270,6 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
 def own_eval_split(name: str, model, processor):
     """The run's own eval split (the one `evaluate` uses), or None for a model with no recipe.yaml or whose
     dataset is not here (a pushed run trained on a local folder), said in a line."""
-    from .inference import eval_split_of, model_location
-
     if not (Path(model_location(name)) / RECIPE_FILE).is_file():
         return None
     try:
@@ -337,8 +333,6 @@ def publish(staging: Path, target: Path, earlier: set[str]) -> None:
 def claim_in_run_folder(location: str, target: Path) -> None:
     """An export in a run's own onnx/ is named in the run's manifest, so a later run with overwrite=true removes
     it with the weights it was made from instead of leaving a stale graph beside new weights."""
-    from .outputs import claim
-
     folder = Path(location)
     if target.resolve() == (folder / ONNX_DIR).resolve() and (folder / MANIFEST).is_file():
         claim(folder, (ONNX_DIR,))
@@ -348,10 +342,6 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
                 tolerance: float = DEFAULT_TOLERANCE, images: list | None = None,
                 eval_limit: int | None = None) -> Path:
     """Export `name` (a run's folder or a Hub id) to `output`; returns the folder written. See the module doc."""
-    from .run_outputs import save_image_processor
-    from .families import FAMILIES
-    from .inference import load_classifier, model_location
-
     require_onnx_packages()
     if not tolerance > 0:
         raise ExportError(f"--tolerance {tolerance}: give a positive max abs logit difference, e.g. {DEFAULT_TOLERANCE}")
@@ -443,8 +433,6 @@ class OnnxClassifier:
         from transformers import AutoConfig
         import torch
 
-        from .inference import InputError, refuse_own_code
-
         quantize = "".join(f" --quantize {kind}" for kind, (name, _) in QUANTIZATIONS.items() if name == file)
         again = f"Export it again: python -m vit_finetune export MODEL --onnx{quantize} --output {folder}"
         refuse_own_code(str(folder), str(folder))
@@ -467,8 +455,6 @@ class OnnxClassifier:
 
 def export_folder(name: str) -> Path:
     """Where a model's export is: the folder itself if it is one, its onnx/ subfolder, or a Hub repo's onnx/."""
-    from .inference import InputError, model_location
-
     location = model_location(name)
     folder = Path(location)
     if not folder.is_dir():
@@ -485,8 +471,6 @@ def export_folder(name: str) -> Path:
 def load_onnx_classifier(name: str, runtime: str):
     """(OnnxClassifier, its image processor) for predict --runtime onnx / onnx-int8."""
     from transformers import AutoImageProcessor
-
-    from .inference import InputError
 
     require_onnx_packages()
     folder = export_folder(name)

@@ -25,6 +25,7 @@ from .families import FAMILIES
 from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTORY_FILE, METRICS_FILE, MISCLASSIFIED_FILE,
                      PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PROCESSOR_FILE, RECIPE_FILE, RUN_INFO_FILE,
                      RUN_NAMES, STAGING, move_into)
+from .multilabel import card_section
 from .outputs import clear_claimed
 from .recipe import REPO_ID_PATTERN, Recipe, write_recipe
 
@@ -122,8 +123,6 @@ def per_class_rows(metrics: dict) -> str:
 def per_class_text(metrics: dict) -> str:
     """The card's per-class section: the single-label table, or the multi-label one with AP and thresholds."""
     if metrics.get("multi_label"):
-        from .multilabel import card_section
-
         return card_section(metrics, markdown_text)
     return ("### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n"
             f"{per_class_rows(metrics)}\n")

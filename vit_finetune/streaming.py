@@ -32,7 +32,7 @@ from torch.utils.data import Sampler
 from . import data, evaluation, hub
 from .callbacks import Callback
 from .checkpoint import CheckpointError
-from .data import DataError
+from .data import CONTENT_HASH_LIMIT_BYTES, DataError, files_digest
 from .layout import STREAM_POSITION_FILE
 from .processes import any_process
 from .recipe import DataSettings, Recipe, excerpt
@@ -283,8 +283,6 @@ def shard_identity(files: list[str]) -> list[str]:
     place with its size and modification time kept is noticed), beyond that by its size and modification time
     (datasets' own rule for local files)."""
     import fsspec
-
-    from .data import CONTENT_HASH_LIMIT_BYTES, files_digest
 
     hashed = sum(os.path.getsize(file) for file in files if "://" not in file) <= CONTENT_HASH_LIMIT_BYTES
     named = []

@@ -19,6 +19,8 @@ import numpy as np
 from .callbacks import Callback
 from .errors import VitFinetuneError
 from .layout import POSITION_FILE, TRACKER_DIR, describe_write_error
+from .pictures import draw_confusion_matrix
+from .recipe import flatten
 
 # Each tracker: the package it needs (checked before the run starts), how it takes a picture, if it can, and
 # whether it writes under output_dir/runs (checked to be writable before training).
@@ -75,8 +77,6 @@ def callbacks_for(names: list[str]) -> list[Callback]:
 
 def flat_hyperparameters(recipe) -> dict:
     """The resolved recipe as flat key/value pairs a tracker accepts (lists and None as text)."""
-    from .recipe import flatten
-
     return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
             for key, value in flatten(recipe.model_dump(mode="json")).items()}
 
@@ -115,8 +115,6 @@ class TrackingCallback(Callback):
         matrix, labels = self.last_metrics.get("confusion_matrix"), run.parts.labels
         if matrix is None or not run.accelerator.is_main_process:
             return
-        from .pictures import draw_confusion_matrix
-
         with tempfile.TemporaryDirectory() as folder:
             draw_confusion_matrix(matrix, labels, Path(folder) / "confusion.png")
             self.log_picture(run, "pictures/confusion_matrix", png_pixels(Path(folder) / "confusion.png"))
