@@ -9,6 +9,7 @@ other all the same, and a cycle hidden that way still decides what may be import
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,3 +212,35 @@ def test_layout_spells_transformers_names_as_transformers_does():
 
 def test_layout_imports_nothing_of_the_package():
     assert read_imports(PACKAGE).graph["vit_finetune.layout"] == {}
+
+
+def readme_rows(readme: str) -> list[set[str]]:
+    """The module rows of README's picture of the package, top row first (an indented line continues its row)."""
+    section = readme.split("## How the code is laid out", 1)[1]
+    block = section.split("```\n", 2)[1]
+    rows: list[set[str]] = []
+    for line in block.splitlines():
+        names = set(re.split(r"\s{2,}", line.strip(), maxsplit=1)[0].split())
+        if line.startswith(" "):
+            rows[-1] |= names
+        else:
+            rows.append(names)
+    return rows
+
+
+def test_the_readme_picture_of_the_package_holds():
+    """Each module (a sub-package as one) sits in one row and imports only modules of lower rows: the picture is the
+    layering as it is. The benchmark (bench/) is a command of its own, beside the picture."""
+    graph = read_imports(PACKAGE).graph
+    short = {name: name.split(".")[1] for name in graph if name.count(".") >= 1}
+    short = {name: part for name, part in short.items() if part not in ("bench", "__main__")}
+    rows = readme_rows((PACKAGE.parent / "README.md").read_text())
+    row_of = {module: index for index, row in enumerate(rows) for module in row}
+    assert sum(map(len, rows)) == len(row_of), "a module sits in two rows"
+    assert set(row_of) == set(short.values()), (f"missing from the picture: {set(short.values()) - set(row_of)}; "
+                                                f"not in the package: {set(row_of) - set(short.values())}")
+    upward = sorted({f"{short[importer]} (row {row_of[short[importer]] + 1}) imports {short[target]} "
+                     f"(row {row_of[short[target]] + 1})" for importer in short for target in graph[importer]
+                     if target in short and short[target] != short[importer]
+                     and row_of[short[target]] <= row_of[short[importer]]})
+    assert not upward, "README's picture: " + "; ".join(upward)
