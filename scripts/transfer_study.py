@@ -342,6 +342,59 @@ def tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
+ARMS = {"linear_probe": "linear probe", "lp_ft": "LP-FT", "finetune": "fine-tune", "peer": "peer"}
+
+
+def chosen_method(name: str, per_class: int, steps: int) -> str:
+    """What train.method=auto runs for this cell: the toolkit's own rule, given the cell's numbers."""
+    from vit_finetune.methods import auto_method
+
+    classes = len(DATASETS[name].classes)
+    seen = steps * BATCH
+    return auto_method(per_class, seen, seen / (per_class * classes), pretrained=True, streaming=False)[0]
+
+
+def noise(best: list[float], defaults: list[float], eval_images: int) -> float:
+    """How far apart two arms can be by chance: the larger of their spreads between seeds and the eval split's own
+    standard error (a fixed split of a few hundred images is itself a sample)."""
+    p = statistics.mean(best)
+    spreads = [statistics.stdev(v) for v in (best, defaults) if len(v) > 1]
+    return max(spreads + [(p * (1 - p) / eval_images) ** 0.5])
+
+
+def choice_table(results: list[dict], size: int = 56) -> str:
+    """Per cell (data size, schedule, dataset): the defaults (the arm train.method=auto chose), each arm's mean over
+    seeds, and whether the defaults are within noise of the best arm; the defaults' and the peer's CPU seconds."""
+    out = ["| images per class, steps of 16 | dataset | defaults (chose) | " + " | ".join(ARMS.values())
+           + " | within noise of the best | CPU s: defaults / peer |", "|---|---|---|" + "---|" * len(ARMS) + "---|---|"]
+    trained = sorted({(r["per_class"], r["steps"]) for r in results if r["steps"] and r["size"] == size})
+    for per_class, steps in trained:
+        for name in DATASETS:
+            runs = {arm: [r for r in results if r["option"] == arm and r["dataset"] == name and r["size"] == size
+                          and r["per_class"] == per_class and r["steps"] in ((0,) if arm == "linear_probe" else (steps,))
+                          and r["lr"] is None] for arm in ARMS}
+            if not runs["lp_ft"] and not runs["finetune"]:
+                continue
+            chosen = chosen_method(name, per_class, steps)
+            if not runs.get(chosen):
+                continue
+            means = {arm: statistics.mean(r["accuracy"] for r in rs) for arm, rs in runs.items() if rs}
+            best = max(means, key=means.get)
+            accuracy = {arm: [r["accuracy"] for r in rs] for arm, rs in runs.items()}
+            dataset = DATASETS[name]
+            gap = noise(accuracy[best], accuracy[chosen], dataset.eval_per_class * len(dataset.classes))
+            verdict = "best" if best == chosen else (f"yes ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})"
+                                                     if means[best] - means[chosen] <= gap else
+                                                     f"**no** ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})")
+            cells = [(f"**{summary(accuracy[arm])}**" if arm == best else summary(accuracy[arm])) if runs[arm] else "–"
+                     for arm in ARMS]
+            seconds = [f"{statistics.mean(r['cpu_seconds'] for r in runs[arm]):.0f}"
+                       if runs[arm] and all("cpu_seconds" in r for r in runs[arm]) else "–" for arm in (chosen, "peer")]
+            out.append(f"| {per_class}, {steps} | {name} | {summary(accuracy[chosen])} ({ARMS[chosen]}) | "
+                       + " | ".join(cells) + f" | {verdict} | {' / '.join(seconds)} |")
+    return "\n".join(out)
+
+
 def picture(results: list[dict], path: Path) -> None:
     """One panel per (size, steps) block: per dataset, each option's seeds as dots and its mean as a bar."""
     import matplotlib
@@ -422,6 +475,7 @@ def main() -> None:
             result = run_cell(cell, base, args.root)
             print(f"== {cell.name()}: accuracy {result['accuracy']:.4f} ({result['seconds']} s)", flush=True)
     results = read_results(args.root)
+    print(choice_table(results))
     print(tables(results))
     if results:
         picture(results, args.root / "transfer_study.png")

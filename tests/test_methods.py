@@ -201,15 +201,17 @@ def test_a_probe_refuses_a_stream(method):
 def test_auto_is_conservative_outside_what_was_measured():
     low, high = methods.MEASURED_IMAGES_PER_CLASS
     shortest, longest = methods.MEASURED_IMAGES_SEEN
-    below = methods.PROBE_ALONE_BELOW_EPOCHS
+    few_seen, few_epochs = methods.PROBE_ALONE_BELOW_IMAGES_SEEN, methods.PROBE_ALONE_BELOW_EPOCHS
 
     def auto(per_class: float, seen: int, **options) -> tuple[str, str]:
         return methods.auto_method(per_class, seen, seen / (per_class * 10), **{"pretrained": True, "streaming": False,
                                                                                   **options})
 
-    # Inside the measured range: the probe alone on short schedules, LP-FT from `below` epochs on.
-    assert auto(high, shortest)[0] == "linear_probe" and auto(40, int(40 * 10 * (below - 0.5)))[0] == "linear_probe"
-    assert auto(low, longest)[0] == "lp_ft" and auto(40, int(40 * 10 * below))[0] == "lp_ft"
+    # Inside the measured range: the probe alone while fine-tuning would be short, in steps or in epochs; LP-FT beyond.
+    assert auto(low, shortest)[0] == "linear_probe" and auto(low, few_seen - 16)[0] == "linear_probe"
+    assert auto(high, int(high * 10 * few_epochs) - 16)[0] == "linear_probe"
+    assert auto(low, few_seen)[0] == "lp_ft" and auto(high, int(high * 10 * few_epochs))[0] == "lp_ft"
+    assert auto(low, longest)[0] == "lp_ft"
     # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
     assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
     # Beyond the range, on either axis: fine-tuning, saying why.
