@@ -9,6 +9,7 @@ other all the same, and a cycle hidden that way still decides what may be import
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ class Imports:
     at_top: dict[str, set[str]]  # importer -> what it imports when it is imported: the package's modules and libraries
 
 
+@functools.cache  # read once for all the tests of this file (each reading parses every module)
 def read_imports(package: Path) -> Imports:
     """Every runtime import among the modules of `package`, and the libraries each imports at its top."""
     modules = module_names(package)
@@ -172,7 +174,7 @@ def test_the_check_finds_a_cycle_closed_inside_a_function_and_names_it(tmp_path)
     assert found.inside_functions == [("pkg.low", "pkg.high", 2)]
     assert "pkg.high" not in found.graph["pkg.typed"]  # an annotation-only import is no dependency
     (package / "low.py").write_text("def f():\n    pass\n")
-    assert find_cycle(read_imports(package).graph) is None
+    assert find_cycle(read_imports.__wrapped__(package).graph) is None  # read afresh, not from the cache
 
 
 def test_a_module_is_slow_to_import_through_what_it_imports_at_its_top(tmp_path):
