@@ -280,7 +280,7 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
 def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
                                                              tmp_path, monkeypatch):
     """The loopback Hub (tests/hub_server/) serves the teacher run pushed there."""
-    from vit_finetune.hub import push_folder
+    from vit_finetune.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(wrong_teacher, hub_repo_id)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .data import EpochSampler, Splits
+from .data import DataError, EpochSampler, Splits
+from .multilabel import positive_weights
 
 
 def class_counts(labels: list[int], num_classes: int) -> torch.Tensor:
@@ -33,12 +34,8 @@ def balancing(kind: str | None, splits: Splits, seed: int) -> tuple[EpochSampler
     labels = list(splits.train[splits.label_column])
     if splits.multi_label:  # the recipe refuses sampler with data.multi_label=true; a detected label set lands here
         if kind == "sampler":
-            from .data import DataError
-
             raise DataError("data.class_balance=sampler draws images by their one class, but this dataset's images "
                             "hold label sets (multi-label); use data.class_balance=weights or null")
-        from .multilabel import positive_weights
-
         rows = torch.zeros(len(labels), len(splits.labels))
         for row, class_ids in zip(rows, labels):
             row[class_ids] = 1

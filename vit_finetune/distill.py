@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from . import data, student
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError, shortened
+from .inference import InputError, load_classifier, model_location, refuse_own_code
 from .recipe import DistillSettings
 
 
@@ -42,8 +43,6 @@ class DistillError(VitFinetuneError):
 
 def teacher_location(settings: DistillSettings) -> str:
     """The teacher's folder or Hub id, found the way `predict` finds a model; a clear error otherwise."""
-    from .inference import InputError, model_location
-
     try:
         return model_location(settings.teacher)
     except InputError as error:
@@ -53,8 +52,6 @@ def teacher_location(settings: DistillSettings) -> str:
 def teacher_config(settings: DistillSettings):
     """The teacher's config.json alone (no weights), read without running any code of its own."""
     from transformers import AutoConfig
-
-    from .inference import InputError, refuse_own_code
 
     location = teacher_location(settings)
     try:
@@ -157,8 +154,6 @@ class Teacher:
 
 def load_teacher(settings: DistillSettings, labels: list[str], student_scale: float, device: torch.device) -> Teacher:
     """Check the teacher's labels from its config, then load its weights (each process its own copy)."""
-    from .inference import InputError, load_classifier
-
     config = teacher_config(settings)
     refuse_other_labels(settings, config, labels)
     try:

@@ -24,6 +24,7 @@ from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPP
 from . import hub, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
+from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, LoraSettings, ModelSettings
 
@@ -49,8 +50,8 @@ def base_location(settings: ModelSettings) -> str:
         return settings.base
     name = settings.base.removeprefix(BUILTIN_PREFIX)
     path = ASSETS_DIR / name
-    if not (path / "config.json").is_file():
-        shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file()) if ASSETS_DIR.is_dir() else []
+    if not (path / CONFIG_FILE).is_file():
+        shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / CONFIG_FILE).is_file()) if ASSETS_DIR.is_dir() else []
         raise ModelError(f"model.base={settings.base!r}: no shipped model {name!r}; shipped: {shipped}")
     return str(path)
 

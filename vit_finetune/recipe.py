@@ -18,12 +18,12 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
+from .layout import RECIPE_FILE
 from .methods import METHODS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
 ASSETS_DIR = PACKAGE_DIR / "assets"
-RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.

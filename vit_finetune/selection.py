@@ -21,18 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .callbacks import Callback, TrainingRun
-from .checkpoint import WRITE_ERRORS, describe_write_error, replace_atomically
+from .checkpoint import WRITE_ERRORS
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
+from .layout import BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, describe_write_error, replace_atomically
 from .multilabel import is_multi_label
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 
-BEST_DIR = "best"
-BEST_FILE = "weights.safetensors"
-CHECKPOINT_EMA = "ema.safetensors"
-CHECKPOINT_BEST = "best.safetensors"
 SELECTION_METRIC = "eval_accuracy"  # decides raw against EMA when train.keep_best is not set
 MULTI_LABEL_SELECTION_METRIC = "eval_map"  # the same for label sets (exact match is too coarse to rank by)
 # What each kind of run measures that the other does not: train.keep_best must name a metric the run has.
