@@ -66,18 +66,19 @@ def test_a_student_with_weight_one_and_hard_targets_follows_the_teacher_not_the_
         assert max(range(len(row)), key=row.__getitem__) == labels.index(DERANGEMENT[name])
 
 
-def test_soft_targets_pull_the_student_towards_the_teacher(args, wrong_teacher, student_without_teacher, tmp_path,
-                                                          capsys):
+def test_soft_targets_pull_the_student_towards_the_teacher(args, base, wrong_teacher, student_without_teacher,
+                                                          tmp_path, capsys):
     out = tmp_path / "out"
     assert train([*args, "model.image_size=16", f"train.distill.teacher={wrong_teacher}", "train.distill.weight=1.0",
                   "train.distill.mode=soft", "train.distill.temperature=2", f"output_dir={out}"]) == 0
     assert metrics(out)["accuracy"] < metrics(student_without_teacher)["accuracy"] - 0.5
-    # The console says who taught, how, and at what cost, as metrics.json does
+    # The console says who taught, how, which student it taught and at what cost, as metrics.json does
     said = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("train.distill: "))
     facts = metrics(out)["distillation"]
     assert said == f"train.distill: taught by the teacher {wrong_teacher} (soft distillation, weight 1.0, " \
-                   f"temperature 2.0); the teacher's forwards took {facts['teacher_seconds']} s of the " \
-                   f"{facts['training_seconds']} s of training ({facts['teacher_share']:.0%})"
+                   f"temperature 2.0); the student: 2 blocks, fine-tuned from {base}; the teacher's forwards " \
+                   f"took {facts['teacher_seconds']} s of the {facts['training_seconds']} s of training " \
+                   f"({facts['teacher_share']:.0%})"
 
 
 def test_the_teacher_sees_the_students_batch_at_its_own_size_and_normalisation():
@@ -279,7 +280,7 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
 def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
                                                              tmp_path, monkeypatch):
     """The loopback Hub (tests/hub_server/) serves the teacher run pushed there."""
-    from vit_finetune.hub import push_folder
+    from vit_finetune.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(wrong_teacher, hub_repo_id)

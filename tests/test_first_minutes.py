@@ -27,10 +27,12 @@ def test_no_arguments_prints_help_and_recipes_and_runs_nothing(tmp_path):
 
 @pytest.mark.parametrize("args", [["--help"], ["--list-recipes"], [], ["--recipe", "demo", "--keys"],
                                   ["predict", "--help"], ["push", "--help"],
-                                  ["predict", "someone/no-such-model", "docs/demo_position_embeddings.png"]])
+                                  ["predict", "someone/no-such-model", "docs/demo_position_embeddings.png"],
+                                  ["push", "docs", "--repo-id", "user/x"]])
 def test_help_and_listings_import_no_heavy_library(args):
     """The cause of a slow --help was torch/transformers/datasets imported up front; none may load for these, nor
-    for a model that is neither a folder nor on the Hub (refused after one Hub question)."""
+    for a model that is neither a folder nor on the Hub (refused after one Hub question), nor for a push of a folder
+    that holds no finished run."""
     code = ("import sys; from vit_finetune.cli import main\n"
             "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print(sorted(m for m in ('torch', 'transformers', 'datasets', 'accelerate', 'peft') if m in sys.modules))")

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from runs import warm_launch_command
 from tiny import COLOURS, colour_image, make_tiny_vit, run_cli
-from vit_finetune import hub as hub_module
+from vit_finetune import publish
 from vit_finetune.cli import main
 from vit_finetune.model import resample_position_embeddings
 
@@ -190,7 +190,7 @@ def test_pipeline_from_the_hub_reproduces_the_reported_accuracy(pushed, seeded_h
 
 
 def test_a_local_dataset_or_base_never_reaches_the_card_metadata(tmp_path):
-    from vit_finetune.export import model_card
+    from vit_finetune.run_outputs import model_card
     from vit_finetune.recipe import load_recipe
 
     recipe = load_recipe(None, [f"data.dataset={tmp_path}", "model.base=./my-vit"])
@@ -245,7 +245,7 @@ def test_push_survives_two_503s_on_the_commit(pushed, seeded_hub, monkeypatch, c
     from conftest import HUB_TOKEN
 
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
-    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.01,) * 4)  # the real back-off sleeps 3 s before the third try
+    monkeypatch.setattr(publish, "RETRY_DELAYS", (0.01,) * 4)  # the real back-off sleeps 3 s before the third try
     seeded_hub.clear_log()
     seeded_hub.inject_faults(status=503, times=2, path_regex=r"/commit/")
     assert main(["push", str(pushed["output"]), "--repo-id", "user/after-503"]) == 0, capsys.readouterr().err[-3000:]
@@ -260,7 +260,7 @@ def test_a_hub_that_always_fails_leaves_the_folder_untouched_and_says_how_to_pus
     from conftest import HUB_TOKEN
 
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
-    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.01,) * 4)  # the real back-off sleeps 15 s in all
+    monkeypatch.setattr(publish, "RETRY_DELAYS", (0.01,) * 4)  # the real back-off sleeps 15 s in all
     before = snapshot(pushed["output"])
     seeded_hub.clear_log()
     seeded_hub.inject_faults(status=500, times=None, path_regex=r"/commit/")
@@ -276,7 +276,7 @@ def test_a_failed_push_after_training_keeps_the_trained_model(seeded_hub, monkey
     from conftest import HUB_TOKEN
 
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
-    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.01,))
+    monkeypatch.setattr(publish, "RETRY_DELAYS", (0.01,))
     seeded_hub.clear_faults()
     seeded_hub.inject_faults(status=500, times=None, path_regex=r"/commit/")
     output = tmp_path / "kept"

@@ -24,8 +24,7 @@ import recorder
 from runs import assert_bit_identical, free_port
 from tiny import REPO, make_tiny_vit, write_colour_folder
 from vit_finetune import processes
-from vit_finetune.checkpoint import PARTIAL_PREFIX
-from vit_finetune.outputs import SHARED_CHECK
+from vit_finetune.layout import PARTIAL_PREFIX, SHARED_CHECK
 
 LAUNCH = ["--cpu", "--num_processes", "2", "-m", "vit_finetune", "train.epochs=1"]
 SIMPLE_LAUNCHER_ENV = {"ACCELERATE_USE_CPU": "True"}  # what the --cpu launcher puts in its process's environment

@@ -18,7 +18,7 @@ from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
 from vit_finetune.augment import BatchAugmenter
 from vit_finetune.cli import main
-from vit_finetune.export import TRAINING_ONLY_METRICS
+from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",

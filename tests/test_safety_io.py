@@ -173,11 +173,11 @@ def test_a_run_with_hub_push_uploads_only_the_files_it_wrote(args, hub, hub_toke
 @pytest.fixture
 def fast_retries(hub_token, monkeypatch):
     """In-process pushes with the token, the real back-off shortened (it sleeps 15 s in all) and a 2 s timeout."""
-    from vit_finetune import hub as hub_module
+    from vit_finetune import publish
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "2")
-    monkeypatch.setattr(hub_module, "RETRY_DELAYS", (0.05,) * 4)
+    monkeypatch.setattr(publish, "RETRY_DELAYS", (0.05,) * 4)
 
 
 # huggingface_hub itself tries preupload and the LFS batch call 6 times (sleeping 23 s in all): 6 resets there are

@@ -463,3 +463,25 @@ def test_push_space_app_adds_a_space_ready_app_that_gives_predicts_labels(demo_r
     assert list(shown) == [guess["label"] for guess in expected]
     assert list(shown.values()) == pytest.approx([guess["score"] for guess in expected], abs=1e-5)
     assert Path(app["position_picture"]()).read_bytes() == (demo_run / "position_embeddings.png").read_bytes()
+
+
+def test_onnxruntime_runs_on_as_many_threads_as_torch(tmp_path):
+    """predict's runtimes, and export's float and int8 timings, on the same threads: a session takes torch's count
+    (OMP_NUM_THREADS or torch.set_num_threads), not onnxruntime's own default of one per core."""
+    import onnx
+    import torch
+    from onnx import TensorProto, helper
+
+    from vit_finetune.onnx_export import session
+
+    tensor = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in ("pixel_values", "logits")]
+    graph = helper.make_graph([helper.make_node("Identity", ["pixel_values"], ["logits"])], "identity", tensor[:1],
+                              tensor[1:])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), tmp_path / "m.onnx")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert session(tmp_path / "m.onnx").get_session_options().intra_op_num_threads == threads
+    finally:
+        torch.set_num_threads(before)

@@ -13,7 +13,6 @@ temporary folder, cleaned while the page runs and removed when it stops.
 from __future__ import annotations
 
 import html
-import json
 import os
 import signal
 import socket
@@ -22,10 +21,9 @@ import tempfile
 from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
-from .pictures import POSITION_FILE
+from .layout import POSITION_FILE
 
 DEFAULT_PORT = 7860
-SPACE_DIR = "space"  # push --space: the page as a Space-ready folder inside the model repo
 MAX_UPLOAD = "100mb"  # larger uploads are refused before they reach the disk
 # Every 5 minutes Gradio deletes what this page made (uploads, its copies, pictures) over 10 minutes old: a page left
 # running for days does not fill the disk. Everything goes when the page stops.
@@ -194,81 +192,3 @@ def serve(name: str, port: int = DEFAULT_PORT, top_k: int = 5) -> None:
             signal.signal(signal.SIGTERM, previous)
             page.close()
 
-
-# push --space-app: a Gradio app that runs on a Space from the model repo alone (transformers' pipeline, no
-# vit_finetune needed there): the top labels and the run's position-embedding picture when the repo has one.
-SPACE_APP = '''"""Try {repo_id}: drop an image, see its top labels. A Space runs this file; locally: python app.py"""
-import os
-
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-import gradio as gr
-from huggingface_hub import hf_hub_download
-from transformers import pipeline
-
-MODEL = "{repo_id}"
-classifier = pipeline("image-classification", model=MODEL)
-
-
-def classify(image):
-    if image is None:
-        return None
-    return {{guess["label"]: guess["score"] for guess in classifier(image.convert("RGB"), top_k={top_k})}}
-
-
-def position_picture():
-    try:
-        return hf_hub_download(MODEL, "{position_file}")
-    except Exception:  # a model not moved to a new resolution has none
-        return None
-
-
-with gr.Blocks(title=MODEL) as demo:
-    gr.Markdown("## " + MODEL)
-    with gr.Row():
-        image = gr.Image(type="pil", label="image")
-        labels = gr.Label(num_top_classes={top_k}, label="top labels")
-    picture = position_picture()
-    if picture:
-        gr.Image(picture, label="position embeddings, before and after the move to the new resolution",
-                 interactive=False)
-    image.change(classify, inputs=image, outputs=labels)
-
-if __name__ == "__main__":
-    demo.launch()
-'''
-SPACE_FILES = {
-    "app.py": lambda repo_id, top_k: SPACE_APP.format(repo_id=repo_id, top_k=top_k, position_file=POSITION_FILE),
-    "requirements.txt": lambda repo_id, top_k: "transformers>=5,<6\ntorch\npillow\ngradio>=5,<7\n",
-    # The YAML values quoted (a JSON string is a YAML one): a repo named null, true or 1e3 keeps its name as text.
-    "README.md": lambda repo_id, top_k: (f"---\ntitle: {json.dumps(repo_id.split('/')[-1])}\nsdk: gradio\n"
-                                         f"app_file: app.py\nmodels:\n- {json.dumps(repo_id)}\n---\nTry "
-                                         f"[{repo_id}](https://huggingface.co/{repo_id}): copy this folder into a new "
-                                         "Space, or run `python app.py`.\n"),
-}
-
-
-def write_space_app(folder: Path, repo_id: str, top_k: int = 5) -> Path:
-    """app.py, requirements.txt and the Space's README in `folder`; returns it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, content in SPACE_FILES.items():
-        (folder / name).write_text(content(repo_id, top_k))
-    return folder
-
-
-def push_space_app(repo_id: str, top_k: int = 5) -> str:
-    """Add the Space-ready app under space/ of the model repo, in a commit of its own after the model's."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
-    from .hub import PushError, require_token
-
-    with tempfile.TemporaryDirectory() as staging:
-        folder = write_space_app(Path(staging) / SPACE_DIR, repo_id, top_k)
-        try:
-            commit = HfApi(token=require_token("push")).upload_folder(
-                repo_id=repo_id, folder_path=folder, path_in_repo=SPACE_DIR,
-                commit_message="Add a Space-ready Gradio app (vit_finetune push --space-app)")
-        except (HfHubHTTPError, OSError) as error:
-            raise PushError(f"the model is pushed to {repo_id}, but its app could not be added: {shortened(error)}. "
-                            f"Run the same push command again to retry") from None
-    return commit.commit_url

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from .multilabel import mixed_rows
 from .recipe import AugmentSettings
 
 SKIPPED_LABEL = -1  # data.SKIPPED_LABEL: a bad image that kept its place in the batch; it trains nothing
@@ -92,8 +93,6 @@ class BatchAugmenter:
             pixels, mixed = self.mixes[mix](pixels, torch.arange(len(labels), device=labels.device)
                                             if label_sets else labels)
         if label_sets:
-            from .multilabel import mixed_rows
-
             return pixels, mixed_rows(labels, mixed.view(-1, 3), MIXES[mix].partner_weight)
         return pixels, self.soft_targets(mixed.view(-1, 3), MIXES[mix].partner_weight)
 

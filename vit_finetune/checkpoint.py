@@ -20,14 +20,11 @@ import yaml
 from safetensors import SafetensorError
 
 from .errors import VitFinetuneError, shortened
+from .layout import (CHECKPOINTS, COMPLETE, DAMAGED_PREFIX, PARTIAL_PREFIX, RECIPE_FILE, STATE_FILE, checkpoint_name,
+                     describe_write_error, rename_into_place)
 from .processes import any_process
-from .recipe import HOME_PATH_KEYS, RECIPE_FILE, Recipe, default_values, excerpt, flatten, write_recipe
+from .recipe import HOME_PATH_KEYS, Recipe, default_values, excerpt, flatten, write_recipe
 
-CHECKPOINTS = "checkpoints"
-COMPLETE = "COMPLETE"
-STATE_FILE = "trainer_state.json"
-PARTIAL_PREFIX = ".partial-"
-DAMAGED_PREFIX = "damaged-"  # a checkpoint that would not load, kept aside for inspection
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {
     "train.resume", "train.resume_ignore_changes", "train.checkpoint_every_steps", "train.keep_checkpoints",
@@ -51,16 +48,6 @@ class DamagedCheckpoint(CheckpointError):
     """A checkpoint whose files cannot be read back (not one that is intact but does not fit this run)."""
 
 
-def describe_write_error(error: Exception, folder: Path) -> str:
-    """The reason a save failed, with the free space left where it was writing (the usual culprit)."""
-    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
-        return reason
-    return f"{reason}; {free / 2**20:.1f} MiB free on that disk"
-
-
 @dataclass
 class TrainState:
     step: int = 0  # optimiser steps done
@@ -77,9 +64,6 @@ class TrainState:
     probe: dict | None = None  # train.method linear_probe / lp_ft: how the head was fitted (probe.ProbeResult)
 
 
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
-
 
 def complete_checkpoints(output_dir: Path) -> list[Path]:
     root = Path(output_dir) / CHECKPOINTS
@@ -93,21 +77,6 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     found = complete_checkpoints(output_dir)
     return found[-1] if found else None
 
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Recipe, keep: int,
@@ -135,11 +104,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
             (partial / STATE_FILE).write_text(json.dumps(asdict(state)))
             write_recipe(recipe, partial)
             (partial / COMPLETE).write_text("")
-            _fsync_tree(partial)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(partial, final)
-            _fsync_dir(root)  # make the rename itself durable before older checkpoints are deleted
+            rename_into_place(partial, final)  # durable before older checkpoints are deleted
         except WRITE_ERRORS as error:
             failure = error
     _stop_everywhere_if_failed(accelerator, failure, partial, final, output_dir)
@@ -148,21 +113,6 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
-
-
-def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file. If
-    the write fails, its partial file goes and `target` stays as it was."""
-    partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
-    try:
-        write(partial)
-        with open(partial, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    _fsync_dir(target.parent)
 
 
 def _stop_everywhere_if_failed(accelerator, failure: Exception | None, partial: Path, final: Path,

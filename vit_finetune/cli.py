@@ -21,7 +21,10 @@ import json
 import sys
 from pathlib import Path
 
-from .onnx_export import QUANTIZATIONS, RUNTIMES
+from . import progress
+from .app import AppError, refuse_a_taken_port, require_gradio, serve
+from .errors import VitFinetuneError, report
+from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
@@ -78,7 +81,7 @@ def _predict_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
-    parser.add_argument("--runtime", choices=RUNTIMES, default="torch",
+    parser.add_argument("--runtime", choices=RUNTIME_FILES, default="torch",
                         help="onnx / onnx-int8: the graph `export --onnx [--quantize int8]` wrote (MODEL may be the "
                              "export folder itself), run by onnxruntime on the CPU")
     return parser
@@ -94,7 +97,7 @@ def _export_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", type=Path, help="the folder to write (default: MODEL/onnx, or ./NAME-onnx for a "
                                                     "Hub id); of an earlier export there, only the files it wrote "
                                                     "(export.json lists them) are replaced")
-    parser.add_argument("--quantize", choices=QUANTIZATIONS,
+    parser.add_argument("--quantize", choices=QUANTIZED_ONNX_FILES,
                         help="also write model_quantized.onnx (dynamic int8) and measure its CPU speed-up and accuracy "
                              "change on the run's eval split")
     parser.add_argument("--tolerance", type=float, default=None,
@@ -194,7 +197,6 @@ def train_command(argv: list[str]) -> int:
 
         print(format_keys(recipe), end="")
         return 0
-    from . import progress
     from .processes import refuse_a_lone_process
 
     # Before the training stack loads (transformers, datasets): a launch refused here answers in about 2 s, not 8.
@@ -292,7 +294,6 @@ def export_command(argv: list[str]) -> int:
 def app_command(argv: list[str]) -> int:
     args = _app_parser().parse_args(argv)
     from . import inference
-    from .app import AppError, refuse_a_taken_port, require_gradio, serve
 
     if not 0 < args.port < 65536:
         raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
@@ -306,8 +307,8 @@ def app_command(argv: list[str]) -> int:
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
     from . import inference
-    from .hub import PushError, push_folder, require_token
-    from .recipe import RECIPE_FILE, read_yaml, validate
+    from .hub import PushError, require_token
+    from .recipe import read_yaml, validate
 
     output_dir = Path(args.output_dir)
     inference.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
@@ -317,31 +318,25 @@ def push_command(argv: list[str]) -> int:
         raise PushError("no repo id: pass --repo-id namespace/name")
     validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
     private = args.private if args.private is not None else bool(saved.get("private", False))
-    from .export import METRICS_FILE
-
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
+    from .publish import push_folder, push_space_app  # loads the training stack: after the refusals above
+
     print(f"pushed to {push_folder(output_dir, repo_id, private, args.space_app)}")
     if args.space_app:
-        from .app import push_space_app
-
         print(f"app added: {push_space_app(repo_id)}")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
-    from .errors import VitFinetuneError, report
-
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
                 "export": export_command, "app": app_command, "push": push_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
-    from . import progress
-
     with progress.configured():  # before the heavy libraries load: their bars follow the terminal / log-file choice
         try:
             return command(argv)

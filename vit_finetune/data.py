@@ -21,13 +21,14 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from . import hub
+from . import hub, labels
+from .labels import LABEL_COLUMN_NAMES
 from .errors import VitFinetuneError
 from .recipe import REPO_ID_PATTERN, DataSettings, excerpt
+from .synthetic import ensure_demo_dataset
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
-LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target", "cls")  # cls: WebDataset
 TARGETS_COLUMN = "vit_finetune_targets"  # a regression's loaded column: each image's list of target values
 
 
@@ -82,12 +83,8 @@ def open_dataset(settings: DataSettings, notes: list[str] | None = None):
     should say of it (a label file found multi-label) is added to `notes`."""
     import datasets
 
-    from . import labels
-
     source = Path(settings.dataset).expanduser()
     if settings.dataset == BUILTIN_SHAPES:
-        from .synthetic import ensure_demo_dataset
-
         source = ensure_demo_dataset(cache_dir() / "shapes")
     try:
         label_file = labels.label_file_of(source)

@@ -14,8 +14,9 @@ before training instead (label_training_images); each batch then looks its rows 
 A DeiT student keeps its distillation token: its distillation head follows the teacher, its class head the
 labels, and the saved model is DeiTForImageClassificationWithTeacher, whose logits average both heads.
 
-What a distilled run says of its teacher (which one, how it taught, what its forwards cost) is built here, once
-(report), and shown by the console, metrics.json (`distillation`) and the model card.
+What a distilled run says of its teacher (which one, how it taught, what its forwards cost) and of its student (its
+depth, and where it came from: cut from the teacher's own blocks, fine-tuned from a base, or random weights) is built
+here, once (report), and shown by the console, metrics.json (`distillation`) and the model card.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import data, tasks
+from . import data, student, tasks
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError, shortened
+from .inference import InputError, load_classifier, model_location, refuse_own_code
 from .recipe import DistillSettings
 
 STUDENT_TASK = tasks.SingleLabel.name  # a teacher's top class or softmax teaches one label per image
@@ -43,8 +45,6 @@ class DistillError(VitFinetuneError):
 
 def teacher_location(settings: DistillSettings) -> str:
     """The teacher's folder or Hub id, found the way `predict` finds a model; a clear error otherwise."""
-    from .inference import InputError, model_location
-
     try:
         return model_location(settings.teacher)
     except InputError as error:
@@ -54,8 +54,6 @@ def teacher_location(settings: DistillSettings) -> str:
 def teacher_config(settings: DistillSettings):
     """The teacher's config.json alone (no weights), read without running any code of its own."""
     from transformers import AutoConfig
-
-    from .inference import InputError, refuse_own_code
 
     location = teacher_location(settings)
     try:
@@ -160,8 +158,6 @@ class Teacher:
 
 def load_teacher(settings: DistillSettings, labels: list[str], student_scale: float, device: torch.device) -> Teacher:
     """Check the teacher's labels from its config, then load its weights (each process its own copy)."""
-    from .inference import InputError, load_classifier
-
     config = teacher_config(settings)
     refuse_other_labels(settings, config, labels)
     try:
@@ -266,13 +262,14 @@ def blend(label_loss: torch.Tensor, distillation_loss: torch.Tensor, settings: D
 
 
 def report(settings: DistillSettings, teacher: Teacher, cache: TeacherLogitsCache | None,
-           training_seconds: float) -> dict:
-    """metrics.json's `distillation`: the teacher, how it taught, and what it cost this process. The teacher's
-    forwards during training are timed one by one (with cache_logits there are none: its pre-pass labelled every
-    training image once, before training, and is timed apart)."""
+           training_seconds: float, student_facts: dict) -> dict:
+    """metrics.json's `distillation`: the teacher, how it taught, the student (student.facts: its depth and where it
+    came from), and what the teacher cost this process. The teacher's forwards during training are timed one by one
+    (with cache_logits there are none: its pre-pass labelled every training image once, before training, and is
+    timed apart)."""
     during_training = 0.0 if cache is not None else teacher.seconds
     facts = {"teacher": settings.teacher, "mode": settings.mode, "weight": settings.weight,
-             "temperature": settings.temperature, "cache_logits": settings.cache_logits,
+             "temperature": settings.temperature, "cache_logits": settings.cache_logits, "student": student_facts,
              "training_seconds": round(training_seconds, 1),
              "teacher_seconds": round(during_training, 3),  # of training_seconds: the teacher's forwards
              "teacher_share": round(during_training / training_seconds, 3) if training_seconds > 0 else None}
@@ -292,4 +289,5 @@ def describe(facts: dict) -> str:
         share = facts["teacher_share"]
         cost = (f"the teacher's forwards took {facts['teacher_seconds']} s of the {facts['training_seconds']} s of "
                 f"training" + (f" ({share:.0%})" if share is not None else ""))
-    return f"taught by the teacher {facts['teacher']} ({how}); {cost}"
+    pupil = f"; the student: {student.describe(facts['student'])}" if "student" in facts else ""  # none in older metrics.json
+    return f"taught by the teacher {facts['teacher']} ({how}){pupil}; {cost}"

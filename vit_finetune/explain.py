@@ -18,9 +18,12 @@ from pathlib import Path
 import torch
 
 from . import tasks
+from .data import BadImageError, decode_image, decoding_settings
 from .errors import VitFinetuneError
 from .families import FAMILIES
-from .inference import label_scores, labels_given
+from .figures import pyplot, save_figure
+from .inference import label_scores, labels_given, load_classifier, path_kind, printable
+from .layout import describe_write_error
 
 METHODS = ("rollout", "gradient")
 # Families whose attention does not span the whole image: a rollout over all patches is not defined there.
@@ -131,9 +134,7 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
 
 def draw_explanation(image, explanation: Explanation, size: int, method: str, path: Path) -> None:
     """The image as the model sees it (its resolution), the same with the heat map per patch, and the top labels."""
-    from .pictures import _pyplot, save_figure
-
-    plt = _pyplot()
+    plt = pyplot()
     shown = image.convert("RGB").resize((size, size))
     figure, (plain, heat, bars) = plt.subplots(1, 3, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
     plain.imshow(shown)
@@ -181,8 +182,6 @@ def output_names(names: list[str], method: str) -> list[str]:
 def check_output_dir(output_dir: Path, names: list[str], overwrite: bool = False) -> None:
     """--output-dir must be a folder, or a name for a new one: never a file (it is the user's). Pictures it already
     holds under `names` are replaced only with --overwrite, as predict's and evaluate's outputs are."""
-    from .inference import path_kind
-
     if path_kind(output_dir, str(output_dir), "--output-dir") == "file":
         raise ExplainError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
     existing = [name for name in names if (output_dir / name).exists()]
@@ -196,9 +195,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
                    label: str | None = None, device: str = "cpu", top_k: int = 5) -> list[Path]:
     """One PNG per readable image in output_dir, and a line naming it with the labels the model gives the image
     (what predict lists); unreadable ones are reported and skipped. Returns the files."""
-    from .data import BadImageError, decode_image, decoding_settings
-    from .inference import load_classifier, printable
-
     model, processor = load_classifier(model_name, device, eager_attention=True)
     check_supported(model.config)  # before any image is read
     if label is not None and label not in model.config.label2id:
@@ -218,7 +214,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
             draw_explanation(image, explanation, FAMILIES[model.config.model_type].image_size(model.config), method,
                              output_dir / name)
         except OSError as error:
-            from .checkpoint import describe_write_error
 
             reason = describe_write_error(error, output_dir)
             raise ExplainError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}) at {name!r}; the "

@@ -93,13 +93,14 @@ CLIP_ROLES = {  # CLIP and SigLIP vision towers: vision_model.encoder.layers.N.s
 }
 VIT_ROLES = {role: TRANSFORMERS5_ROLES[role] + LEGACY_ROLES[role] for role in TRANSFORMERS5_ROLES}
 
-_SEQUENTIAL_BLOCK = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+# A block of a one-stack family: group 1 is its 0-based index (layer decay reads it, model.keep_blocks renumbers it).
+SEQUENTIAL_BLOCK = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 _SWIN_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:blocks\.(\d+)|downsample)\.")
 
 
 def sequential_block_index(name: str, config: PretrainedConfig) -> int | None:
     """0-based depth of the transformer block holding parameter `name`; None outside the blocks."""
-    match = _SEQUENTIAL_BLOCK.search(name)
+    match = SEQUENTIAL_BLOCK.search(name)
     return int(match.group(1)) if match else None
 
 
@@ -144,6 +145,9 @@ class Family:
     # (the class token's, the distillation token's); None: the student keeps its one head.
     distilled_class: str | None = None
     distilled_heads: tuple[str, str] | None = None
+    # One stack of blocks of the same width, numbered 0..N-1: a shallower model can keep any of them
+    # (model.keep_blocks). Swin's blocks sit in stages that change width and resolution: no such cut.
+    one_block_stack: bool = True
 
     def new_modules(self) -> tuple[str, ...]:
         """Name prefixes of what may be newly initialised: the head, and what the family adds with it."""
@@ -208,10 +212,11 @@ FAMILIES: dict[str, Family] = {
     "swin": Family("Swin", "SwinForImageClassification", "swin",
                    (AbsoluteTable("embeddings.position_embeddings", 0), WindowBiasTables()),
                    "config size only (window kept); bias tables resized bicubically when model.window_size changes",
-                   block_index=swin_block_index, set_window=set_swin_window),
+                   block_index=swin_block_index, set_window=set_swin_window, one_block_stack=False),
     "swinv2": Family("Swinv2", "Swinv2ForImageClassification", "swinv2", (),
                      "config size only: continuous position MLP, no tensor to resize",
-                     roles=SWINV2_ROLES, block_index=swin_block_index, set_window=set_swinv2_window),
+                     roles=SWINV2_ROLES, block_index=swin_block_index, set_window=set_swinv2_window,
+                     one_block_stack=False),
     "clip": Family("CLIP vision tower", "CLIPForImageClassification", "vision_model",
                    (AbsoluteTable("embeddings.position_embedding.weight", 1),),
                    "position nn.Embedding resampled (class row kept), vision_config.image_size",

@@ -1,27 +1,19 @@
-"""Publishing: create the repo and upload a finished output folder to the Hub in one commit.
+"""Talking to the Hub: the token, a timeout for every request, the offline switches, and one quick question
+before a download (is this id there at all?), so that a dead connection or a wrong id fails at once, with the fix.
 
-huggingface_hub retries its upload calls but sends the commit once and waits forever for an answer, so the whole
-push is retried here with back-off, under a timeout per request. A push publishes only what the run's manifest
-lists, and only reads the output folder: a failure never touches the local files.
+Data, model and streaming download through it; publishing a run (publish.py) pushes through it. It loads no part
+of the training stack: predict's check of a model that is not a folder answers without torch.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
-import time
 from contextlib import contextmanager
-from pathlib import Path
 
-from huggingface_hub import HfApi, get_token
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub import get_token
 
 from .errors import VitFinetuneError, shortened
-
-# The model card's module (.export) loads torch: it is imported where a push needs it, so that asking the Hub about an
-# id (predict's check of a model that is not a folder) answers without it.
-
-RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
+from .layout import CARD_FILE, CONFIG_FILE
 
 
 class PushError(VitFinetuneError):
@@ -137,7 +129,7 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return None
-    cached_file = "config.json" if repo_type == "model" else "README.md"
+    cached_file = CONFIG_FILE if repo_type == "model" else CARD_FILE  # a dataset repo's card
     if isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str):
         return None
     ask = HfApi().model_info if repo_type == "model" else HfApi().dataset_info
@@ -155,99 +147,3 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
                 f"Fix: {UNREACHABLE_FIX[repo_type]}")
     return None
 
-
-def is_retryable(error: Exception) -> bool:
-    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card) will not."""
-    status = getattr(getattr(error, "response", None), "status_code", None)
-    return status is None or status in (408, 429) or status >= 500
-
-
-def failure_reason(error: Exception, timeout: float) -> str:
-    """One line on what went wrong with a request."""
-    import httpx2
-
-    if isinstance(error, httpx2.TimeoutException):
-        return f"the Hub did not answer within {timeout:g} s ({TIMEOUT_VARIABLE}): timed out"
-    if isinstance(error, httpx2.TransportError):
-        return f"connection error: {type(error).__name__}: {error}"
-    return f"{type(error).__name__}: {error}"
-
-
-def published_files(output_dir: Path) -> list[str]:
-    """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
-    left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
-    from .checkpoint import CHECKPOINTS
-    from .export import STAGING
-    from .outputs import MANIFEST, claimed
-    from .selection import BEST_DIR
-
-    kept_for_the_run = {CHECKPOINTS, STAGING, BEST_DIR}  # resumable state, the final save's staging, keep-best's copy
-    names = sorted(name for name in claimed(output_dir)
-                   if not name.startswith(".") and name not in kept_for_the_run and (output_dir / name).exists())
-    if not names:
-        raise PushError(f"{output_dir} holds no {MANIFEST} listing what a run wrote there, so what to publish is unknown; "
-                        "push a folder written by `python -m vit_finetune` (or upload your own files with `hf upload`)")
-    return names
-
-
-def upload_operations(output_dir: Path, names: list[str], repo_id: str) -> list:
-    """One commit's files: every file under the published `names`, the model card's usage snippet naming `repo_id`
-    (the local card is not changed)."""
-    from huggingface_hub import CommitOperationAdd
-
-    from .export import CARD_FILE, card_loading_from
-
-    files = sorted(path for name in names for path in ([output_dir / name] if (output_dir / name).is_file()
-                                                          else (output_dir / name).rglob("*"))
-                   if path.is_file() and not any(part.startswith(".") for part in path.relative_to(output_dir).parts))
-    return [CommitOperationAdd(path_in_repo=path.relative_to(output_dir).as_posix(), path_or_fileobj=(
-                card_loading_from(path.read_text(), repo_id).encode() if path.name == CARD_FILE and path.parent == output_dir
-                else path))
-            for path in files]
-
-
-def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app: bool = False) -> str:
-    """Upload what the run wrote (its manifest, checkpoints left out) in one commit and return the commit URL.
-    `space_app`: the push command was asked for the Space app too, so the command to push again asks for it.
-
-    The whole push (create, upload, commit) is retried with back-off on connection errors, timeouts and 5xx;
-    every request times out. The output folder is only read: a failure never touches it.
-    """
-    import httpx2
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    from .export import METRICS_FILE
-
-    output_dir = Path(output_dir)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise PushError(f"repo id {repo_id!r} is not a valid Hub id ({error}); use namespace/name with letters, "
-                        "digits, '-', '_' or '.' (no '--' or '..')") from None
-    if not (output_dir / METRICS_FILE).is_file():
-        raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
-    names = published_files(output_dir)
-    timeout = request_timeout()
-    api = HfApi(token=require_token())
-    attempts = 1 + len(RETRY_DELAYS)
-    reason = ""
-    with requests_time_out(timeout):
-        for attempt, delay in enumerate((0.0, *RETRY_DELAYS), start=1):  # read at each call: tests shorten it
-            time.sleep(delay)
-            try:
-                api.create_repo(repo_id, private=private, exist_ok=True)
-                commit = api.create_commit(repo_id, upload_operations(output_dir, names, repo_id),
-                                           commit_message=f"Upload {output_dir.name} with vit_finetune")
-                return commit.commit_url
-            except (HfHubHTTPError, httpx2.TransportError, OSError) as error:
-                reason = " ".join(failure_reason(error, timeout).split())[:300]
-                if not is_retryable(error):
-                    break
-                if attempt < attempts:
-                    print(f"push attempt {attempt} of {attempts} failed ({reason}); retrying in {RETRY_DELAYS[attempt - 1]:g} s",
-                          flush=True)
-    again = (f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}"
-             f"{' --private' if private else ''}{' --space-app' if space_app else ''}")
-    raise PushError(f"could not push {output_dir} to {repo_id} after {attempt} attempt(s) ({reason}). "
-                    f"The model is safe in {output_dir}: the local folder is intact. Push it again with: {again}")

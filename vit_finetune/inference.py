@@ -8,13 +8,16 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Iterator
 
 from .errors import VitFinetuneError, shortened
 from .labels import LabelFileError, label_file_of
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt
+from .layout import (CONFIG_FILE, CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
+                     describe_write_error, replace_atomically)
+from .progress import progress
+from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt, load_recipe
 from .spreadsheet import csv_writer
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
@@ -46,7 +49,7 @@ def model_location(name: str) -> str:
         return str(ASSETS_DIR / name.removeprefix(BUILTIN_PREFIX))
     path = Path(name).expanduser()
     if path_kind(path, name, "the model") == "folder":
-        if not (path / "config.json").is_file():
+        if not (path / CONFIG_FILE).is_file():
             raise InputError(f"{name} is a folder but holds no config.json: not a saved model. "
                                     "Give a run's output_dir or a Hub model id")
         return str(path)
@@ -225,8 +228,6 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None
     import torch
 
     from .data import BadImageError, decode_image, decoding_settings
-    from .progress import progress
-
     settings = decoding_settings(model.config)
     device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
@@ -343,7 +344,6 @@ def refuse_output_among_inputs(output: str | None, sources: list[ImageSource], d
 def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
     """`write` into a temporary file beside `path`, renamed over it once complete: a kill or an error midway leaves
     no partial file under the name, and a file that was there stays as it was."""
-    from .checkpoint import describe_write_error, replace_atomically
 
     counted: list[int] = []
     try:
@@ -358,9 +358,6 @@ def write_output(write, rows: Iterator[dict], path: Path, top_k: int) -> int:
 def check_evaluation_folder(output_dir: Path, overwrite: bool) -> None:
     """evaluate --output-dir: a folder (or a name for a new one) whose metrics.json and pictures may be written,
     checked before the model loads: a file there is replaced only with --overwrite."""
-    from .export import METRICS_FILE
-    from .pictures import CONFUSION_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE
-
     kind = path_kind(output_dir, str(output_dir), "--output-dir")
     if kind == "file":
         raise InputError(f"--output-dir {str(output_dir)!r} is a file, not a folder; choose another --output-dir")
@@ -422,13 +419,12 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
     from . import data, evaluation, multilabel, tasks
     from .families import FAMILIES
-    from .recipe import load_recipe
 
     task = tasks.of_config(model.config)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     precision = "no"
     if dataset is None:
-        recipe_file = Path(model_location(name)) / "recipe.yaml"
+        recipe_file = Path(model_location(name)) / RECIPE_FILE
         if not recipe_file.is_file():
             raise InputError(f"{name} holds no recipe.yaml, so its eval split is unknown; "
                                     "pass --dataset D --split S")
@@ -486,12 +482,11 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
 def write_evaluation(output_dir: Path, metrics: dict, draw_pictures) -> None:
     """The pictures, then metrics.json, each through a temporary file renamed into place: a full disk or a kill
     midway leaves every file there whole (new, or as it was), and is reported as an error, not a traceback."""
-    from .checkpoint import describe_write_error, replace_atomically
 
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         draw_pictures()
-        replace_atomically(output_dir / "metrics.json", lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
+        replace_atomically(output_dir / METRICS_FILE, lambda partial: partial.write_text(json.dumps(metrics, indent=1)))
     except OSError as error:
         reason = describe_write_error(error, output_dir)
         raise InputError(f"--output-dir {str(output_dir)!r} cannot be written ({reason}); no file there is "

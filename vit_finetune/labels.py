@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any, Callable, Iterator
 from .recipe import DataSettings, excerpt
 
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
+# A label file's or a dataset's label column, when data.label_column does not name it (cls: WebDataset).
+LABEL_COLUMN_NAMES = ("label", "labels", "fine_label", "class", "category", "target", "cls")
 PATH_COLUMNS = ("file_name", "image", "path", "file", "filename")  # file_name: datasets' imagefolder's name
 SPLIT_COLUMN = "split"
 SHOWN_PROBLEMS = 30  # a file with thousands of bad rows is reported by its first ones and a count
@@ -147,8 +150,6 @@ class LabelTable:
 
 def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
     """Read and check every row; LabelFileError lists all problems, each with its line."""
-    from .data import LABEL_COLUMN_NAMES
-
     folder = path.parent.resolve()
     rows, problems = [], []
     for item in READERS[path.suffix.lower()](path):
@@ -249,11 +250,7 @@ def load_target_file(path: Path, settings: DataSettings):
     """A regression's label file as a DatasetDict: the image path column and one float column per target
     (data.target_columns, else the label column). Every cell must be a finite number; all problems are reported at
     once, each with its line."""
-    import math
-
     import datasets
-
-    from .data import LABEL_COLUMN_NAMES
 
     folder = path.parent.resolve()
     rows, problems = [], []

@@ -20,7 +20,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import checkpoint, distill, evaluation, progress as display, streaming
+from . import augment, checkpoint, data, distill, evaluation, layout, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -247,7 +247,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
     if interrupt.raised:  # heard between two forward passes: state stands at the last step's end again
         latest = checkpoint.latest_checkpoint(Path(run.recipe.output_dir))
         # Not again for a step already saved (the one resumed from, say): its folder would be replaced for nothing.
-        if state.step > 0 and (latest is None or latest.name != checkpoint.checkpoint_name(state.step)):
+        if state.step > 0 and (latest is None or latest.name != layout.checkpoint_name(state.step)):
             finite = pending_finite if pending_finite is not None else torch.ones((), dtype=torch.bool)
             _checkpoint_if_due(run, finite.to(run.accelerator.device), log, True, callbacks)
         raise Interrupted(_interrupt_message(run.recipe, state))

@@ -21,9 +21,10 @@ from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTr
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import hub
+from . import hub, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
+from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
 from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, LoraSettings, ModelSettings
 
@@ -49,8 +50,8 @@ def base_location(settings: ModelSettings) -> str:
         return settings.base
     name = settings.base.removeprefix(BUILTIN_PREFIX)
     path = ASSETS_DIR / name
-    if not (path / "config.json").is_file():
-        shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / "config.json").is_file()) if ASSETS_DIR.is_dir() else []
+    if not (path / CONFIG_FILE).is_file():
+        shipped = sorted(p.name for p in ASSETS_DIR.iterdir() if (p / CONFIG_FILE).is_file()) if ASSETS_DIR.is_dir() else []
         raise ModelError(f"model.base={settings.base!r}: no shipped model {name!r}; shipped: {shipped}")
     return str(path)
 
@@ -92,6 +93,7 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
             "attention window: remove the key or set it to null"
         )
     set_drop_path_rate(config, settings)  # a family without stochastic depth is refused before any download
+    student.check(settings, config, family)  # model.keep_blocks: a family or depth that cannot be cut
     return config
 
 
@@ -203,6 +205,8 @@ def target_config(base_config: PretrainedConfig, settings: ModelSettings, labels
     config.id2label = dict(enumerate(labels))
     config.label2id = {label: index for index, label in enumerate(labels)}
     config.architectures = [family.classification_class]
+    if settings.keep_blocks is None:  # a base an earlier run cut: that record is not this run's
+        student.forget_cut(config)
     set_drop_path_rate(config, settings)
     return config
 
@@ -229,6 +233,8 @@ def build_model(settings: ModelSettings, labels: list[str],
     """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
+        if settings.keep_blocks is not None:  # the cut student's architecture, from random weights
+            config = student.with_depth(config, family_of(config), len(student.chosen_blocks(settings.keep_blocks)))
         model = family_of(config).model_class()(config).float()
         after = absolute_table(family_of(config), model.state_dict())
         if on_resample is not None and after is not None:
@@ -236,18 +242,22 @@ def build_model(settings: ModelSettings, labels: list[str],
         return model
     family = family_of(load_base_config(settings), settings.base)
     pretrained = load_pretrained(settings, family)
+    if settings.keep_blocks is not None:  # a student cut from the base's own blocks, its head kept if it fits
+        pretrained = student.cut(pretrained, settings.keep_blocks, labels)
+    keeps_head = settings.keep_blocks is not None and student.kept_head(pretrained.config)
     config = target_config(pretrained.config, settings, labels)
     model = family.model_class()(config).float()
 
     # What the family initialises with the head (BEiT's pooling norm) is in `pretrained`: loaded, or fresh there.
-    state = {k: v for k, v in pretrained.state_dict().items() if not k.startswith(f"{family.head}.")}
+    state = {k: v for k, v in pretrained.state_dict().items() if keeps_head or not k.startswith(f"{family.head}.")}
     before = absolute_table(family, state)
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
         resize(state, moved)
     if on_resample is not None and before is not None:
         on_resample(before, absolute_table(family, state))
-    state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
+    if not keeps_head:
+        state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model
 
@@ -353,5 +363,6 @@ def describe(config: PretrainedConfig) -> str:
     family = family_of(config)
     size, patch = family.image_size(config), family.patch_size(config)
     grid = size // patch
-    return (f"{family.name} {family.vision_config(config).hidden_size}d x {family.num_blocks(config)} blocks, "
-            f"patch {patch}, {size}px ({grid}x{grid} grid)")
+    cut = student.config_in_words(config)
+    return (f"{family.name} {family.vision_config(config).hidden_size}d x {family.num_blocks(config)} blocks"
+            f"{f' ({cut})' if cut else ''}, patch {patch}, {size}px ({grid}x{grid} grid)")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .figures import pyplot, save_figure
+
 PROBLEM_TYPE = "multi_label_classification"  # config.problem_type: pipeline() applies a sigmoid for it
 THRESHOLDS_KEY = "label_thresholds"  # config.json: {label: threshold}, read by predict
 DEFAULT_THRESHOLD = 0.5
@@ -230,9 +232,7 @@ def precision_recall_curve(scores: np.ndarray, truth: np.ndarray) -> tuple[np.nd
 
 def draw_precision_recall(scores: np.ndarray, rows: np.ndarray, labels: list[str], thresholds: dict, path) -> None:
     """One precision-recall curve per label (up to 20), each with a dot at its chosen threshold."""
-    from .pictures import _pyplot, save_figure
-
-    plt = _pyplot()
+    plt = pyplot()
     shown = range(min(20, len(labels)))
     columns = min(5, len(shown))
     rows_of_plots = -(-len(shown) // columns)

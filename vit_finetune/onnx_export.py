@@ -28,30 +28,25 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
+from .data import decode_image, decoding_settings, make_loader
 from .errors import VitFinetuneError, shortened
+from .families import FAMILIES
+from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
+from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
+                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, rename_into_place,
+                     replace_atomically)
+from .outputs import claim
+from .run_outputs import save_image_processor
+from .synthetic import generate_arrays
+from .tasks import Answers, of_config
 
-if TYPE_CHECKING:  # annotations only: the command line's help reads this module, and the tasks load torch
-    from .tasks import Answers
-
-# torch is imported where it is used: the command line reads RUNTIMES and QUANTIZATIONS for its help.
-
-ONNX_DIR = "onnx"  # inside a run's folder, as Hub repos hold their ONNX files
-MODEL_FILE = "model.onnx"
-REPORT_FILE = "export.json"
 DEFAULT_TOLERANCE = 1e-3  # max abs logit difference; fp32 exports measure ~1e-7 to 1e-5
 PARITY_IMAGES = 8
 EXTERNAL_DATA_BYTES = 1_800_000_000  # above this, weights go to model.onnx.data (protobuf caps a file at 2 GiB)
 # --quantize KIND -> (file, onnxruntime QuantType name): weights stored as int8, activations quantised per batch.
-QUANTIZATIONS = {"int8": ("model_quantized.onnx", "QInt8")}
-# predict --runtime NAME -> the file it runs (None: the PyTorch model itself).
-RUNTIMES = {"torch": None, "onnx": MODEL_FILE, **{f"onnx-{kind}": file for kind, (file, _) in QUANTIZATIONS.items()}}
+QUANTIZATIONS = {"int8": (QUANTIZED_ONNX_FILES["int8"], "QInt8")}
 VERSIONED_PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
-# Every name an export may write in its folder: the most export.json can claim, whatever it lists.
-EXPORT_NAMES = frozenset({MODEL_FILE, f"{MODEL_FILE}.data", *(file for file, _ in QUANTIZATIONS.values()),
-                          "config.json", "preprocessor_config.json", REPORT_FILE})
-STAGING_MARK = ".partial-"  # .TARGET.partial-PID-XXXX: an export being written beside TARGET by process PID
 
 
 class ExportError(VitFinetuneError):
@@ -82,13 +77,13 @@ def claimed_names(folder: Path) -> set[str] | None:
     """The names an earlier export of this toolkit wrote in `folder`, as its export.json lists them (only names an
     export writes count); None when there is no export.json of ours."""
     try:
-        report = json.loads((folder / REPORT_FILE).read_text())
+        report = json.loads((folder / EXPORT_REPORT_FILE).read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(report, dict):
         return None
     if isinstance(report.get("files"), list):
-        return {name for name in report["files"] if name in EXPORT_NAMES} | {REPORT_FILE}
+        return {name for name in report["files"] if name in EXPORT_NAMES} | {EXPORT_REPORT_FILE}
     # An export written before export.json listed its files: it wrote the fixed set of names.
     return set(EXPORT_NAMES) if {"exporter", "parity", "source"} <= report.keys() else None
 
@@ -141,10 +136,14 @@ def export_graph(model, image_size: int, path: Path) -> None:
 
 
 def session(path: Path):
+    """An onnxruntime session on the CPU with as many threads as torch has (OMP_NUM_THREADS, else one per core):
+    predict's runtimes, and export's float and int8 timings, then run on the same threads."""
     import onnxruntime
+    import torch
 
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3  # errors only: its graph-optimisation notices are not the user's concern
+    options.intra_op_num_threads = torch.get_num_threads()
     return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -177,8 +176,6 @@ def parity_images(images: list | None, eval_set, processor, image_size: int, con
     eval images of the run, else rendered shapes."""
     import torch
 
-    from .data import decode_image, decoding_settings
-
     if images:
         settings = decoding_settings(config)
         decoded = [decode_image(source.encoded, index, settings, source.folders) for index, source in enumerate(images)]
@@ -189,8 +186,6 @@ def parity_images(images: list | None, eval_set, processor, image_size: int, con
         return ParityImages(pixels, f"the first {count} images of the run's eval split")
     else:
         from PIL import Image
-
-        from .synthetic import generate_arrays
 
         arrays, _, _ = generate_arrays(2, split="validation", task="demo", image_size=image_size)
         decoded = [Image.fromarray(array) for array in arrays[:PARITY_IMAGES]]
@@ -205,8 +200,8 @@ def quantize(staging: Path, kind: str) -> Path:
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     file, weight_type = QUANTIZATIONS[kind]
-    prepared = staging / f"prepared-{MODEL_FILE}"
-    quant_pre_process(str(staging / MODEL_FILE), str(prepared))
+    prepared = staging / f"prepared-{ONNX_FILE}"
+    quant_pre_process(str(staging / ONNX_FILE), str(prepared))
     quantize_dynamic(str(prepared), str(staging / file), weight_type=getattr(QuantType, weight_type))
     prepared.unlink()
     return staging / file
@@ -214,8 +209,6 @@ def quantize(staging: Path, kind: str) -> Path:
 
 def answers_for(config) -> Answers:
     """How the model's task decides and scores its answers (tasks.Task.answers)."""
-    from .tasks import of_config
-
     return of_config(config).answers(config)
 
 
@@ -224,8 +217,6 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
     """Accuracy and CPU speed of the float and the quantised graph, batch by batch on the same pixels (interleaved,
     so a busy machine slows both alike); only session.run is timed, not the image decoding. Without a labelled
     eval split, agreement of their answers on the parity pixels."""
-    from .data import make_loader
-
     batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
                make_loader(eval_set, batch_size, False, 0, 0, False))
     seconds, correct, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0, 0
@@ -264,9 +255,7 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
 def own_eval_split(name: str, model, processor):
     """The run's own eval split (the one `evaluate` uses), or None for a model with no recipe.yaml or whose
     dataset is not here (a pushed run trained on a local folder), said in a line."""
-    from .inference import eval_split_of, model_location
-
-    if not (Path(model_location(name)) / "recipe.yaml").is_file():
+    if not (Path(model_location(name)) / RECIPE_FILE).is_file():
         return None
     try:
         return eval_split_of(name, model, processor)
@@ -283,7 +272,7 @@ def current_umask() -> int:
 
 def staging_folder(target: Path) -> Path:
     """A new folder beside `target` (on its disk, so files move into it by rename) named after this process."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_MARK}{os.getpid()}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{EXPORT_STAGING_MARK}{os.getpid()}-", dir=target.parent))
     staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
     return staging
 
@@ -291,8 +280,8 @@ def staging_folder(target: Path) -> Path:
 def remove_stale_staging(target: Path) -> None:
     """Staging folders beside `target` left by an export that was killed (its process is gone): a kill cannot be
     cleaned up after, so the next export does it."""
-    for folder in target.parent.glob(f".{glob.escape(target.name)}{STAGING_MARK}*"):
-        pid = folder.name.removeprefix(f".{target.name}{STAGING_MARK}").split("-")[0]
+    for folder in target.parent.glob(f".{glob.escape(target.name)}{EXPORT_STAGING_MARK}*"):
+        pid = folder.name.removeprefix(f".{target.name}{EXPORT_STAGING_MARK}").split("-")[0]
         if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
 
@@ -310,29 +299,25 @@ def process_alive(pid: int) -> bool:
 def publish(staging: Path, target: Path, earlier: set[str]) -> None:
     """Move the staged export into `target`, file by file, export.json last; remove the names the earlier export
     there claimed (`earlier`) that this one did not write. Nothing else in `target` is touched."""
-    from .checkpoint import replace_atomically  # loads torch: not at the top, which the command line's help reads
-
     written = {entry.name for entry in staging.iterdir()}
     if not target.exists():
-        os.replace(staging, target)
+        rename_into_place(staging, target)
         return
     # Claimed before any file moves (the new report, listing the earlier names too): a kill midway leaves nothing
     # the next export would take for the user's.
-    claim = {**json.loads((staging / REPORT_FILE).read_text()), "files": sorted(earlier | written)}
-    replace_atomically(target / REPORT_FILE, lambda partial: partial.write_text(json.dumps(claim, indent=1)))
-    for name in sorted(written - {REPORT_FILE}):
+    claim = {**json.loads((staging / EXPORT_REPORT_FILE).read_text()), "files": sorted(earlier | written)}
+    replace_atomically(target / EXPORT_REPORT_FILE, lambda partial: partial.write_text(json.dumps(claim, indent=1)))
+    for name in sorted(written - {EXPORT_REPORT_FILE}):
         os.replace(staging / name, target / name)
     for name in sorted(earlier - written):  # an earlier --quantize's graph, stale beside the new weights
         (target / name).unlink(missing_ok=True)
-    os.replace(staging / REPORT_FILE, target / REPORT_FILE)
+    os.replace(staging / EXPORT_REPORT_FILE, target / EXPORT_REPORT_FILE)
     staging.rmdir()
 
 
 def claim_in_run_folder(location: str, target: Path) -> None:
     """An export in a run's own onnx/ is named in the run's manifest, so a later run with overwrite=true removes
     it with the weights it was made from instead of leaving a stale graph beside new weights."""
-    from .outputs import MANIFEST, claim
-
     folder = Path(location)
     if target.resolve() == (folder / ONNX_DIR).resolve() and (folder / MANIFEST).is_file():
         claim(folder, (ONNX_DIR,))
@@ -342,10 +327,6 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
                 tolerance: float = DEFAULT_TOLERANCE, images: list | None = None,
                 eval_limit: int | None = None) -> Path:
     """Export `name` (a run's folder or a Hub id) to `output`; returns the folder written. See the module doc."""
-    from .export import save_image_processor
-    from .families import FAMILIES
-    from .inference import load_classifier, model_location
-
     require_onnx_packages()
     if not tolerance > 0:
         raise ExportError(f"--tolerance {tolerance}: give a positive max abs logit difference, e.g. {DEFAULT_TOLERANCE}")
@@ -367,8 +348,8 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
         raise unwritable(given, error) from None
     try:
         print(f"exporting {name} at {image_size}x{image_size} px (torch.onnx dynamo exporter) ...")
-        export_graph(model, image_size, staging / MODEL_FILE)
-        float_runner = session(staging / MODEL_FILE)
+        export_graph(model, image_size, staging / ONNX_FILE)
+        float_runner = session(staging / ONNX_FILE)
         difference = logit_difference(model, float_runner, parity.pixels)
         print(f"parity: max abs logit difference PyTorch vs ONNX Runtime = {difference:.3g} on {parity.source} "
               f"(tolerance {tolerance:g})")
@@ -389,8 +370,8 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
             report["quantized"] = {"kind": quantize_kind, "file": quantized.name, **figures,
                                    "measured_on": "the run's eval split" if eval_set is not None else parity.source}
             print(quantization_summary(report["quantized"]))
-        report["files"] = sorted({entry.name for entry in staging.iterdir()} | {REPORT_FILE})
-        (staging / REPORT_FILE).write_text(json.dumps(report, indent=1))
+        report["files"] = sorted({entry.name for entry in staging.iterdir()} | {EXPORT_REPORT_FILE})
+        (staging / EXPORT_REPORT_FILE).write_text(json.dumps(report, indent=1))
         publish(staging, target, earlier)
     except OSError as error:  # a full disk while staging: the earlier export was not touched
         shutil.rmtree(staging, ignore_errors=True)
@@ -404,7 +385,6 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
 
 def unwritable(target: Path, error: OSError) -> ExportError:
     """The export could not be written (a full or read-only disk): the reason, and that nothing was replaced."""
-    from .checkpoint import describe_write_error
 
     existing = next(folder for folder in [target, *target.parents] if folder.exists())
     reason = describe_write_error(error, existing)
@@ -438,8 +418,6 @@ class OnnxClassifier:
         from transformers import AutoConfig
         import torch
 
-        from .inference import InputError, refuse_own_code
-
         quantize = "".join(f" --quantize {kind}" for kind, (name, _) in QUANTIZATIONS.items() if name == file)
         again = f"Export it again: python -m vit_finetune export MODEL --onnx{quantize} --output {folder}"
         refuse_own_code(str(folder), str(folder))
@@ -462,8 +440,6 @@ class OnnxClassifier:
 
 def export_folder(name: str) -> Path:
     """Where a model's export is: the folder itself if it is one, its onnx/ subfolder, or a Hub repo's onnx/."""
-    from .inference import InputError, model_location
-
     location = model_location(name)
     folder = Path(location)
     if not folder.is_dir():
@@ -471,9 +447,9 @@ def export_folder(name: str) -> Path:
 
         folder = Path(snapshot_download(location, allow_patterns=[f"{ONNX_DIR}/*"]))
     for candidate in (folder, folder / ONNX_DIR):
-        if (candidate / MODEL_FILE).is_file():
+        if (candidate / ONNX_FILE).is_file():
             return candidate
-    raise InputError(f"{name} holds no ONNX export ({MODEL_FILE} or {ONNX_DIR}/{MODEL_FILE}); make one with "
+    raise InputError(f"{name} holds no ONNX export ({ONNX_FILE} or {ONNX_DIR}/{ONNX_FILE}); make one with "
                      f"`python -m vit_finetune export {name} --onnx`")
 
 
@@ -481,12 +457,10 @@ def load_onnx_classifier(name: str, runtime: str):
     """(OnnxClassifier, its image processor) for predict --runtime onnx / onnx-int8."""
     from transformers import AutoImageProcessor
 
-    from .inference import InputError
-
     require_onnx_packages()
     folder = export_folder(name)
-    if not (folder / RUNTIMES[runtime]).is_file():
+    if not (folder / RUNTIME_FILES[runtime]).is_file():
         kind = runtime.removeprefix("onnx-")
-        raise InputError(f"{folder} holds no {RUNTIMES[runtime]}; make it with "
+        raise InputError(f"{folder} holds no {RUNTIME_FILES[runtime]}; make it with "
                          f"`python -m vit_finetune export {name} --onnx --quantize {kind}`")
-    return OnnxClassifier(folder, RUNTIMES[runtime]), AutoImageProcessor.from_pretrained(folder)
+    return OnnxClassifier(folder, RUNTIME_FILES[runtime]), AutoImageProcessor.from_pretrained(folder)

@@ -16,13 +16,11 @@ import os
 from pathlib import Path
 from typing import IO
 
-from .checkpoint import PARTIAL_PREFIX, describe_write_error, replace_atomically
+from .data import BUILTIN_SHAPES, cache_dir
 from .labels import READERS
+from .layout import LOCK, MANIFEST, PARTIAL_PREFIX, SHARED_CHECK, describe_write_error, replace_atomically
 from .recipe import BUILTIN_PREFIX, Recipe, _is_dir, _is_file, excerpt
 
-MANIFEST = ".vit_finetune_manifest.json"
-LOCK = ".vit_finetune.lock"
-SHARED_CHECK = ".vit_finetune_shared"  # several processes: a token from the main process that all must read back
 
 
 def claimed(output_dir: Path) -> set[str]:
@@ -57,8 +55,6 @@ def resolved(path: Path | str) -> Path:
 def dataset_folder(recipe: Recipe) -> Path | None:
     """The local folder the data is read from, if any: an image or saved-dataset folder, or a label file's folder
     (its images lie in it or below). A Hub id has none."""
-    from .data import BUILTIN_SHAPES, cache_dir
-
     if recipe.data.dataset == BUILTIN_SHAPES:
         return cache_dir() / "shapes"
     source = Path(recipe.data.dataset).expanduser()

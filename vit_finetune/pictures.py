@@ -10,33 +10,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-POSITION_FILE = "position_embeddings.png"
-CONFUSION_FILE = "confusion_matrix.png"
-MISCLASSIFIED_FILE = "misclassified.png"
-PRECISION_RECALL_FILE = "precision_recall.png"  # multi-label runs, instead of the two above
-PREDICTED_VS_TRUE_FILE = "predicted_vs_true.png"  # regression runs
+from .data import BadImageError
+from .evaluation import DENSE_CONFUSION_LABELS, confusion_matrix
+from .figures import pyplot, save_figure
+from .layout import CONFUSION_FILE, MISCLASSIFIED_FILE
+
 MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
 MAX_MISCLASSIFIED = 24
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(figure, path: Path, **options) -> None:
-    """`figure` drawn into `path` through a temporary file renamed over it, then closed: a kill or a full disk
-    midway leaves a picture already there (a user's, or an earlier evaluation's) as it was, never half of one."""
-    from .checkpoint import replace_atomically
-
-    try:
-        replace_atomically(Path(path), lambda partial: figure.savefig(partial, **options))
-    finally:
-        _pyplot().close(figure)
 
 
 def patch_grid(table: torch.Tensor) -> torch.Tensor:
@@ -70,7 +50,7 @@ def mosaic(maps: np.ndarray, max_per_side: int = MAX_MAPS_PER_SIDE) -> np.ndarra
 
 def draw_position_similarity(before: torch.Tensor | None, after: torch.Tensor, path: Path) -> None:
     """Base and resampled position embeddings side by side (only the resampled ones for a model from scratch)."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [("base", before), ("resampled", after)] if before is not None else [("position embeddings", after)]
     figure, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 5.4), squeeze=False)
     for axis, (name, table) in zip(axes[0], panels):
@@ -91,7 +71,7 @@ def normalised_by_true_class(matrix: list[list[int]]) -> np.ndarray:
 
 
 def draw_confusion_matrix(matrix: list[list[int]], labels: list[str], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     shares = normalised_by_true_class(matrix)
     size = min(18.0, 2.5 + 0.35 * len(labels))
     figure, axis = plt.subplots(figsize=(size + 1.2, size))
@@ -122,7 +102,7 @@ def misclassified_positions(predicted: np.ndarray, references: np.ndarray, limit
 
 def draw_misclassified(images: list, truths: list[str], guesses: list[str], path: Path) -> None:
     """A grid of eval images, each titled with its true and predicted label."""
-    plt = _pyplot()
+    plt = pyplot()
     columns = min(6, max(1, len(images)))
     rows = max(1, math.ceil(len(images) / columns))
     height = 2.4 * rows + 0.4
@@ -146,9 +126,6 @@ def draw_classification(predictions, dataset, labels: list[str], folder: Path) -
     """confusion_matrix.png and misclassified.png for one single-label split's predictions
     (evaluation.SplitPredictions) over `dataset` (a data.ImageClassificationDataset, in the same order). No confusion
     matrix beyond DENSE_CONFUSION_LABELS labels (unreadable, and labels² cells). Returns the file names written."""
-    from .data import BadImageError
-    from .evaluation import DENSE_CONFUSION_LABELS, confusion_matrix
-
     kept = predictions.kept.numpy()
     predicted, references = predictions.ranked[:, 0].numpy(), predictions.references.numpy()
     drawn = []
@@ -173,7 +150,7 @@ def draw_classification(predictions, dataset, labels: list[str], folder: Path) -
 def draw_predicted_vs_true(predicted: np.ndarray, true: np.ndarray, names: list[str], path: Path) -> None:
     """A regression's eval images as points (true value, predicted value), one panel per target (up to 6), with the
     diagonal where a perfect model's points would lie."""
-    plt = _pyplot()
+    plt = pyplot()
     shown = range(min(6, len(names)))
     figure, axes = plt.subplots(1, len(shown), figsize=(3.4 * len(shown), 3.3), squeeze=False)
     for axis, t in zip(axes.flat, shown):

@@ -18,12 +18,12 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from .errors import EXIT_USAGE, VitFinetuneError
+from .layout import RECIPE_FILE
 from .methods import METHODS
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
 ASSETS_DIR = PACKAGE_DIR / "assets"
-RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
 RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
 # recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.
@@ -141,6 +141,30 @@ class ModelSettings(Strict):
     drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
         "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
         "(BEiT, DINOv2, Swin, Data2Vec), not ViT"))
+    keep_blocks: StrictInt | list[StrictInt] | None = Field(None, description=(
+        "a shallower model cut from model.base's own blocks, e.g. a student of a fine-tuned teacher (model.base="
+        "the teacher's output_dir): N keeps the first N blocks (measured better than every other one), a list "
+        "keeps those blocks (0-based), e.g. [0, 2, 4, 7, 9, 11]. Embeddings, position table, final norm and, when its "
+        "labels are the dataset's, the head come with them; null = every block"))
+
+    @field_validator("keep_blocks", mode="before")
+    @classmethod
+    def _blocks_to_keep(cls, value: Any) -> Any:
+        """One clear problem for a count or list of blocks, not one per member of the union."""
+        if value is None:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise ValueError(f"must keep at least 1 block, got {value}; e.g. 6 (of 12)")
+            return value
+        if not isinstance(value, list) or not value or not all(
+                isinstance(block, int) and not isinstance(block, bool) for block in value):
+            raise ValueError(f"must be a number of blocks or a list of block indices, got {excerpt(value)}; e.g. 6 "
+                             "or [0, 2, 4, 7, 9, 11]")
+        if any(block < 0 for block in value) or value != sorted(set(value)):
+            raise ValueError(f"a list of blocks must hold distinct 0-based indices in increasing order, got "
+                             f"{excerpt(value)}; e.g. [0, 2, 4, 7, 9, 11]")
+        return value
 
 
 class DataSettings(Strict):

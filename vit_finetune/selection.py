@@ -21,18 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .callbacks import Callback, TrainingRun
-from .checkpoint import WRITE_ERRORS, describe_write_error, replace_atomically
+from .checkpoint import WRITE_ERRORS
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
+from .layout import BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, describe_write_error, replace_atomically
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 from .tasks import TASKS, of_config
 
-BEST_DIR = "best"
-BEST_FILE = "weights.safetensors"
-CHECKPOINT_EMA = "ema.safetensors"
-CHECKPOINT_BEST = "best.safetensors"
 
 
 class SelectionError(VitFinetuneError):

@@ -32,14 +32,14 @@ from torch.utils.data import Sampler
 from . import data, evaluation, hub
 from .callbacks import Callback
 from .checkpoint import CheckpointError
-from .data import DataError
+from .data import CONTENT_HASH_LIMIT_BYTES, DataError, files_digest
+from .layout import STREAM_POSITION_FILE
 from .processes import any_process
 from .recipe import DataSettings, Recipe, excerpt
 
 # The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
 # label per sample key; their labels are plain integers, named by data.label_names).
 SHARD_SUFFIXES = (".parquet", ".tar")
-POSITION_FILE = "stream_position_{rank}.json"  # one per process, in each checkpoint
 
 
 @dataclass
@@ -284,8 +284,6 @@ def shard_identity(files: list[str]) -> list[str]:
     (datasets' own rule for local files)."""
     import fsspec
 
-    from .data import CONTENT_HASH_LIMIT_BYTES, files_digest
-
     hashed = sum(os.path.getsize(file) for file in files if "://" not in file) <= CONTENT_HASH_LIMIT_BYTES
     named = []
     for file in files:
@@ -481,12 +479,12 @@ class StreamPositions(Callback):
 
     def on_save_checkpoint(self, run, folder: Path) -> None:
         position = self.loader.position
-        (folder / POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
+        (folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
             {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
              "batches_done": run.state.batches_done}))
 
     def on_load_checkpoint(self, run, folder: Path) -> None:
-        path = folder / POSITION_FILE.format(rank=run.accelerator.process_index)
+        path = folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)
         try:
             saved = json.loads(path.read_text())
             self.loader.position = Position(int(saved["pass"]), int(saved["offset"]))

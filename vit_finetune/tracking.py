@@ -18,8 +18,10 @@ import numpy as np
 
 from .callbacks import Callback
 from .errors import VitFinetuneError
+from .layout import POSITION_FILE, TRACKER_DIR, describe_write_error
+from .pictures import draw_confusion_matrix
+from .recipe import flatten
 
-TRACKER_DIR = "runs"  # under output_dir: where file-based trackers (tensorboard) write
 # Each tracker: the package it needs (checked before the run starts), how it takes a picture, if it can, and
 # whether it writes under output_dir/runs (checked to be writable before training).
 TRACKERS = {
@@ -49,7 +51,6 @@ def check_trackers(names: list[str]) -> None:
 def tracker_folder_refusal(output_dir: Path, names: list[str]) -> str | None:
     """Why the trackers in `names` could not write their files under output_dir/runs, or None; checked before
     training rather than met at the tracker's first write (a traceback after the data and model loaded)."""
-    from .checkpoint import describe_write_error
 
     writers = [name for name in names if TRACKERS[name].get("writes_in_output_dir")]
     folder = Path(output_dir) / TRACKER_DIR
@@ -76,8 +77,6 @@ def callbacks_for(names: list[str]) -> list[Callback]:
 
 def flat_hyperparameters(recipe) -> dict:
     """The resolved recipe as flat key/value pairs a tracker accepts (lists and None as text)."""
-    from .recipe import flatten
-
     return {key: value if isinstance(value, (int, float, str, bool)) else str(value)
             for key, value in flatten(recipe.model_dump(mode="json")).items()}
 
@@ -98,7 +97,7 @@ class TrackingCallback(Callback):
     def on_train_start(self, run) -> None:
         recipe, accelerator = run.recipe, run.accelerator
         accelerator.init_trackers(Path(recipe.output_dir).name, config=flat_hyperparameters(recipe))
-        position = Path(recipe.output_dir) / "position_embeddings.png"
+        position = Path(recipe.output_dir) / POSITION_FILE
         if position.is_file():
             self.log_picture(run, "pictures/position_embeddings", png_pixels(position))
 
@@ -116,8 +115,6 @@ class TrackingCallback(Callback):
         matrix, labels = self.last_metrics.get("confusion_matrix"), run.parts.labels
         if matrix is None or not run.accelerator.is_main_process:
             return
-        from .pictures import draw_confusion_matrix
-
         with tempfile.TemporaryDirectory() as folder:
             draw_confusion_matrix(matrix, labels, Path(folder) / "confusion.png")
             self.log_picture(run, "pictures/confusion_matrix", png_pixels(Path(folder) / "confusion.png"))

@@ -22,8 +22,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, checkpoint, data, evaluation, export, hub, loop, memory, model as vit, optim, outputs
+from . import augment, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, probe, progress as display, selection, sharding, streaming, tasks, tracking
+from . import layout, publish, run_outputs, student
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -40,16 +41,16 @@ def check_output_dir(recipe: Recipe) -> None:
     """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
     toolkit did not write, or to write into the dataset's folder."""
     output_dir = Path(recipe.output_dir)
-    refused = outputs.refusal(recipe, export.run_names())
+    refused = outputs.refusal(recipe, layout.RUN_NAMES)
     if refused:
         raise RunError(refused)
     if recipe.overwrite or recipe.train.resume is not None:
-        if recipe.train.resume is not None and export.is_finished(output_dir):
+        if recipe.train.resume is not None and run_outputs.is_finished(output_dir):
             raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
                            "Use overwrite=true to train again, or another output_dir")
         return
-    if export.is_finished(output_dir):
-        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({export.METRICS_FILE}). "
+    if run_outputs.is_finished(output_dir):
+        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({layout.METRICS_FILE}). "
                        "Fix: choose another output_dir, or pass overwrite=true to replace it")
     if checkpoint.complete_checkpoints(output_dir):
         raise RunError(f"output_dir={str(output_dir)!r} holds checkpoints of an unfinished run. "
@@ -87,7 +88,7 @@ def _accelerator(recipe: Recipe) -> Accelerator:
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=t.collective_timeout_s))],
         # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
         log_with=t.report_to or None,
-        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / tracking.TRACKER_DIR)),
+        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / layout.TRACKER_DIR)),
     )
 
 
@@ -460,7 +461,7 @@ def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock
         raise RunError(refused or "the main process could not lock output_dir")
     # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
     patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
-    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), outputs.SHARED_CHECK, patience_s)
+    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), layout.SHARED_CHECK, patience_s)
     if unshared:
         lock.release()
         raise RunError(f"output_dir={unshared}")
@@ -475,7 +476,7 @@ def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
     if refused:
         return refused
     try:
-        outputs.claim(output_dir, export.run_names())
+        outputs.claim(output_dir, layout.RUN_NAMES)
     except OSError as error:
         refused = outputs.unwritable(output_dir, error)
     refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
@@ -491,7 +492,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         with hub.offline_unless(accelerator.is_local_main_process):
             set_seed(recipe.train.seed)
             if accelerator.is_main_process and recipe.overwrite:
-                export.clear_previous_run(output_dir)
+                run_outputs.clear_previous_run(output_dir)
             resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
                 checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
@@ -519,7 +520,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
         if parts.position_tables and recipe.pictures:
             pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
-                                              output_dir / pictures.POSITION_FILE)
+                                              output_dir / layout.POSITION_FILE)
 
     training = TrainingRun(recipe, accelerator, parts, state)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
@@ -542,13 +543,14 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if state.probe is not None:
         metrics["probe"] = state.probe
     if parts.teacher is not None:
+        facts = student.facts(recipe.model, accelerator.unwrap_model(parts.model).config, recipe.train.distill.teacher)
         metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
-                                                 training_seconds)
+                                                 training_seconds, facts)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
     if accelerator.is_main_process:
-        info = export.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
+        info = run_outputs.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
                                state.history, training_seconds, resume_from, metrics)
         if parts.probe is not None:
             info["probe_seconds"] = round(parts.probe.seconds, 1)
@@ -562,7 +564,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
         print(f"eval {parts.task.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
-            url = hub.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
+            url = publish.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
             print(f"pushed to {url}")
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -587,13 +589,13 @@ def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: 
     model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
     parts.task.finish_config(model.config, metrics)  # e.g. multi-label's chosen thresholds, which predict reads
     try:
-        export.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
+        run_outputs.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                              adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
-        shutil.rmtree(output_dir / export.STAGING, ignore_errors=True)  # give back the space the attempt took
+        shutil.rmtree(output_dir / layout.STAGING, ignore_errors=True)  # give back the space the attempt took
         previous = checkpoint.latest_checkpoint(output_dir)
         raise RunError(
-            f"could not write the final model into {output_dir} ({checkpoint.describe_write_error(error, output_dir)}); "
+            f"could not write the final model into {output_dir} ({layout.describe_write_error(error, output_dir)}); "
             "nothing there looks finished. "
             + (f"The last checkpoint is intact: {previous}. Free disk space, then run the same command with "
                "train.resume=auto (only the steps after that checkpoint are redone)"

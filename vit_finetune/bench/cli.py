@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .. import data
 from ..processes import reset_accelerate_state
 from .device import PeakMemory, device_peak, release_memory
 from .flops import MODELS
@@ -73,8 +74,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
-    from .. import data
-
     device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     defaults = DEVICE_DEFAULTS[device_type]
     model_name = args.model or defaults["model"]

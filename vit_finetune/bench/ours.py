@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from .. import checkpoint, loop, train
+from ..callbacks import TrainingRun
+from ..recipe import validate
 from .device import PeakMemory
 from .flops import training_flops_per_image
 from .timing import TimedBatches, device_batches, measured
@@ -12,8 +15,6 @@ from .workload import Setup
 
 def bench_recipe(setup: Setup, lora: bool):
     """The recipe our configurations train with, validated by the same schema as any run."""
-    from ..recipe import validate
-
     return validate({
         "model": {"base": str(setup.base), "image_size": setup.spec.image_size, "compile": setup.compile,
                   "lora": {} if lora else None},
@@ -27,8 +28,6 @@ def bench_recipe(setup: Setup, lora: bool):
 def build(setup: Setup, lora: bool):
     """Recipe, accelerator and unprepared parts, seeded as a run would be."""
     from accelerate.utils import set_seed
-
-    from .. import train
 
     recipe = bench_recipe(setup, lora)
     accelerator = train.make_accelerator(recipe)
@@ -45,9 +44,6 @@ def check_one_epoch_covers(setup: Setup, loader) -> None:
 
 def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed."""
-    from .. import checkpoint, loop, train
-    from ..callbacks import TrainingRun
-
     memory.reset()
     recipe, accelerator, parts = build(setup, lora=config == "lora")
     train.prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare

@@ -7,6 +7,7 @@ import shlex
 import sys
 from datetime import datetime, timezone
 
+from ..model import describe
 from .device import PeakMemory, device_info
 from .flops import vit_macs
 from .workload import Setup
@@ -54,8 +55,6 @@ def ratios(results: dict) -> dict[str, float]:
 
 def build_report(argv: list[str], setup: Setup, jpeg_stats: dict, peak: dict, memory: PeakMemory,
                  results: dict) -> dict:
-    from ..model import describe
-
     config = setup.spec.vit_config()
     return {
         "schema": SCHEMA,

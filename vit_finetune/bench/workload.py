@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
+from ..layout import CONFIG_FILE, PROCESSOR_FILE
 from .flops import ModelSpec
 from .timing import StepClock
 
@@ -94,7 +95,7 @@ def ensure_jpeg_folder(root: Path, train_images: int, classes: int, processes: i
 def ensure_base_model(root: Path, name: str, spec: ModelSpec) -> Path:
     """A randomly initialised ViT saved like a Hub checkpoint at the target size, with its image processor."""
     folder = root / f"base-{name}-{spec.num_labels}-v1"
-    if (folder / "config.json").exists() and (folder / "preprocessor_config.json").exists():
+    if (folder / CONFIG_FILE).exists() and (folder / PROCESSOR_FILE).exists():
         return folder
     from transformers import ViTForImageClassification, ViTImageProcessor
 

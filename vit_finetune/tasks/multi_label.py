@@ -10,7 +10,7 @@ import torch
 
 from .. import multilabel
 from ..data import DataError
-from ..pictures import PRECISION_RECALL_FILE
+from ..layout import PRECISION_RECALL_FILE
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import pictures
+from .. import layout, pictures
 from ..data import DataError
 from .base import Answers, SplitPredictions, Task
 
@@ -124,8 +124,8 @@ class Regression(Task):
     def draw(self, predictions, dataset, labels, folder, metrics):
         kept = predictions.kept
         pictures.draw_predicted_vs_true(predictions.scores[kept].numpy(), predictions.references[kept].numpy(), labels,
-                                        Path(folder) / pictures.PREDICTED_VS_TRUE_FILE)
-        return [pictures.PREDICTED_VS_TRUE_FILE]
+                                        Path(folder) / layout.PREDICTED_VS_TRUE_FILE)
+        return [layout.PREDICTED_VS_TRUE_FILE]
 
     # ------------------------------------------------------------ using the model
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import json
-import os
 import re
 import shutil
 import statistics
@@ -19,23 +18,17 @@ from pathlib import Path
 from typing import Callable
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
-from transformers.utils import CONFIG_NAME, IMAGE_PROCESSOR_NAME, SAFE_WEIGHTS_NAME
 
 from . import distill, methods, tasks
 from .data import alpha_card_text
 from .families import FAMILIES
-from .recipe import RECIPE_FILE, REPO_ID_PATTERN, Recipe, write_recipe
+from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTORY_FILE, METRICS_FILE, MISCLASSIFIED_FILE,
+                     PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE, PROCESSOR_FILE,
+                     RECIPE_FILE, RUN_INFO_FILE, RUN_NAMES, STAGING, move_into)
+from .outputs import clear_claimed
+from .recipe import REPO_ID_PATTERN, Recipe, write_recipe
 
-METRICS_FILE = "metrics.json"
-CURVES_FILE = "training_curves.png"
-HISTORY_FILE = "history.json"
-RUN_INFO_FILE = "run_info.json"
-PICTURE_FILES = ("position_embeddings.png", "confusion_matrix.png", "misclassified.png",
-                 "precision_recall.png", "predicted_vs_true.png")  # see pictures.py
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
-CARD_FILE = "README.md"
-ADAPTER_DIR = "adapter"
-STAGING = ".staging-final"
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
 # What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
@@ -213,11 +206,14 @@ classify("photo.jpg")
 
 
 def distillation_text(metrics: dict) -> str:
-    """The card's line on a distilled run's teacher (distill.describe), the teacher's name as inert code."""
+    """The card's line on a distilled run's teacher and student (distill.describe), their names as inert code."""
     facts = metrics.get("distillation")
     if not facts:
         return ""
-    return "; " + distill.describe({**facts, "teacher": markdown_code(facts["teacher"])})
+    inert = {"teacher": markdown_code(facts["teacher"])}
+    if "student" in facts:  # its base is a path or id too
+        inert["student"] = {**facts["student"], "from": markdown_code(facts["student"]["from"])}
+    return "; " + distill.describe({**facts, **inert})
 
 
 def saved_weights(metrics: dict) -> str:
@@ -249,11 +245,11 @@ def weights_text(recipe: Recipe, metrics: dict) -> str:
 
 
 PICTURE_CAPTIONS = {
-    "confusion_matrix.png": "Confusion matrix, each row (true label) normalised to 1",
-    "misclassified.png": "Eval images the model got wrong, with true and predicted labels",
-    "precision_recall.png": "Precision-recall curve of each label, its chosen threshold marked",
-    "predicted_vs_true.png": "Predicted against true value of each eval image, per target (the diagonal: exact)",
-    "position_embeddings.png": "Cosine similarity of each patch's position embedding to every other, before and after "
+    CONFUSION_FILE: "Confusion matrix, each row (true label) normalised to 1",
+    MISCLASSIFIED_FILE: "Eval images the model got wrong, with true and predicted labels",
+    PRECISION_RECALL_FILE: "Precision-recall curve of each label, its chosen threshold marked",
+    PREDICTED_VS_TRUE_FILE: "Predicted against true value of each eval image, per target (the diagonal: exact)",
+    POSITION_FILE: "Cosine similarity of each patch's position embedding to every other, before and after "
                                "the resample to the new grid",
 }
 
@@ -295,7 +291,7 @@ def save_image_processor(processor, folder: Path) -> None:
     processor under its family's name (ViTImageProcessorPil as ViTImageProcessor), which a machine with
     torchvision would load as the torchvision one, not the processor the reported metrics were measured with."""
     processor.save_pretrained(folder)
-    path = Path(folder) / IMAGE_PROCESSOR_NAME
+    path = Path(folder) / PROCESSOR_FILE
     settings = json.loads(path.read_text())
     settings["image_processor_type"] = type(processor).__name__
     path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
@@ -330,29 +326,10 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
                pictures, model.config.model_type).save(staging / CARD_FILE)
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
-    for entry in sorted(staging.iterdir(), key=lambda p: p.name == METRICS_FILE):
-        target = output_dir / entry.name
-        if target.is_dir():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-    staging.rmdir()
-
-
-def run_names() -> tuple[str, ...]:
-    """Every name a run writes directly in output_dir (files and folders), claimed in its manifest first."""
-    from .checkpoint import CHECKPOINTS
-    from .onnx_export import ONNX_DIR
-    from .selection import BEST_DIR
-    from .tracking import TRACKER_DIR
-
-    return (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
-            CONFIG_NAME, SAFE_WEIGHTS_NAME, IMAGE_PROCESSOR_NAME, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR,
-            STAGING, ONNX_DIR)  # ONNX_DIR: `export --onnx` of these weights, stale once they are replaced
+    move_into(staging, output_dir, last=METRICS_FILE)
 
 
 def clear_previous_run(output_dir: Path) -> None:
     """overwrite=true: remove what earlier runs of this toolkit wrote (their manifest says what), so their files
     cannot mix with the new ones; a file or folder the toolkit did not write is never touched."""
-    from .outputs import clear_claimed
-
-    clear_claimed(output_dir, run_names())
+    clear_claimed(output_dir, RUN_NAMES)

@@ -1,0 +1,148 @@
+"""The names of everything a run and an export write, and the one way to write a file or a folder atomically.
+
+A run's folder (output_dir) holds the model as transformers saves it, the resolved recipe, the metrics (written
+last: their presence marks a finished run), the history and pictures, the card, and the folders the run keeps
+for itself (checkpoints, keep-best's copy, the trackers' files, the final save's staging). An export folder
+(`export --onnx`, by default the run's onnx/) holds the graph and the files that load it. Every module that
+writes or reads one of these names imports it from here; this module imports nothing of the package, so any
+module may.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+# What transformers' save_pretrained writes (transformers.utils CONFIG_NAME, SAFE_WEIGHTS_NAME,
+# IMAGE_PROCESSOR_NAME; spelled out so that reading a name does not import transformers).
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PROCESSOR_FILE = "preprocessor_config.json"
+
+# A run's folder.
+RECIPE_FILE = "recipe.yaml"  # the resolved recipe, beside a run's outputs and in each of its checkpoints
+METRICS_FILE = "metrics.json"  # written last: a folder holding it is a finished run
+HISTORY_FILE = "history.json"
+RUN_INFO_FILE = "run_info.json"
+CARD_FILE = "README.md"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter alone, beside the merged model
+CURVES_FILE = "training_curves.png"
+POSITION_FILE = "position_embeddings.png"
+CONFUSION_FILE = "confusion_matrix.png"
+MISCLASSIFIED_FILE = "misclassified.png"
+PRECISION_RECALL_FILE = "precision_recall.png"  # multi-label runs, instead of the two above
+PREDICTED_VS_TRUE_FILE = "predicted_vs_true.png"  # regression runs, instead of the three above
+PICTURE_FILES = (POSITION_FILE, CONFUSION_FILE, MISCLASSIFIED_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE)
+STAGING = ".staging-final"  # the final save, written here first and moved into output_dir file by file
+TRACKER_DIR = "runs"  # where file-based trackers (tensorboard) write
+MANIFEST = ".vit_finetune_manifest.json"  # the names a run claimed, before it wrote any of them
+LOCK = ".vit_finetune.lock"  # held for the run's life: a second run into the folder is refused
+SHARED_CHECK = ".vit_finetune_shared"  # several processes: a token from the main process that all must read back
+
+# Checkpoints: output_dir/checkpoints/step-00000100/, complete once COMPLETE is in it.
+CHECKPOINTS = "checkpoints"
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+STREAM_POSITION_FILE = "stream_position_{rank}.json"  # a streamed run: one per process, in each checkpoint
+CHECKPOINT_EMA = "ema.safetensors"  # train.ema: the averaged weights, in each checkpoint
+CHECKPOINT_BEST = "best.safetensors"  # train.keep_best: the best weights so far, in each checkpoint
+PARTIAL_PREFIX = ".partial-"  # a file or checkpoint being written under this name is renamed into place
+DAMAGED_PREFIX = "damaged-"  # a checkpoint that would not load, kept aside for inspection
+
+# train.keep_best: output_dir/best/weights.safetensors, the best evaluation's weights while the run goes on.
+BEST_DIR = "best"
+BEST_FILE = "weights.safetensors"
+
+# An export: output_dir/onnx/ (as Hub repos hold their ONNX files), or a folder of the user's choosing.
+ONNX_DIR = "onnx"
+ONNX_FILE = "model.onnx"
+ONNX_DATA_FILE = f"{ONNX_FILE}.data"  # the weights beside a graph over protobuf's 2 GiB cap
+QUANTIZED_ONNX_FILES = {"int8": "model_quantized.onnx"}  # --quantize KIND -> its graph
+EXPORT_REPORT_FILE = "export.json"  # the parity check, and the files the export claims: written last
+# Every name an export may write in its folder: the most export.json can claim, whatever it lists.
+EXPORT_NAMES = frozenset({ONNX_FILE, ONNX_DATA_FILE, *QUANTIZED_ONNX_FILES.values(), CONFIG_FILE, PROCESSOR_FILE,
+                          EXPORT_REPORT_FILE})
+EXPORT_STAGING_MARK = ".partial-"  # .TARGET.partial-PID-XXXX: an export being written beside TARGET by process PID
+# predict --runtime NAME -> the file of an export it runs (None: the PyTorch model itself).
+RUNTIME_FILES = {"torch": None, "onnx": ONNX_FILE, **{f"onnx-{kind}": file for kind, file in QUANTIZED_ONNX_FILES.items()}}
+
+SPACE_DIR = "space"  # push --space-app: the page as a Space-ready folder inside the model repo
+
+# Every name a run writes directly in output_dir (files and folders), claimed in its manifest first. ONNX_DIR:
+# `export --onnx` of these weights, stale once they are replaced.
+RUN_NAMES = (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
+             CONFIG_FILE, WEIGHTS_FILE, PROCESSOR_FILE, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR, STAGING,
+             ONNX_DIR)
+# What a run keeps for itself, never published: resumable state, the final save's staging, keep-best's copy.
+KEPT_FOR_THE_RUN = frozenset({CHECKPOINTS, STAGING, BEST_DIR})
+
+
+def checkpoint_name(step: int) -> str:
+    """The checkpoint folder of optimiser step `step`: sorting the names sorts the steps."""
+    return f"step-{step:08d}"
+
+
+def describe_write_error(error: Exception, folder: Path) -> str:
+    """The reason a write failed, with the free space left where it was writing (the usual culprit)."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return reason
+    return f"{reason}; {free / 2**20:.1f} MiB free on that disk"
+
+
+def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
+    """`write(path)` under a temporary name beside `target`, fsynced, then renamed over it: never half a file. If
+    the write fails, its partial file goes and `target` stays as it was."""
+    partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
+    try:
+        write(partial)
+        with open(partial, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_folder(target.parent)
+
+
+def rename_into_place(partial: Path, final: Path) -> None:
+    """A folder written in full under `partial` becomes `final` in one rename, made durable first (its files) and
+    after (the rename): a reader sees the whole folder or none of it. An earlier `final` is replaced."""
+    fsync_tree(partial)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(partial, final)
+    fsync_folder(final.parent)
+
+
+def move_into(staging: Path, target: Path, last: str) -> None:
+    """Each entry of `staging` renamed into `target` (an entry there of the same name replaced), `last` after all
+    the others, then `staging` removed: when `last` appears, everything written with it is in place."""
+    for entry in sorted(staging.iterdir(), key=lambda path: path.name == last):
+        if (target / entry.name).is_dir():
+            shutil.rmtree(target / entry.name)
+        os.replace(entry, target / entry.name)
+    staging.rmdir()
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file under `folder`, then `folder` itself, on disk: what must hold before a folder is renamed into
+    place (a rename can reach the disk before the files it names)."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_folder(folder)
+
+
+def fsync_folder(folder: Path) -> None:
+    """`folder`'s entries on disk: makes a rename into it durable."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
