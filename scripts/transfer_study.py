@@ -362,36 +362,41 @@ def noise(best: list[float], defaults: list[float], eval_images: int) -> float:
     return max(spreads + [(p * (1 - p) / eval_images) ** 0.5])
 
 
-def choice_table(results: list[dict], size: int = 56) -> str:
+def choice_table(results: list[dict], size: int = 56, compact: bool = False) -> str:
     """Per cell (data size, schedule, dataset): the defaults (the arm train.method=auto chose), each arm's mean over
-    seeds, and whether the defaults are within noise of the best arm; the defaults' and the peer's CPU seconds."""
-    out = ["| images per class, steps of 16 | dataset | defaults (chose) | " + " | ".join(ARMS.values())
-           + " | within noise of the best | CPU s: defaults / peer |", "|---|---|---|" + "---|" * len(ARMS) + "---|---|"]
+    seeds, and whether the defaults are within noise of the best arm; the defaults' and the peer's CPU seconds.
+    `compact`: means only, no seconds (the README's form)."""
+    def shown(values: list[float]) -> str:
+        return f"{statistics.mean(values):.3f}" if compact else summary(values)
+
+    head = ["images per class, steps of 16", "dataset", "defaults (chose)", *ARMS.values(), "within noise of the best"]
+    head += [] if compact else ["CPU s: defaults / peer"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     trained = sorted({(r["per_class"], r["steps"]) for r in results if r["steps"] and r["size"] == size})
     for per_class, steps in trained:
         for name in DATASETS:
             runs = {arm: [r for r in results if r["option"] == arm and r["dataset"] == name and r["size"] == size
                           and r["per_class"] == per_class and r["steps"] in ((0,) if arm == "linear_probe" else (steps,))
                           and r["lr"] is None] for arm in ARMS}
-            if not runs["lp_ft"] and not runs["finetune"]:
-                continue
             chosen = chosen_method(name, per_class, steps)
-            if not runs.get(chosen):
-                continue
-            means = {arm: statistics.mean(r["accuracy"] for r in rs) for arm, rs in runs.items() if rs}
+            if not runs.get(chosen) or sum(bool(v) for v in runs.values()) < 2:
+                continue  # a cell needs what the defaults ran and another arm beside it
+            accuracy = {arm: [r["accuracy"] for r in rs] for arm, rs in runs.items() if rs}
+            means = {arm: statistics.mean(values) for arm, values in accuracy.items()}
             best = max(means, key=means.get)
-            accuracy = {arm: [r["accuracy"] for r in rs] for arm, rs in runs.items()}
             dataset = DATASETS[name]
             gap = noise(accuracy[best], accuracy[chosen], dataset.eval_per_class * len(dataset.classes))
-            verdict = "best" if best == chosen else (f"yes ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})"
-                                                     if means[best] - means[chosen] <= gap else
-                                                     f"**no** ({means[chosen] - means[best]:+.3f}, noise {gap:.3f})")
-            cells = [(f"**{summary(accuracy[arm])}**" if arm == best else summary(accuracy[arm])) if runs[arm] else "–"
-                     for arm in ARMS]
-            seconds = [f"{statistics.mean(r['cpu_seconds'] for r in runs[arm]):.0f}"
-                       if runs[arm] and all("cpu_seconds" in r for r in runs[arm]) else "–" for arm in (chosen, "peer")]
-            out.append(f"| {per_class}, {steps} | {name} | {summary(accuracy[chosen])} ({ARMS[chosen]}) | "
-                       + " | ".join(cells) + f" | {verdict} | {' / '.join(seconds)} |")
+            difference = f"{means[chosen] - means[best]:+.3f}, noise {gap:.3f}"
+            verdict = ("best" if best == chosen else f"yes ({difference})" if means[best] - means[chosen] <= gap
+                       else f"**no** ({difference})")
+            cells = [(f"**{shown(accuracy[arm])}**" if arm == best else shown(accuracy[arm])) if arm in accuracy
+                     else "–" for arm in ARMS]
+            row = [f"{per_class}, {steps}", name, f"{shown(accuracy[chosen])} ({ARMS[chosen]})", *cells, verdict]
+            if not compact:
+                row.append(" / ".join(f"{statistics.mean(r['cpu_seconds'] for r in runs[arm]):.0f}"
+                                      if runs[arm] and all("cpu_seconds" in r for r in runs[arm]) else "–"
+                                      for arm in (chosen, "peer")))
+            out.append("| " + " | ".join(row) + " |")
     return "\n".join(out)
 
 
@@ -475,7 +480,8 @@ def main() -> None:
             result = run_cell(cell, base, args.root)
             print(f"== {cell.name()}: accuracy {result['accuracy']:.4f} ({result['seconds']} s)", flush=True)
     results = read_results(args.root)
-    print(choice_table(results))
+    for size in sorted({r["size"] for r in results}):
+        print(f"\n{size} px: what the defaults chose, beside every arm\n\n{choice_table(results, size)}")
     print(tables(results))
     if results:
         picture(results, args.root / "transfer_study.png")
