@@ -408,6 +408,7 @@ def picture(results: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     blocks = blocks_of(results)
+    colour = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys(row_label(r) for r in results))}  # one per arm
     figure, axes = plt.subplots(len(blocks), 1, figsize=(11, 3.2 * len(blocks)), squeeze=False)
     for axis, (size, per_class, steps) in zip(axes[:, 0], blocks):
         block = [r for r in results if in_block(r, (size, per_class, steps))]
@@ -420,7 +421,7 @@ def picture(results: list[dict], path: Path) -> None:
                 if not values:
                     continue
                 x = d + (o - (len(labels) - 1) / 2) * width
-                axis.bar(x, statistics.mean(values), width * 0.9, color=f"C{o}", alpha=0.5,
+                axis.bar(x, statistics.mean(values), width * 0.9, color=colour[label], alpha=0.5,
                          label=label if label not in axis.get_legend_handles_labels()[1] else None)
                 axis.plot([x] * len(values), values, "k.", markersize=4)
         axis.set_xticks(range(len(datasets)), datasets)
