@@ -148,15 +148,44 @@ class LabelTable:
     rows_without_labels: int = 0
 
 
-def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
-    """Read and check every row; LabelFileError lists all problems, each with its line."""
-    folder = path.parent.resolve()
+def read_rows(path: Path) -> tuple[list, list[str], list[str]]:
+    """A label file's rows, the problems its reader found (each with its line), and its columns in first-seen order."""
     rows, problems = [], []
     for item in READERS[path.suffix.lower()](path):
         (problems if isinstance(item, str) else rows).append(item)
     if not rows and not problems:
         raise LabelFileError(f"{path} holds no rows")
-    columns = list(dict.fromkeys(name for row in rows for name in row.cells))
+    return rows, problems, list(dict.fromkeys(name for row in rows for name in row.cells))
+
+
+def listed_image(row, path_column: str, folder: Path, first_line_of_path: dict[Path, int],
+                 problems: list[str]) -> Path | None:
+    """The row's checked image path (None with a problem added when it is not one); an image listed twice is a
+    problem naming the first line."""
+    where = f"line {row.line}"
+    image = check_path(row.cells.get(path_column), folder, path_column, where, problems)
+    if image is not None:
+        if image in first_line_of_path:
+            problems.append(f"{where}: {excerpt(str(row.cells[path_column]))} is already listed on line "
+                            f"{first_line_of_path[image]}; list each image once")
+        first_line_of_path.setdefault(image, row.line)
+    return image
+
+
+def refuse_problems(path: Path, problems: list[str]) -> None:
+    """Every problem of the file at once, sorted by line, the first SHOWN_PROBLEMS of them shown."""
+    if problems:
+        problems.sort(key=lambda problem: int(problem.split(":")[0].removeprefix("line ")))
+        shown = problems[:SHOWN_PROBLEMS]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise LabelFileError(f"{path} has {len(problems)} problem(s); nothing was trained:\n"
+                             + "\n".join(f"  - {problem}" for problem in shown) + more)
+
+
+def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
+    """Read and check every row; LabelFileError lists all problems, each with its line."""
+    folder = path.parent.resolve()
+    rows, problems, columns = read_rows(path)
     path_column = choose_column(columns, settings.image_column, PATH_COLUMNS, "image path", "data.image_column")
     label_column = choose_column(columns, settings.label_column, LABEL_COLUMN_NAMES, "label", "data.label_column")
     table = LabelTable([], [], [], [], False, path_column, label_column)
@@ -166,12 +195,7 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
     unlabelled_lines = []
     for row in rows:
         where = f"line {row.line}"
-        image = check_path(row.cells.get(path_column), folder, path_column, where, problems)
-        if image is not None:
-            if image in first_line_of_path:
-                problems.append(f"{where}: {excerpt(str(row.cells[path_column]))} is already listed on line "
-                                f"{first_line_of_path[image]}; list each image once")
-            first_line_of_path.setdefault(image, row.line)
+        image = listed_image(row, path_column, folder, first_line_of_path, problems)
         cell = row.cells.get(label_column)
         found = cell_labels(cell, settings.label_separator)
         if isinstance(found, list) and found:
@@ -207,12 +231,7 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
             problems.append(f"line {sorted(ways.values())[1]}: the label {value!r} is written {written}, which would "
                             "be read as one label; write it one way throughout (as text or as a number)")
     problems += label_set_problems(table, settings, unlabelled_lines, label_column)
-    if problems:
-        problems.sort(key=lambda problem: int(problem.split(":")[0].removeprefix("line ")))
-        shown = problems[:SHOWN_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise LabelFileError(f"{path} has {len(problems)} problem(s); nothing was trained:\n"
-                             + "\n".join(f"  - {problem}" for problem in shown) + more)
+    refuse_problems(path, problems)
     table.multi_label = table.multi_label if settings.multi_label is None else settings.multi_label
     table.rows_without_labels = len(unlabelled_lines)
     table.names = sorted({value for values in table.labels for value in values})
@@ -253,12 +272,7 @@ def load_target_file(path: Path, settings: DataSettings):
     import datasets
 
     folder = path.parent.resolve()
-    rows, problems = [], []
-    for item in READERS[path.suffix.lower()](path):
-        (problems if isinstance(item, str) else rows).append(item)
-    if not rows and not problems:
-        raise LabelFileError(f"{path} holds no rows")
-    columns = list(dict.fromkeys(name for row in rows for name in row.cells))
+    rows, problems, columns = read_rows(path)
     path_column = choose_column(columns, settings.image_column, PATH_COLUMNS, "image path", "data.image_column")
     names = settings.target_columns or [choose_column(columns, settings.label_column, LABEL_COLUMN_NAMES, "target",
                                                       "data.label_column")]
@@ -270,12 +284,7 @@ def load_target_file(path: Path, settings: DataSettings):
     first_line_of_path: dict[Path, int] = {}
     for row in rows:
         where = f"line {row.line}"
-        image = check_path(row.cells.get(path_column), folder, path_column, where, problems)
-        if image is not None:
-            if image in first_line_of_path:
-                problems.append(f"{where}: {excerpt(str(row.cells[path_column]))} is already listed on line "
-                                f"{first_line_of_path[image]}; list each image once")
-            first_line_of_path.setdefault(image, row.line)
+        image = listed_image(row, path_column, folder, first_line_of_path, problems)
         values = []
         for name in names:
             cell = row.cells.get(name)
@@ -291,12 +300,7 @@ def load_target_file(path: Path, settings: DataSettings):
         split[path_column].append(str(image) if image is not None else "")
         for name, value in zip(names, values):
             split[name].append(value)
-    if problems:
-        problems.sort(key=lambda problem: int(problem.split(":")[0].removeprefix("line ")))
-        shown = problems[:SHOWN_PROBLEMS]
-        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
-        raise LabelFileError(f"{path} has {len(problems)} problem(s); nothing was trained:\n"
-                             + "\n".join(f"  - {problem}" for problem in shown) + more)
+    refuse_problems(path, problems)
     features = datasets.Features({path_column: datasets.Image(), **{name: datasets.Value("float64") for name in names}})
     return datasets.DatasetDict({split: datasets.Dataset.from_dict(columns, features=features)
                                  for split, columns in by_split.items()})
