@@ -165,6 +165,13 @@ class SplitPredictions:
         first = self.references.reshape(len(self.references), -1)[:, 0]
         return ~first.isnan() if first.is_floating_point() else first != SKIPPED_LABEL
 
+    def kept_for_metrics(self) -> torch.Tensor:
+        """`kept`, refused when no image is left to measure."""
+        kept = self.kept
+        if not kept.any():
+            raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+        return kept
+
 
 @torch.no_grad()
 def predict_split(model, loader, accelerator, normalize: Callable, task, outputs: int) -> SplitPredictions:
@@ -189,9 +196,7 @@ def batch_predictions(model, batch: dict, accelerator, normalize: Callable, task
 
 def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     """The reported metrics; the places of images skipped as bad are left out and counted."""
-    kept = predictions.kept
-    if not kept.any():
-        raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+    kept = predictions.kept_for_metrics()
     metrics = compute_metrics(predictions.ranked[kept].numpy(), predictions.references[kept].numpy(), num_classes)
     metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())

@@ -55,9 +55,7 @@ class MultiLabel(Task):
         return predictions.scores
 
     def report(self, predictions, labels, rule):
-        kept = predictions.kept
-        if not kept.any():
-            raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+        kept = predictions.kept_for_metrics()
         if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
             raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
                             f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from .. import layout, pictures
-from ..data import DataError
 from .base import Answers, SplitPredictions, Task
 
 PROBLEM_TYPE = "regression"
@@ -107,9 +106,7 @@ class Regression(Task):
         return predictions.scores
 
     def report(self, predictions, labels, rule):
-        kept = predictions.kept
-        if not kept.any():
-            raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
+        kept = predictions.kept_for_metrics()
         metrics = summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].double().numpy(),
                             labels)
         metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
