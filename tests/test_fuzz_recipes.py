@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vit_finetune.cli import main
-from vit_finetune.recipe import Recipe, RecipeError, _valid_keys, apply_overrides, load_recipe, read_yaml, validate
+from vit_finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe, read_yaml, validate
+from vit_finetune.recipe.loading import _valid_keys
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 VALID_KEYS = _valid_keys(Recipe)

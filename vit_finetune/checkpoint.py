@@ -23,7 +23,8 @@ from .errors import VitFinetuneError, shortened
 from .layout import (CHECKPOINTS, COMPLETE, DAMAGED_PREFIX, PARTIAL_PREFIX, RECIPE_FILE, STATE_FILE, checkpoint_name,
                      describe_write_error, rename_into_place)
 from .processes import any_process
-from .recipe import HOME_PATH_KEYS, Recipe, default_values, excerpt, flatten, write_recipe
+from .recipe import HOME_PATH_KEYS, Recipe, default_values, flatten, write_recipe
+from .recipe.limits import excerpt
 
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {

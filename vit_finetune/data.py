@@ -24,7 +24,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from . import hub, labels
 from .labels import LABEL_COLUMN_NAMES
 from .errors import VitFinetuneError
-from .recipe import REPO_ID_PATTERN, DataSettings, excerpt
+from .recipe import DataSettings
+from .recipe.limits import REPO_ID_PATTERN, excerpt
 from .synthetic import ensure_demo_dataset
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use

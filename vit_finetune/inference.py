@@ -17,7 +17,8 @@ from .labels import LabelFileError, label_file_of
 from .layout import (CONFIG_FILE, CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
                      describe_write_error, replace_atomically)
 from .progress import progress
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, DataSettings, excerpt, load_recipe
+from .recipe import DataSettings, load_recipe
+from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, excerpt
 from .spreadsheet import csv_writer
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must

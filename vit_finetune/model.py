@@ -26,7 +26,8 @@ from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
-from .recipe import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, LoraSettings, ModelSettings
+from .recipe import LoraSettings, ModelSettings
+from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a

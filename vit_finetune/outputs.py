@@ -19,7 +19,8 @@ from typing import IO
 from .data import BUILTIN_SHAPES, cache_dir
 from .labels import READERS
 from .layout import LOCK, MANIFEST, PARTIAL_PREFIX, SHARED_CHECK, describe_write_error, replace_atomically
-from .recipe import BUILTIN_PREFIX, Recipe, _is_dir, _is_file, excerpt
+from .recipe import Recipe
+from .recipe.limits import BUILTIN_PREFIX, _is_dir, _is_file, excerpt
 
 
 

@@ -26,7 +26,8 @@ from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTOR
                      PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE, PROCESSOR_FILE,
                      RECIPE_FILE, RUN_INFO_FILE, RUN_NAMES, STAGING, move_into)
 from .outputs import clear_claimed
-from .recipe import REPO_ID_PATTERN, Recipe, write_recipe
+from .recipe import Recipe, write_recipe
+from .recipe.limits import REPO_ID_PATTERN
 
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).

@@ -35,7 +35,8 @@ from .checkpoint import CheckpointError
 from .data import CONTENT_HASH_LIMIT_BYTES, DataError, files_digest
 from .layout import STREAM_POSITION_FILE
 from .processes import any_process
-from .recipe import DataSettings, Recipe, excerpt
+from .recipe import DataSettings, Recipe
+from .recipe.limits import excerpt
 
 # The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
 # label per sample key; their labels are plain integers, named by data.label_names).

@@ -1,0 +1,201 @@
+"""The rules between a recipe's keys, gathered in one place: what one key accepts alone is its field's check in
+schema.py; what several keys allow together is checked here, called by the schema's validators.
+
+The rules of one section stop at the first broken one (pydantic reports one problem per section); those of the whole
+recipe run once every section is valid and report all their problems together. The table of settings that draw
+training pixels anew (PIXEL_DRAWS) lives here too: two of the rules read it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import yaml
+
+from ..methods import METHODS
+from .limits import _is_dir, excerpt
+
+if TYPE_CHECKING:
+    from .schema import DataSettings, Recipe, TrainSettings
+
+
+def check_data_section(data: DataSettings) -> None:
+    """The data section's rules in order, raising the first one `data` breaks. data.task=single_label or multi_label
+    also sets data.multi_label, which the loaders read: the assignment validates the section again, with it set."""
+    # What a stream cannot do without reading it whole first: subsample it, carve an eval part from it, or
+    # count its classes for balancing.
+    unsupported = {"max_train_samples": data.max_train_samples, "max_eval_samples": data.max_eval_samples,
+                   "class_balance": data.class_balance}
+    given = [f"data.{key}={value}" for key, value in unsupported.items() if value is not None]
+    if data.streaming and given:
+        raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
+                         "whole before training); set them to null, or data.streaming=false")
+    if data.multi_label and data.class_balance == "sampler":
+        raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
+                         "use class_balance=weights (a positive weight per class) or null")
+    chosen_multi = {"single_label": False, "multi_label": True}.get(data.task)
+    if chosen_multi is not None and data.multi_label is not None and data.multi_label != chosen_multi:
+        raise ValueError(f"data.task={data.task} and data.multi_label={str(data.multi_label).lower()} contradict "
+                         "each other; set data.multi_label=null")
+    if chosen_multi is not None and data.multi_label is None:  # the loaders read data.multi_label
+        data.multi_label = chosen_multi
+    if data.task == "regression":
+        given = {"data.multi_label": data.multi_label, "data.class_balance": data.class_balance,
+                 "data.label_names": data.label_names}
+        given = [f"{key}={value}" for key, value in given.items() if value is not None]
+        if data.streaming:
+            given.append("data.streaming=true")
+        if given:
+            raise ValueError(f"data.task=regression has no classes: {', '.join(given)} do not apply; remove "
+                             "them (a stream is read as classification only)")
+    if data.target_columns is not None and data.task != "regression":
+        raise ValueError("data.target_columns names a regression's targets; set data.task=regression, or remove it")
+    if data.target_columns is not None and (not data.target_columns
+                                            or len(set(data.target_columns)) != len(data.target_columns)):
+        raise ValueError(f"data.target_columns={excerpt(data.target_columns)} must name at least one column, each "
+                         "once")
+    if data.label_names is not None and not data.streaming:
+        raise ValueError("data.label_names names the classes of a stream's integer labels; it applies with "
+                         "data.streaming=true only (a dataset loaded whole finds its classes itself)")
+    if data.label_names is not None and (len(set(data.label_names)) != len(data.label_names) or len(data.label_names) < 2):
+        raise ValueError(f"data.label_names={excerpt(data.label_names)} must hold at least two distinct names")
+
+
+def check_train_section(train: TrainSettings) -> None:
+    """The train section's rule: train.lr=auto is for AdamW only."""
+    if train.lr == "auto" and train.optimizer != "adamw":
+        raise ValueError(f"train.lr=auto is measured for AdamW only; set train.lr for train.optimizer="
+                         f"{train.optimizer}, e.g. train.lr=0.01 (the ViT paper's SGD range is 0.003-0.03 at batch 512)")
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """The rules between sections, raising every one `recipe` breaks in one message (pydantic runs them once each
+    section is valid)."""
+    problems = []
+    if recipe.hub.push and not recipe.hub.repo_id:
+        problems.append("hub.push=true needs hub.repo_id, e.g. hub.repo_id=your-name/vit-food101-384")
+    if recipe.train.resume not in (None, "auto") and not _is_dir(recipe.train.resume):
+        problems.append(f"train.resume={recipe.train.resume!r} is neither null, auto nor an existing checkpoint folder")
+    unknown = sorted(set(recipe.train.resume_ignore_changes) - set(flatten(recipe.model_dump(mode="json"))))
+    if unknown:
+        problems.append(f"train.resume_ignore_changes names unknown keys {excerpt(unknown)}; use dotted keys such as train.epochs")
+    if recipe.train.resume is not None and recipe.overwrite:
+        problems.append("train.resume and overwrite=true contradict each other: choose one")
+    if recipe.train.early_stopping_patience is not None and recipe.train.keep_best is None:
+        problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
+                        "for), e.g. train.keep_best=eval_accuracy")
+    if recipe.train.distill is not None and recipe.data.multi_label:
+        problems.append("train.distill works with single-label classification only (a teacher's top class or "
+                        "softmax); set train.distill=null for data.multi_label=true")
+    if recipe.data.task == "regression":
+        problems.extend(_regression_problems(recipe))
+    if recipe.train.distill is not None and recipe.train.distill.cache_logits:
+        problems.extend(_cache_logits_problems(recipe))
+    problems.extend(_method_problems(recipe))
+    if recipe.train.warmup_steps and recipe.train.max_steps and recipe.train.warmup_steps >= recipe.train.max_steps:
+        problems.append(
+            f"train.warmup_steps={recipe.train.warmup_steps} must be smaller than train.max_steps={recipe.train.max_steps}"
+        )
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _regression_problems(recipe: Recipe) -> list[str]:
+    """What only classes give meaning to: soft labels, a teacher's classes, a probe's logistic head."""
+    t, a = recipe.train, recipe.augment
+    given = {"train.label_smoothing": t.label_smoothing or None, "augment.mixup": a.mixup or None,
+             "augment.cutmix": a.cutmix or None, "train.distill": t.distill}
+    problems = [f"{key} works on class labels; data.task=regression has none: remove it"
+                for key, value in given.items() if value is not None]
+    if t.method in ("linear_probe", "lp_ft"):
+        problems.append(f"train.method={t.method} fits a classifier's head (logistic regression) on the frozen "
+                        "features, not a regression's; use train.method=finetune (or auto) with data.task=regression")
+    return problems
+
+
+def _cache_logits_problems(recipe: Recipe) -> list[str]:
+    """train.distill.cache_logits labels each training image once: its pixels must never change."""
+    problems = []
+    drawing = pixel_drawing_settings(recipe)
+    if drawing:
+        problems.append(f"train.distill.cache_logits=true labels each training image once, so its pixels must be the "
+                        f"same every epoch, but {', '.join(drawing)} draw(s) them anew; turn those off (data.crop_scale="
+                        "[1, 1] or auto, data.horizontal_flip=false, augment.policy=none, augment.erasing_prob=0, "
+                        "augment.mixup=false, augment.cutmix=false), or set train.distill.cache_logits=false")
+    if recipe.data.streaming:
+        problems.append("train.distill.cache_logits=true labels the whole training split before training, which a "
+                        "stream is not (data.streaming=true); set train.distill.cache_logits=false or "
+                        "data.streaming=false")
+    return problems
+
+
+def _method_problems(recipe: Recipe) -> list[str]:
+    """What train.method=linear_probe or lp_ft cannot do, named with the way out."""
+    method = recipe.train.method
+    if method == "auto":  # methods.auto_method chooses what the data allows
+        return []
+    problems = []
+    if METHODS[method].probes and recipe.data.streaming:
+        problems.append(f"train.method={method} reads every training image once before training, which a stream is "
+                        "not read as (data.streaming=true); use train.method=finetune, or data.streaming=false")
+    if METHODS[method].fine_tunes:
+        return problems
+    if recipe.model.lora is not None:
+        problems.append("train.method=linear_probe trains the head alone, so model.lora's adapters would never "
+                        "train; set model.lora=null, or train.method=lp_ft to fine-tune the adapters after the probe")
+    if recipe.train.distill is not None:
+        problems.append("train.method=linear_probe fits the head on the labels in one step, with no training steps a "
+                        "teacher could guide; set train.distill=null, or train.method=lp_ft")
+    drawing = pixel_drawing_settings(recipe)
+    if drawing:
+        problems.append(f"train.method=linear_probe reads each training image once, unaugmented, so {', '.join(drawing)} "
+                        "would never be used; turn them off, or use train.method=lp_ft (the fine-tuning after the "
+                        "probe uses them)")
+    return problems
+
+
+# What makes a training image's pixels differ from epoch to epoch (a random draw per image or per batch): each key,
+# and whether its value draws. data.crop_scale=auto counts as fixed: data.auto_crop_scale never crops (a test holds it
+# to that). train.distill.cache_logits needs every one of them off.
+PIXEL_DRAWS: dict[str, Callable[[Any], bool]] = {
+    "data.crop_scale": lambda value: value != "auto" and tuple(value) != (1.0, 1.0),
+    "data.horizontal_flip": bool,
+    "augment.policy": lambda value: value != "none",
+    "augment.erasing_prob": lambda value: value > 0,
+    "augment.mixup": bool,
+    "augment.cutmix": bool,
+}
+
+
+# Each of PIXEL_DRAWS' keys at the value that draws nothing.
+PIXEL_DRAWS_OFF = {"data.crop_scale": (1.0, 1.0), "data.horizontal_flip": False, "augment.policy": "none",
+                   "augment.erasing_prob": 0.0, "augment.mixup": False, "augment.cutmix": False}
+
+
+def without_pixel_draws(recipe: Recipe) -> Recipe:
+    """The recipe with every setting that draws training pixels anew set to draw nothing."""
+    sections: dict[str, dict] = {}
+    for key, value in PIXEL_DRAWS_OFF.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+    return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update=values)
+                                     for section, values in sections.items()})
+
+
+def pixel_drawing_settings(recipe: Recipe) -> list[str]:
+    """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
+    values = flatten(recipe.model_dump(mode="json"))
+    return [f"{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix('...').strip()}"
+            for key, draws in PIXEL_DRAWS.items() if draws(values[key])]
+
+
+# The dotted form every rule above names keys in (train.distill.cache_logits); a resume compares two recipes in it.
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'lr': 1}} -> {'train.lr': 1}; used to compare recipes key by key."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,238 @@
+"""Loading a recipe: find it by name or path, read its YAML within the input limits, apply `key.sub=value`
+overrides, validate it against the schema with every problem described for a user (the key, the value, the fix, a
+did-you-mean), and write the resolved recipe back; the keys' meanings and defaults, for `--keys`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic_core import to_jsonable_python
+
+from ..errors import EXIT_USAGE, VitFinetuneError
+from ..layout import RECIPE_FILE
+from .checks import flatten
+from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_file,
+                     count_values, deepest, excerpt)
+from .schema import Recipe
+
+
+class RecipeError(VitFinetuneError):
+    """A recipe that cannot run; the message lists every problem found, one per line."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, problems: list[str], source: str = "recipe"):
+        self.problems = problems
+        source = source if len(source) <= 300 else excerpt(source)
+        super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def available_recipes() -> dict[str, Path]:
+    """Recipe names (relative paths without .yaml, sub-folders included) mapped to their files."""
+    found: dict[str, Path] = {}
+    for directory in RECIPE_DIRS:
+        if directory.is_dir():
+            for path in recipe_files(directory):
+                found.setdefault(path.relative_to(directory).with_suffix("").as_posix(), path)
+    return found
+
+
+def recipe_files(directory: Path) -> list[Path]:
+    """The recipe files under `directory`, sub-folders included, Accelerate's config files left out."""
+    return sorted(path for path in directory.rglob("*.yaml")
+                  if path.relative_to(directory).parts[0] != ACCELERATE_CONFIGS)
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe file from a shipped name (food101_384) or a path; unknown names list the shipped ones."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or _is_file(path):
+        if not _is_file(path):
+            raise RecipeError([f"recipe file {name_or_path!r} does not exist"], "--recipe")
+        return path
+    recipes = available_recipes()
+    if name_or_path not in recipes:
+        close = difflib.get_close_matches(name_or_path, recipes, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise RecipeError(
+            [f"no recipe named {name_or_path!r}.{hint} Available: {', '.join(recipes)}; or pass a path to a .yaml file"],
+            "--recipe",
+        )
+    return recipes[name_or_path]
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise RecipeError([f"{path} is {path.stat().st_size:,} bytes; a recipe is a few KB (limit "
+                               f"{MAX_RECIPE_BYTES:,}). Is it the right file?"], str(path))
+        data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
+    except yaml.YAMLError as error:
+        raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
+    except RecursionError:
+        raise RecipeError([f"{path} is nested deeper than Python can read; a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH} levels deep"], str(path)) from None
+    except UnicodeDecodeError as error:
+        raise RecipeError([f"{path} is not UTF-8 text ({error.reason} at byte {error.start}); save it as UTF-8"],
+                          str(path)) from None
+    except OSError as error:
+        raise RecipeError([f"{path} cannot be read: {error.strerror or error}"], str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError([f"{path} must hold a mapping of sections (model:, data:, ...), got {type(data).__name__}"])
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `section.key=value` overrides; values are parsed as YAML scalars and typed by the schema later."""
+    problems = []
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            problems.append(f"override {excerpt(override)} must look like section.key=value, e.g. train.lr=0.01")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw  # let the schema decide whether a plain string is acceptable here
+        except RecursionError:
+            problems.append(f"override {key.strip()}=... is nested deeper than Python can read; a recipe value is at "
+                            f"most {MAX_RECIPE_DEPTH} levels deep")
+            continue
+        node = data
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = value
+    if problems:
+        raise RecipeError(problems, "command line")
+    return data
+
+
+def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        for candidate in (field.annotation, *getattr(field.annotation, "__args__", ())):
+            if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+                keys.extend(_valid_keys(candidate, f"{prefix}{name}."))
+    return keys
+
+
+def key_descriptions(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, str]:
+    """Every recipe key (dotted) mapped to its one-line meaning, from the schema's Field descriptions."""
+    described: dict[str, str] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        if field.description or not sections:  # a section that may be null (model.lora) is a key itself
+            described[prefix + name] = field.description or ""
+        for section in sections:
+            described.update(key_descriptions(section, f"{prefix}{name}."))
+    return described
+
+def default_values(model: type[BaseModel] = Recipe, prefix: str = "") -> dict[str, Any]:
+    """Every key's default (dotted, as JSON values), keys inside sections that default to null (train.distill)
+    included: what a key that a recipe or a checkpoint does not name stands for."""
+    values: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        sections = [c for c in (field.annotation, *getattr(field.annotation, "__args__", ()))
+                    if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not field.is_required():
+            default = field.get_default(call_default_factory=True)
+            if not isinstance(default, BaseModel):  # a section's keys come from its own fields, below
+                values[prefix + name] = to_jsonable_python(default)
+        for section in sections:
+            values.update(default_values(section, f"{prefix}{name}."))
+    return values
+
+
+def format_keys(recipe: Recipe) -> str:
+    """One line per key, `key = value  # meaning`, with the values this recipe resolves to (`-`: its section is null)."""
+    values = flatten(recipe.model_dump(mode="json"))
+
+    def shown_value(key: str) -> str:
+        if key in values:
+            return yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()
+        return "(set, below)" if any(k.startswith(f"{key}.") for k in values) else "-"
+
+    shown = {key: shown_value(key) for key in key_descriptions()}
+    width = max(len(f"{key} = {value}") for key, value in shown.items())
+    return "".join(f"{f'{key} = {value}':<{width}}  # {meaning}\n"
+                   for (key, value), meaning in zip(shown.items(), key_descriptions().values()))
+
+
+def _location(error: dict[str, Any]) -> str:
+    location = ".".join(str(part) for part in error["loc"] if not str(part).startswith("function-"))
+    # Pydantic appends the union member it tried (e.g. "lora.LoraSettings"); keep only recipe keys.
+    return re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
+
+
+def _describe(error: dict[str, Any]) -> str:
+    location = _location(error)
+    if error["type"] == "extra_forbidden":
+        close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
+        return f"unknown key {location!r}{hint}"
+    if error["type"] == "missing":  # its input is the section around it, which says nothing useful
+        return f"{location} is required and has no default; set it, e.g. {location}=VALUE"
+    value = error.get("input")
+    message = error["msg"].removeprefix("Value error, ")
+    if location == "":
+        return message
+    return f"{location}={excerpt(value)}: {message}"
+
+
+def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str, ...] = ()) -> Recipe:
+    """Type and check a recipe mapping; raise RecipeError listing every problem, those of a key set on the command
+    line (`overridden`) marked as such: the recipe file does not hold them."""
+    depth, key = deepest(data)
+    if depth > MAX_RECIPE_DEPTH:
+        raise RecipeError([f"{key or 'the recipe'} is nested more than {MAX_RECIPE_DEPTH} levels deep (lists or "
+                           f"mappings inside each other, or a YAML alias that contains itself); a recipe is at most "
+                           f"{MAX_RECIPE_DEPTH}. Write the value out flat"], source)
+    if count_values(data) > MAX_RECIPE_VALUES:
+        raise RecipeError([f"the recipe expands to more than {MAX_RECIPE_VALUES:,} values (YAML aliases repeated "
+                           "inside each other, or a value that contains itself); a recipe has about 60. Write the "
+                           "values out instead of nesting aliases"], source)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as error:
+        def from_command_line(e: dict[str, Any]) -> bool:
+            return any(f"{_location(e)}.".startswith(f"{key}.") for key in overridden)
+
+        problems = list(dict.fromkeys(_describe(e) + (" (set on the command line)" if from_command_line(e) else "")
+                                      for e in error.errors()))
+        raise RecipeError(problems, source) from None
+
+
+def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
+    """Find, read, override and validate a recipe; with no name, the schema's defaults."""
+    data: dict[str, Any] = {}
+    source = "recipe"
+    if name_or_path:
+        path = find_recipe(name_or_path)
+        data, source = read_yaml(path), str(path)
+    overridden = tuple(override.partition("=")[0].strip() for override in overrides)
+    if overridden:
+        source = f"{source} with the command line's overrides"
+    return validate(apply_overrides(data, list(overrides)), source, overridden)
+
+
+def to_yaml(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
+
+
+def write_recipe(recipe: Recipe, folder: Path) -> None:
+    """The resolved recipe as `recipe.yaml` in an output folder, its staging folder or a checkpoint."""
+    (Path(folder) / RECIPE_FILE).write_text(to_yaml(recipe))
+
