@@ -229,7 +229,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     scheduler = build_scheduler(optimizer, as_run, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, steps_per_epoch),
-                                             accelerator.process_index, recipe.train.label_smoothing)
+                                             accelerator.process_index, recipe.train.label_smoothing, task=task)
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest

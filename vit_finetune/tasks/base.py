@@ -59,6 +59,13 @@ class Task:
              class_weights: torch.Tensor | None, label_smoothing: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def mixed_targets(self, labels: torch.Tensor, own: torch.Tensor, partner: torch.Tensor,
+                      partner_weight: torch.Tensor, num_classes: int, label_smoothing: float) -> torch.Tensor:
+        """The targets of a Mixup/CutMix batch (augment.BatchAugmenter), which `loss` takes as its soft targets: image
+        i became image own[i] blended with image partner[i] (positions in the batch), the partner's share
+        partner_weight[i]."""
+        raise NotImplementedError(f"{self.name} targets are not mixed (the recipe refuses augment.mixup and cutmix)")
+
     def balancing(self, kind: str | None, splits, seed: int) -> tuple:
         """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
         return balance.balancing(kind, splits, seed)

@@ -29,6 +29,10 @@ class MultiLabel(Task):
         return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
                                label_smoothing)
 
+    def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
+        """Blended 0/1 rows (multilabel.mixed_rows); the loss applies label smoothing to them as to unmixed rows."""
+        return multilabel.mixed_rows(labels, own, partner, partner_weight)
+
     def balancing(self, kind, splits, seed):
         """data.class_balance=weights weighs each class's positives by its negatives / positives (BCE's pos_weight)."""
         if kind is None:

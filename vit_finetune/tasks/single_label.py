@@ -36,6 +36,10 @@ class SingleLabel(Task):
         total = image_weights.sum()
         return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
+    def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
+        """Probability rows over the classes, label smoothing in them (augment.soft_targets)."""
+        return augment.soft_targets(labels[own], labels[partner], partner_weight, num_classes, label_smoothing)
+
     def batch_outputs(self, logits, labels, k):
         losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
         return logits.topk(k, dim=-1).indices, labels, losses
