@@ -25,6 +25,12 @@ class MultiLabel(Task):
     label_encoding = "set"
     ranks = False
 
+    def real(self, labels):
+        return labels[:, 0] != SKIPPED
+
+    def per_image_loss(self, logits, labels):
+        return multilabel.per_image_loss(logits, labels)
+
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
                                label_smoothing)
@@ -45,8 +51,16 @@ class MultiLabel(Task):
             row[class_ids] = 1
         return None, multilabel.positive_weights(rows)
 
+    def probe_weights(self, labels, class_weights):
+        """1 each: its class weights are BCE's positive weights, which weigh a label's positives, not an image."""
+        return torch.ones(len(labels), dtype=torch.float32)
+
+    def probe_strata(self, labels):
+        """One group: a label set has no one class to stratify by, so the images are dealt round-robin."""
+        return torch.zeros(len(labels), dtype=torch.long)
+
     def batch_outputs(self, logits, labels, k):
-        return logits.sigmoid(), labels, multilabel.per_image_loss(logits, labels)
+        return logits.sigmoid(), labels, self.per_image_loss(logits, labels)
 
     def joined(self, batches, k):
         if not batches:

@@ -20,6 +20,12 @@ class SingleLabel(Task):
     metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
     curve = ("eval_accuracy", "Eval accuracy", (0, 1))
 
+    def real(self, labels):
+        return labels != SKIPPED
+
+    def per_image_loss(self, logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
+
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with
         a zero gradient, when all were skipped (the forward and backward still run: under DDP every process must
@@ -40,9 +46,16 @@ class SingleLabel(Task):
         """Probability rows over the classes, label smoothing in them (augment.soft_targets)."""
         return augment.soft_targets(labels[own], labels[partner], partner_weight, num_classes, label_smoothing)
 
+    def probe_weights(self, labels, class_weights):
+        """Its class's weight, as training's cross-entropy weighs the image."""
+        return torch.ones(len(labels), dtype=torch.float32) if class_weights is None else class_weights.float()[labels]
+
+    def probe_strata(self, labels):
+        """Its class: every fold holds its share of each class."""
+        return labels
+
     def batch_outputs(self, logits, labels, k):
-        losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
-        return logits.topk(k, dim=-1).indices, labels, losses
+        return logits.topk(k, dim=-1).indices, labels, self.per_image_loss(logits, labels)
 
     def joined(self, batches, k):
         if not batches:
