@@ -133,4 +133,4 @@ class MultiLabel(Task):
     def answers(self, config):
         thresholds = torch.tensor(np.asarray(self.thresholds, dtype=np.float32))
         return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds,
-                       lambda a, b: (a == b.bool()).all(-1), lambda rows: rows[:, 0] != SKIPPED)
+                       lambda a, b: (a == b.bool()).all(-1), self.real)

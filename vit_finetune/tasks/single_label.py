@@ -108,8 +108,7 @@ class SingleLabel(Task):
         return f"### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n{rows}\n"
 
     def answers(self, config):
-        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
-                       lambda labels: labels != SKIPPED)
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b, self.real)
 
 
 def evaluate_model(model, loader, accelerator, normalize, num_classes: int) -> dict:
