@@ -13,6 +13,7 @@ from runs import STEPS_PER_EPOCH, train
 from vit_finetune import augment
 from vit_finetune.augment import BatchAugmenter
 from vit_finetune.recipe import AugmentSettings
+from vit_finetune.tasks import SingleLabel
 
 BATCH, SIZE = 8, 16
 
@@ -24,7 +25,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def augmenter(total_epochs: int = 3, label_smoothing: float = 0.0, **options) -> BatchAugmenter:
     return BatchAugmenter(AugmentSettings(**options), BATCH, seed=7, total_epochs=total_epochs,
-                          label_smoothing=label_smoothing)
+                          label_smoothing=label_smoothing, task=SingleLabel())
 
 
 def partners(targets: torch.Tensor) -> list[tuple[int, float]]:
@@ -67,6 +68,32 @@ def test_cutmix_pastes_one_box_of_the_partner_and_its_label_weight_is_the_pasted
     assert pasted_any
 
 
+@pytest.mark.parametrize("mix", ["mixup", "cutmix"])
+def test_kornia_draws_the_same_whatever_labels_it_mixes_so_positions_stand_in_for_the_class_ids(mix):
+    """The augmenter hands kornia the images' positions and the task looks their labels up. From the same random
+    state kornia handed the class ids themselves draws the same pixels and pairs: the targets are, to the bit, the
+    soft targets of its (label, partner's label, lambda) rows of the class ids."""
+    pixels = batch()[0]
+    labels = torch.tensor([3, 0, -1, 5, 3, 1, 7, 3])  # repeated classes and a skipped image
+    mixer = augmenter(label_smoothing=0.1, **{mix: True})
+    kornia_mix, by_class_ids = mixer.mixes[mix], {}
+
+    def both_ways(pixels: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        state = torch.get_rng_state()
+        by_class_ids["pixels"], by_class_ids["rows"] = kornia_mix(pixels, labels)
+        torch.set_rng_state(state)
+        return kornia_mix(pixels, positions)
+
+    mixer.mixes[mix] = both_ways
+    for position in range(4):
+        mixed, targets = mixer(pixels, labels, epoch=0, batch=position)
+        rows = by_class_ids["rows"].view(-1, 3)
+        expected = augment.soft_targets(rows[:, 0].long(), rows[:, 1].long(),
+                                        augment.MIXES[mix].partner_weight(rows[:, 2]).float(), BATCH, 0.1)
+        assert torch.equal(mixed, by_class_ids["pixels"]) and torch.equal(targets, expected)
+        assert (rows[:, 2] > 0).any()  # it mixed
+
+
 def test_label_smoothing_composes_with_mixed_targets():
     pixels, labels = batch()
     _, plain = augmenter(mixup=True)(pixels, labels, epoch=0, batch=0)
@@ -76,9 +103,9 @@ def test_label_smoothing_composes_with_mixed_targets():
 
 
 def test_bad_image_rows_train_nothing_and_a_blank_partner_leaves_the_own_label_whole():
-    mix = augmenter(mixup=True)
-    rows = torch.tensor([[0, -1, 0.3], [-1, 0, 0.7], [1, 2, 0.25]])  # (own label, partner's label, lambda)
-    targets = mix.soft_targets(rows, augment.MIXES["mixup"].partner_weight)
+    labels = torch.tensor([0, -1, 1, 2])  # image 1 was skipped as bad
+    own, partner = torch.tensor([0, 1, 2]), torch.tensor([1, 0, 3])  # image 0 blended with the blank, 1 with 0
+    targets = SingleLabel().mixed_targets(labels, own, partner, torch.tensor([0.3, 0.7, 0.25]), BATCH, 0.0)
     assert torch.allclose(targets[:, :3], torch.tensor([[1.0, 0, 0], [0, 0, 0], [0, 0.75, 0.25]]))
     logits = torch.randn(3, BATCH)
     expected = -(torch.log_softmax(logits, -1)[0, 0] + 0.75 * torch.log_softmax(logits, -1)[2, 1]

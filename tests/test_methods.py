@@ -20,6 +20,7 @@ from runs import SimulatedKill, assert_bit_identical, history, kill_at, train, w
 from tiny import REPO
 from vit_finetune import evaluation, methods, probe
 from vit_finetune.recipe import load_recipe
+from vit_finetune.tasks import SingleLabel
 
 HEAD = ("classifier.weight", "classifier.bias")
 
@@ -64,7 +65,7 @@ def test_the_probe_fit_is_the_regularised_optimum_folded_back_onto_the_raw_featu
     targets = torch.arange(60) % 3
     features = torch.randn(60, 8, generator=generator) * 3 + 5  # far from standard: the fold-back is exercised
     features[:, 0] += targets * 12.0
-    weight, bias, c, cv_loss, folds = probe.fit_head(features, targets, classes=4)  # one class never seen
+    weight, bias, c, cv_loss, folds = probe.fit_head(features, targets, 4, SingleLabel())  # one class never seen
     assert weight.shape == (4, 8) and folds == 5 and c in probe.STRENGTHS
     # The same head on standardised features: the objective's gradient there is ~0 (L-BFGS converged).
     mean, std = features.mean(0), features.std(0)

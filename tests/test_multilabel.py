@@ -20,6 +20,7 @@ from vit_finetune.augment import BatchAugmenter
 from vit_finetune.cli import main
 from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
+from vit_finetune.tasks import MultiLabel
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
           "data.num_workers=0", "train.log_every_steps=1"]
@@ -53,7 +54,8 @@ def test_mixup_and_cutmix_blend_label_sets_by_the_partners_share_of_the_pixels(m
     pixels = values[:, None, None, None].expand(4, 3, 16, 16).clone()
     seen_a_blend = False
     for batch in range(6):
-        augmenter = BatchAugmenter(AugmentSettings(**{mix: True}), num_classes=4, seed=3, total_epochs=1)
+        augmenter = BatchAugmenter(AugmentSettings(**{mix: True}), num_classes=4, seed=3, total_epochs=1,
+                                   task=MultiLabel())
         mixed, targets = augmenter(pixels, rows, 0, batch)
         assert targets.shape == (4, 4) and (targets[3] == -1).all()  # a skipped image stays skipped
         for own in range(3):

@@ -1,5 +1,6 @@
 """The task seam: every task is one module (vit_finetune/tasks) and a registry entry, and nothing outside the task
-modules asks which task a model is; the model's image size is asked of its family, one way."""
+modules asks which task a model is, by its name or by the shape of its labels; the model's image size is asked of its
+family, one way."""
 
 from __future__ import annotations
 
@@ -14,16 +15,32 @@ from vit_finetune.cli import main
 
 # What only a task (or the multi-label helper module it uses) may read: which task a model is.
 TASK_TESTS = re.compile(r"problem_type|multi_label|\"regression\"")
+# The same question asked of the labels' shape: class ids are (B,), label sets (B, C), so a test of the number of
+# dimensions of labels or targets (`labels.dim() == 2`, `batch["labels"].ndim`, `len(targets.shape)`) tells them apart.
+LABELS = r"(?:label|target)\w*(?:[\"']\])?(?:\[[^\]]*\])*"  # labels, batch["labels"], targets[kept], label_rows[:, 0]
+SHAPE_TESTS = re.compile(rf"{LABELS}\.(?:dim\(\)|ndim\b)|len\([^()]*?{LABELS}\.shape\)")
 # Modules that decide the task from the data and the recipe (the loaders, the recipe's own checks), and the tasks.
 CHOOSERS = {"data.py", "labels.py", "streaming.py", "multilabel.py", "schema.py", "checks.py"}  # the last two: recipe/
 
 
+def questions_of_the_task(text: str) -> list[str]:
+    return sorted({match.group() for pattern in (TASK_TESTS, SHAPE_TESTS) for match in pattern.finditer(text)})
+
+
 def test_no_module_outside_the_tasks_asks_which_task_a_model_is():
     package = REPO / "vit_finetune"
-    asking = {path.relative_to(package).as_posix(): sorted({match.group() for match in TASK_TESTS.finditer(path.read_text())})
-              for path in package.rglob("*.py")
-              if path.parent.name != "tasks" and path.name not in CHOOSERS and TASK_TESTS.search(path.read_text())}
-    assert asking == {}
+    asking = {path.relative_to(package).as_posix(): questions_of_the_task(path.read_text())
+              for path in package.rglob("*.py") if path.parent.name != "tasks" and path.name not in CHOOSERS}
+    assert {path: found for path, found in asking.items() if found} == {}
+
+
+def test_the_scan_knows_a_shape_test_of_labels_from_other_shapes():
+    asked = ["label_sets = labels.dim() == 2", "if targets.dim() == 1:", 'batch["labels"].ndim > 1',
+             "len(targets[kept].shape) == 2", "rows = label_rows[:, 0].dim()"]
+    assert all(questions_of_the_task(line) for line in asked)
+    not_asked = ["table = position_embeddings if position_embeddings.dim() == 3 else x", "values.ndim == 3",
+                 "targets = labels.float()", "label_smoothing / num_classes", "len(labels)"]
+    assert not any(questions_of_the_task(line) for line in not_asked)
 
 
 def test_every_task_is_registered_by_its_name_and_read_back_from_its_problem_type():

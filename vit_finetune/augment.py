@@ -1,5 +1,5 @@
 """Batch augmentation on the device, DeiT's toolbox through kornia: a policy (RandAugment or TrivialAugment),
-random erasing, then Mixup or CutMix with soft targets.
+random erasing, then Mixup or CutMix, whose targets the task mixes (Task.mixed_targets: soft targets for class ids).
 
 It runs on whole training batches after they reach the device, on pixels in [0, 1] before the mean/std
 normalisation; evaluation never passes through it. Its randomness comes from a generator seeded by
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .multilabel import mixed_rows
 from .recipe import AugmentSettings
+
+if TYPE_CHECKING:  # annotations only: the tasks import this module for the soft targets' arithmetic
+    from .tasks import Task
 
 SKIPPED_LABEL = -1  # data.SKIPPED_LABEL: a bad image that kept its place in the batch; it trains nothing
 
@@ -53,14 +55,16 @@ MIXES = {
 
 
 class BatchAugmenter:
-    """Augments one training batch: (pixels in [0, 1], labels) -> (pixels, soft targets or None when not mixed)."""
+    """Augments one training batch: (pixels in [0, 1], labels) -> (pixels, the task's mixed targets or None when not
+    mixed)."""
 
     def __init__(self, settings: AugmentSettings, num_classes: int, seed: int, total_epochs: int,
-                 process_index: int = 0, label_smoothing: float = 0.0):
+                 process_index: int = 0, label_smoothing: float = 0.0, *, task: Task):
         self.settings = settings
         self.num_classes = num_classes
         self.seed, self.process_index = seed, process_index
         self.label_smoothing = label_smoothing
+        self.task = task  # turns a mixed batch's pairs into its targets
         self.mix_until_epoch = total_epochs - settings.mix_off_epochs  # epochs from here on are never mixed
         make_policy = POLICIES[settings.policy]
         self.policy = make_policy(settings) if make_policy else None
@@ -74,7 +78,7 @@ class BatchAugmenter:
     def __call__(self, pixels: torch.Tensor, labels: torch.Tensor, epoch: int, batch: int
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`batch` counts the batches of the epoch (accumulation micro-batches included), so each key is drawn once.
-        `labels`: (B,) class ids, or (B, C) 0/1 rows for label sets (multi-label), mixed as rows."""
+        `labels`: the task's, one per image ((B,) class ids, (B, C) 0/1 rows for label sets); the task mixes them."""
         if not self.active or labels.numel() == 0:
             return pixels, None
         devices = [pixels.device] if pixels.device.type != "cpu" else []
@@ -88,13 +92,13 @@ class BatchAugmenter:
             mix = self.choose_mix(epoch)
             if mix is None:
                 return pixels, None
-            label_sets = labels.dim() == 2
-            # Label sets go through kornia as the images' positions, so its pairs can be looked up in the rows.
-            pixels, mixed = self.mixes[mix](pixels, torch.arange(len(labels), device=labels.device)
-                                            if label_sets else labels)
-        if label_sets:
-            return pixels, mixed_rows(labels, mixed.view(-1, 3), MIXES[mix].partner_weight)
-        return pixels, self.soft_targets(mixed.view(-1, 3), MIXES[mix].partner_weight)
+            # kornia mixes the images' positions in the batch, whatever the labels are: its draws depend on the
+            # batch's shape alone, and its (own, partner, lambda) rows then say which images each one blends.
+            pixels, mixed = self.mixes[mix](pixels, torch.arange(len(labels), device=labels.device))
+        mixed = mixed.view(-1, 3)
+        return pixels, self.task.mixed_targets(labels, mixed[:, 0].long(), mixed[:, 1].long(),
+                                               MIXES[mix].partner_weight(mixed[:, 2]).float(), self.num_classes,
+                                               self.label_smoothing)
 
     def choose_mix(self, epoch: int) -> str | None:
         """Which mix this batch gets, drawn from the seeded global generator inside __call__; None: not mixed."""
@@ -104,18 +108,20 @@ class BatchAugmenter:
             return next(iter(self.mixes))
         return "cutmix" if torch.rand(()).item() < self.settings.mix_switch_prob else "mixup"
 
-    def soft_targets(self, mixed: torch.Tensor, partner_weight: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """(label, partner's label, lambda) rows -> probability rows that sum to 1, label smoothing applied.
 
-        A bad image's row (label -1) is all zeros: it trains nothing. An image mixed with a bad image's blank
-        keeps its own label alone, with weight 1: the blank part carries no class.
-        """
-        own, partner = mixed[:, 0].long(), mixed[:, 1].long()
-        weight = partner_weight(mixed[:, 2]).float() * (partner != SKIPPED_LABEL)
-        targets = (one_hot(own, self.num_classes) * (1 - weight)[:, None]
-                   + one_hot(partner, self.num_classes) * weight[:, None])
-        valid = (own != SKIPPED_LABEL).float()[:, None]
-        return (targets * (1 - self.label_smoothing) + self.label_smoothing / self.num_classes) * valid
+def soft_targets(own: torch.Tensor, partner: torch.Tensor, partner_weight: torch.Tensor, num_classes: int,
+                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mixup/CutMix of class ids: each image's (class, its partner's class, the partner's weight) -> a probability
+    row that sums to 1, label smoothing applied.
+
+    A bad image's row (label -1) is all zeros: it trains nothing. An image mixed with a bad image's blank
+    keeps its own label alone, with weight 1: the blank part carries no class.
+    """
+    weight = partner_weight * (partner != SKIPPED_LABEL)
+    targets = (one_hot(own, num_classes) * (1 - weight)[:, None]
+               + one_hot(partner, num_classes) * weight[:, None])
+    valid = (own != SKIPPED_LABEL).float()[:, None]
+    return (targets * (1 - label_smoothing) + label_smoothing / num_classes) * valid
 
 
 def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:

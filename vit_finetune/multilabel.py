@@ -61,13 +61,13 @@ def per_image_loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return per_class.mean(dim=-1) * (rows[:, 0] != SKIPPED)
 
 
-def mixed_rows(rows: torch.Tensor, mixed: torch.Tensor, partner_weight) -> torch.Tensor:
-    """Mixup/CutMix of label sets. `mixed` holds kornia's (own index, partner index, lambda) per image, from mixing
-    with the batch positions as the 'labels'; each target row is (1 - w) own + w partner, w the partner's share of
-    the image. A skipped image stays skipped; an image mixed with a skipped one keeps its own labels alone."""
-    own, partner = mixed[:, 0].long(), mixed[:, 1].long()
+def mixed_rows(rows: torch.Tensor, own: torch.Tensor, partner: torch.Tensor, partner_weight: torch.Tensor
+               ) -> torch.Tensor:
+    """Mixup/CutMix of label sets: image i became image own[i] blended with image partner[i] (positions in the
+    batch), partner_weight[i] the partner's share of the image; its target row is (1 - w) own + w partner. A skipped
+    image stays skipped; an image mixed with a skipped one keeps its own labels alone."""
     own_rows, partner_rows = rows[own].float(), rows[partner].float()
-    weight = partner_weight(mixed[:, 2]).float() * (partner_rows[:, 0] != SKIPPED)
+    weight = partner_weight * (partner_rows[:, 0] != SKIPPED)
     blended = own_rows * (1 - weight)[:, None] + partner_rows.clamp(min=0) * weight[:, None]
     return torch.where(own_rows[:, :1] == SKIPPED, own_rows, blended)
 

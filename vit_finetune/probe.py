@@ -9,8 +9,9 @@ The head is an L2-regularised logistic regression (softmax over classes; one sig
 fitted by L-BFGS on standardised features, its strength chosen by stratified k-fold
 cross-validation on the training images (the usual careful probe: DINOv2's linear evaluation reads the same
 features, scikit-learn's LogisticRegressionCV chooses C the same way). The standardisation is folded back into the
-weights. Everything here is deterministic and draws nothing from the run's random generators, so a run that resumes
-after the probe trains exactly as one that did not stop.
+weights. What differs by task the task says (tasks.Task): which images hold a label, each image's loss and weight,
+and the groups the folds are stratified by. Everything here is deterministic and draws nothing from the run's random
+generators, so a run that resumes after the probe trains exactly as one that did not stop.
 
 train.method=linear_probe stops there (the backbone never changes); lp_ft then fine-tunes everything from the fitted
 head (LP-FT, Kumar et al., ICLR 2022: a head that already fits moves the pretrained features less than a new one).
@@ -21,14 +22,17 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
 from torch import nn
 
-from . import data, model as vit
+from . import model as vit
 
-SKIPPED = data.SKIPPED_LABEL
+if TYPE_CHECKING:  # annotations only
+    from .tasks import Task
+
 # The regularisation strengths tried, as scikit-learn's C (inverse strength, per image): 10 values, 1e-4 to 1e4, as
 # LogisticRegressionCV's default grid.
 STRENGTHS = tuple(10 ** (-4 + 8 * i / 9) for i in range(10))
@@ -103,17 +107,14 @@ def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[tor
 # ---------------------------------------------------------------- the fit
 
 
-def _loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per-image loss weighted by `weights` and averaged: softmax cross-entropy, or mean BCE over classes."""
-    if targets.dim() == 2:
-        per_image = nn.functional.binary_cross_entropy_with_logits(logits, targets, reduction="none").mean(dim=1)
-    else:
-        per_image = nn.functional.cross_entropy(logits, targets, reduction="none")
-    return (per_image * weights).sum() / weights.sum()
+def _loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, task: Task) -> torch.Tensor:
+    """The task's per-image loss (softmax cross-entropy, or mean BCE over classes), weighted by `weights`, averaged."""
+    return (task.per_image_loss(logits, labels) * weights).sum() / weights.sum()
 
 
-def fit_logistic(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, classes: int, c: float,
-                 start: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_logistic(features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, classes: int, c: float,
+                 task: Task, start: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, bias) minimising C x sum(loss) + |W|^2 / 2 (scikit-learn's objective; the bias is not penalised),
     written as mean loss + |W|^2 / (2 C n); float32, L-BFGS with a strong-Wolfe line search, from `start` or zero."""
     width = features.shape[1]
@@ -125,7 +126,7 @@ def fit_logistic(features: torch.Tensor, targets: torch.Tensor, weights: torch.T
 
     def closure():
         optimiser.zero_grad()
-        objective = _loss(features @ weight.T + bias, targets, weights) + penalty * weight.pow(2).sum()
+        objective = _loss(features @ weight.T + bias, labels, weights, task) + penalty * weight.pow(2).sum()
         objective.backward()
         return objective
 
@@ -133,52 +134,54 @@ def fit_logistic(features: torch.Tensor, targets: torch.Tensor, weights: torch.T
     return weight.detach(), bias.detach()
 
 
-def fold_of_each_image(targets: torch.Tensor, folds: int) -> torch.Tensor:
-    """A fold number per image, stratified by class for class ids (each class dealt round-robin in a fixed shuffled
-    order), dealt round-robin for label sets; from a generator of its own, so the run's random state is untouched."""
+def fold_of_each_image(strata: torch.Tensor, folds: int) -> torch.Tensor:
+    """A fold number per image, stratified: each stratum (Task.probe_strata: an image's class, or one for all label
+    sets) dealt round-robin in a fixed shuffled order; from a generator of its own, so the run's random state is
+    untouched."""
     generator = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(targets), generator=generator)
-    fold = torch.empty(len(targets), dtype=torch.long)
-    if targets.dim() == 2:
-        fold[order] = torch.arange(len(targets)) % folds
-        return fold
+    order = torch.randperm(len(strata), generator=generator)
+    fold = torch.empty(len(strata), dtype=torch.long)
     dealt = 0
-    for class_id in torch.unique(targets).tolist():
-        members = order[targets[order] == class_id]
+    for stratum in torch.unique(strata).tolist():
+        members = order[strata[order] == stratum]
         fold[members] = (torch.arange(len(members)) + dealt) % folds
-        dealt += len(members)  # the next class starts where this one stopped: folds stay even in size
+        dealt += len(members)  # the next stratum starts where this one stopped: folds stay even in size
     return fold
 
 
-def subset_for_cross_validation(targets: torch.Tensor, most: int) -> torch.Tensor:
+def subset_for_cross_validation(strata: torch.Tensor, most: int) -> torch.Tensor:
     """Indices of at most `most` images, every fold-th image of the stratified deal: a fixed, class-balanced subset."""
-    if len(targets) <= most:
-        return torch.arange(len(targets))
-    step = len(targets) / most
-    order = torch.argsort(fold_of_each_image(targets, max(2, math.ceil(step))), stable=True)
+    if len(strata) <= most:
+        return torch.arange(len(strata))
+    step = len(strata) / most
+    order = torch.argsort(fold_of_each_image(strata, max(2, math.ceil(step))), stable=True)
     return order[:most].sort().values
 
 
-def choose_c(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, classes: int) -> tuple[float, float, int]:
+def choose_c(features: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, classes: int, task: Task
+             ) -> tuple[float, float, int]:
     """(C, its mean validation loss, folds) by k-fold cross-validation over STRENGTHS, strongest first, each fold's
     fit warm-started from the previous strength's. The validation loss falls, then rises as the head overfits; once it
-    has risen at two strengths in a row the weaker ones, the slowest to fit, are not tried. Too few images to fold:
-    C = 1 (scikit-learn's default)."""
-    counts = torch.bincount(targets) if targets.dim() == 1 else torch.tensor([len(targets)])
-    folds = min(FOLDS, int(counts[counts > 0].min()) if targets.dim() == 1 else len(targets))
+    has risen at two strengths in a row the weaker ones, the slowest to fit, are not tried. Every fold holds an image
+    of every stratum: at most as many folds as the smallest stratum has images. Too few to fold: C = 1
+    (scikit-learn's default)."""
+    strata = task.probe_strata(labels)
+    sizes = torch.bincount(strata)
+    sizes = sizes[sizes > 0]
+    folds = min(FOLDS, int(sizes.min())) if len(sizes) else 0
     if folds < 2:
         return 1.0, math.nan, 0
-    fold = fold_of_each_image(targets, folds)
+    fold = fold_of_each_image(strata, folds)
     starts: list = [None] * folds
     scores = []
     for c in STRENGTHS:
         losses = []
         for k in range(folds):
             fit, held = fold != k, fold == k
-            starts[k] = fit_logistic(features[fit], targets[fit], weights[fit], classes, c, starts[k])
+            starts[k] = fit_logistic(features[fit], labels[fit], weights[fit], classes, c, task, starts[k])
             weight, bias = starts[k]
             logits = features[held] @ weight.T + bias
-            losses.append(float(_loss(logits, targets[held], weights[held])))
+            losses.append(float(_loss(logits, labels[held], weights[held], task)))
         scores.append(sum(losses) / folds)
         if len(scores) >= 3 and scores[-1] > scores[-2] > scores[-3]:
             break
@@ -186,20 +189,19 @@ def choose_c(features: torch.Tensor, targets: torch.Tensor, weights: torch.Tenso
     return STRENGTHS[best], scores[best], folds
 
 
-def fit_head(features: torch.Tensor, targets: torch.Tensor, classes: int, class_weights: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, float, float, int]:
+def fit_head(features: torch.Tensor, labels: torch.Tensor, classes: int, task: Task,
+             class_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, float, float, int]:
     """(weight, bias) of the head on the raw features, float32, and (C, cv loss, folds); skipped images left out.
-    `class_weights`: data.class_balance=weights' per-class weights (class ids only) for each image's loss."""
-    kept = targets.reshape(len(targets), -1)[:, 0] != SKIPPED
-    features, targets = features[kept].float(), targets[kept]
-    targets = targets.float() if targets.dim() == 2 else targets.long()
-    weights = (class_weights.float()[targets] if class_weights is not None and targets.dim() == 1
-               else torch.ones(len(targets), dtype=torch.float32))
+    `class_weights`: data.class_balance=weights' per-class weights, which weigh each image's loss where the task
+    says they apply (Task.probe_weights)."""
+    real = task.real(labels)
+    features, labels = features[real].float(), labels[real]
+    weights = task.probe_weights(labels, class_weights)
     mean, std = features.mean(dim=0), features.std(dim=0).clamp(min=1e-6)
     standard = (features - mean) / std
-    subset = subset_for_cross_validation(targets, CV_IMAGES)
-    c, cv_loss, folds = choose_c(standard[subset], targets[subset], weights[subset], classes)
-    weight, bias = fit_logistic(standard, targets, weights, classes, c)
+    subset = subset_for_cross_validation(task.probe_strata(labels), CV_IMAGES)
+    c, cv_loss, folds = choose_c(standard[subset], labels[subset], weights[subset], classes, task)
+    weight, bias = fit_logistic(standard, labels, weights, classes, c, task)
     # logits = ((x - mean) / std) W^T + b = x (W / std)^T + (b - (W / std) mean): the same head on raw features.
     raw_weight = weight / std
     raw_bias = bias - raw_weight @ mean
@@ -217,17 +219,18 @@ def set_heads(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> Non
             head.bias.copy_(bias)
 
 
-def probe(model: nn.Module, loader, accelerator: Accelerator, class_weights: torch.Tensor | None = None) -> ProbeResult:
-    """Fit the model's head on the frozen features of every image of `loader` (in a fixed order) and put it into the
-    model; the random generators are left as they were."""
+def probe(model: nn.Module, loader, accelerator: Accelerator, task: Task, class_weights: torch.Tensor | None = None
+          ) -> ProbeResult:
+    """Fit the model's head for `task` on the frozen features of every image of `loader` (in a fixed order) and put
+    it into the model; the random generators are left as they were."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        features, targets = head_inputs(model, loader, accelerator)
+        features, labels = head_inputs(model, loader, accelerator)
         extracted = time.perf_counter()
-        weight, bias, c, cv_loss, folds = fit_head(features, targets, head_module(model).out_features,
+        weight, bias, c, cv_loss, folds = fit_head(features, labels, head_module(model).out_features, task,
                                                    None if class_weights is None else class_weights.cpu())
     set_heads(model, weight.to(head_module(model).weight.device), bias.to(head_module(model).bias.device))
-    images = int((targets.reshape(len(targets), -1)[:, 0] != SKIPPED).sum())
+    images = int(task.real(labels).sum())
     return ProbeResult(images, features.shape[1], c, cv_loss, folds, extracted - started,
                        time.perf_counter() - extracted)
 

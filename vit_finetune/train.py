@@ -203,7 +203,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     sampler, class_weights = (None, None) if streamed else task.balancing(recipe.data.class_balance, splits, seed)
     fitted = None
     if method.probes and not resuming:
-        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, class_weights)
+        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
@@ -229,7 +229,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     scheduler = build_scheduler(optimizer, as_run, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, steps_per_epoch),
-                                             accelerator.process_index, recipe.train.label_smoothing)
+                                             accelerator.process_index, recipe.train.label_smoothing, task=task)
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
@@ -242,7 +242,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
-                      class_weights) -> probe.ProbeResult:
+                      task: tasks.Task, class_weights) -> probe.ProbeResult:
     """The linear probe: the head fitted on the frozen features of every training image, computed once in the
     split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
     its cost. Without gradients a batch costs about a third of a training step's: four times the batch."""
@@ -250,7 +250,7 @@ def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Acc
     loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
                               accelerator.device.type == "cuda")
     model.to(accelerator.device)
-    result = probe.probe(model, display.passes(loader, "features", accelerator.is_main_process), accelerator,
+    result = probe.probe(model, display.passes(loader, "features", accelerator.is_main_process), accelerator, task,
                          class_weights)
     if accelerator.is_main_process:
         display.say(result.describe())

@@ -55,13 +55,38 @@ class Task:
 
     # ------------------------------------------------------------ training
 
+    def real(self, labels: torch.Tensor) -> torch.Tensor:
+        """Which images of a batch hold a label: False for one skipped as unreadable (it kept its place)."""
+        raise NotImplementedError
+
+    def per_image_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each image's unweighted loss against its labels, 0 for a skipped image: evaluation's, and the probe's."""
+        raise NotImplementedError
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor, soft_targets: torch.Tensor | None,
              class_weights: torch.Tensor | None, label_smoothing: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def mixed_targets(self, labels: torch.Tensor, own: torch.Tensor, partner: torch.Tensor,
+                      partner_weight: torch.Tensor, num_classes: int, label_smoothing: float) -> torch.Tensor:
+        """The targets of a Mixup/CutMix batch (augment.BatchAugmenter), which `loss` takes as its soft targets: image
+        i became image own[i] blended with image partner[i] (positions in the batch), the partner's share
+        partner_weight[i]."""
+        raise NotImplementedError(f"{self.name} targets are not mixed (the recipe refuses augment.mixup and cutmix)")
+
     def balancing(self, kind: str | None, splits, seed: int) -> tuple:
         """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
         return balance.balancing(kind, splits, seed)
+
+    # ------------------------------------------------------------ the linear probe (probe.py), where probe_fits
+
+    def probe_weights(self, labels: torch.Tensor, class_weights: torch.Tensor | None) -> torch.Tensor:
+        """Each image's float32 weight in the probe's loss, given data.class_balance=weights' class weights or None."""
+        raise NotImplementedError
+
+    def probe_strata(self, labels: torch.Tensor) -> torch.Tensor:
+        """Each image's group (an id >= 0) that the probe's cross-validation deals evenly into its folds."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------ evaluation
 

@@ -25,9 +25,19 @@ class MultiLabel(Task):
     label_encoding = "set"
     ranks = False
 
+    def real(self, labels):
+        return labels[:, 0] != SKIPPED
+
+    def per_image_loss(self, logits, labels):
+        return multilabel.per_image_loss(logits, labels)
+
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
                                label_smoothing)
+
+    def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
+        """Blended 0/1 rows (multilabel.mixed_rows); the loss applies label smoothing to them as to unmixed rows."""
+        return multilabel.mixed_rows(labels, own, partner, partner_weight)
 
     def balancing(self, kind, splits, seed):
         """data.class_balance=weights weighs each class's positives by its negatives / positives (BCE's pos_weight)."""
@@ -41,8 +51,16 @@ class MultiLabel(Task):
             row[class_ids] = 1
         return None, multilabel.positive_weights(rows)
 
+    def probe_weights(self, labels, class_weights):
+        """1 each: its class weights are BCE's positive weights, which weigh a label's positives, not an image."""
+        return torch.ones(len(labels), dtype=torch.float32)
+
+    def probe_strata(self, labels):
+        """One group: a label set has no one class to stratify by, so the images are dealt round-robin."""
+        return torch.zeros(len(labels), dtype=torch.long)
+
     def batch_outputs(self, logits, labels, k):
-        return logits.sigmoid(), labels, multilabel.per_image_loss(logits, labels)
+        return logits.sigmoid(), labels, self.per_image_loss(logits, labels)
 
     def joined(self, batches, k):
         if not batches:
@@ -115,4 +133,4 @@ class MultiLabel(Task):
     def answers(self, config):
         thresholds = torch.tensor(np.asarray(self.thresholds, dtype=np.float32))
         return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds,
-                       lambda a, b: (a == b.bool()).all(-1), lambda rows: rows[:, 0] != SKIPPED)
+                       lambda a, b: (a == b.bool()).all(-1), self.real)

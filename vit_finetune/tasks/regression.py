@@ -69,6 +69,10 @@ class Regression(Task):
 
     # ------------------------------------------------------------ training
 
+    def real(self, labels):
+        """A skipped image's row is NaN."""
+        return ~labels[:, 0].float().isnan()
+
     def per_image_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of each image on the standardised scale, the mean over targets; 0 for a skipped image (NaN row)."""
         real = ~targets[:, 0].isnan()
@@ -166,8 +170,7 @@ class Regression(Task):
     def answers(self, config):
         tolerance = AGREEMENT_SHARE_OF_STD * self.std
         return Answers(f"values within {AGREEMENT_SHARE_OF_STD:.0%} of each target's std",
-                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1),
-                       lambda rows: ~rows[:, 0].float().isnan())
+                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1), self.real)
 
 
 # pipeline("image-classification") applies a softmax (one target) or a sigmoid to the head's output and ranks it:

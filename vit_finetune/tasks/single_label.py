@@ -20,6 +20,12 @@ class SingleLabel(Task):
     metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
     curve = ("eval_accuracy", "Eval accuracy", (0, 1))
 
+    def real(self, labels):
+        return labels != SKIPPED
+
+    def per_image_loss(self, logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
+
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         """Mean cross-entropy over the batch's real images, leaving out the places of images skipped as bad; 0, with
         a zero gradient, when all were skipped (the forward and backward still run: under DDP every process must
@@ -36,9 +42,20 @@ class SingleLabel(Task):
         total = image_weights.sum()
         return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
+    def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
+        """Probability rows over the classes, label smoothing in them (augment.soft_targets)."""
+        return augment.soft_targets(labels[own], labels[partner], partner_weight, num_classes, label_smoothing)
+
+    def probe_weights(self, labels, class_weights):
+        """Its class's weight, as training's cross-entropy weighs the image."""
+        return torch.ones(len(labels), dtype=torch.float32) if class_weights is None else class_weights.float()[labels]
+
+    def probe_strata(self, labels):
+        """Its class: every fold holds its share of each class."""
+        return labels
+
     def batch_outputs(self, logits, labels, k):
-        losses = torch.nn.functional.cross_entropy(logits, labels, reduction="none", ignore_index=SKIPPED)
-        return logits.topk(k, dim=-1).indices, labels, losses
+        return logits.topk(k, dim=-1).indices, labels, self.per_image_loss(logits, labels)
 
     def joined(self, batches, k):
         if not batches:
@@ -91,8 +108,7 @@ class SingleLabel(Task):
         return f"### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n{rows}\n"
 
     def answers(self, config):
-        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b,
-                       lambda labels: labels != SKIPPED)
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b, self.real)
 
 
 def evaluate_model(model, loader, accelerator, normalize, num_classes: int) -> dict:
