@@ -9,12 +9,14 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import shutil
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageClassification, pipeline
 
 from tiny import TINY_FAMILIES, make_tiny_family, tiny_family_config
@@ -61,6 +63,22 @@ def test_the_log_capture_sees_a_newly_initialised_head(bases):
     with transformers_log() as records:
         AutoModelForImageClassification.from_pretrained(bases["dinov2"])
     assert weight_warnings(records)
+
+
+def test_the_head_swap_loads_without_transformers_load_report_and_a_missing_backbone_weight_is_refused(bases, tmp_path):
+    # The new head is swapped on purpose: transformers' table naming it MISSING reads like an error, so it is not shown.
+    with transformers_log() as records:
+        vit.build_model(ModelSettings(base=str(bases["dinov2"]), image_size=64), LABELS)
+    assert weight_warnings(records) == []
+    # What the report would have warned of is still refused: a backbone weight the checkpoint lacks.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(bases["dinov2"], damaged)
+    weights = load_file(damaged / "model.safetensors")
+    dropped = next(key for key in weights if "layernorm" in key or "norm" in key)
+    del weights[dropped]
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(vit.ModelError, match="would be re-initialised instead of loaded"):
+        vit.build_model(ModelSettings(base=str(damaged), image_size=64), LABELS)
 
 
 def last_hidden_state(model, family, pixels, interpolate: bool) -> torch.Tensor:

@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -18,6 +19,7 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoImageProcessor, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
@@ -162,18 +164,31 @@ def check_image_size(image_size: int, patch_size: int) -> None:
         )
 
 
+@contextmanager
+def report_errors_only():
+    """transformers' warnings off while the base loads: its load report names the new head MISSING in a table that
+    reads like an error, where the head is swapped on purpose; load_pretrained checks the loading info itself."""
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+
+
 def load_pretrained(settings: ModelSettings, family: Family) -> PreTrainedModel:
     """The base checkpoint as the family's classification class, failing loudly if anything but the head was
     missing or reshaped. Weights the class has no place for (a distilled DeiT's teacher head, CLIP's text tower)
     are dropped."""
     try:
-        model, info = family.model_class().from_pretrained(
-            base_location(settings),
-            revision=settings.revision,
-            trust_remote_code=settings.trust_remote_code,
-            dtype=torch.float32,  # master weights stay float32; mixed precision is autocast's job
-            output_loading_info=True,
-        )
+        with report_errors_only():
+            model, info = family.model_class().from_pretrained(
+                base_location(settings),
+                revision=settings.revision,
+                trust_remote_code=settings.trust_remote_code,
+                dtype=torch.float32,  # master weights stay float32; mixed precision is autocast's job
+                output_loading_info=True,
+            )
     except OSError as error:  # config.json was there (load_base_config read it), the weights are not
         raise ModelError(
             f"model.base={settings.base!r}: its weights could not be loaded: {error}\n"
