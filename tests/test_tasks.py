@@ -19,12 +19,14 @@ TASK_TESTS = re.compile(r"problem_type|multi_label|\"regression\"")
 # dimensions of labels or targets (`labels.dim() == 2`, `batch["labels"].ndim`, `len(targets.shape)`) tells them apart.
 LABELS = r"(?:label|target)\w*(?:[\"']\])?(?:\[[^\]]*\])*"  # labels, batch["labels"], targets[kept], label_rows[:, 0]
 SHAPE_TESTS = re.compile(rf"{LABELS}\.(?:dim\(\)|ndim\b)|len\([^()]*?{LABELS}\.shape\)")
+# And asked by the task's name: `task.name != "single_label"`, or a name kept aside to compare with (`SingleLabel.name`).
+NAME_TESTS = re.compile(r"task\w*\.name\s*(?:[!=]=|(?:not\s+)?in\b)|\b(?:SingleLabel|MultiLabel|Regression)\.name\b")
 # Modules that decide the task from the data and the recipe (the loaders, the recipe's own checks), and the tasks.
 CHOOSERS = {"data.py", "labels.py", "streaming.py", "multilabel.py", "schema.py", "checks.py"}  # the last two: recipe/
 
 
 def questions_of_the_task(text: str) -> list[str]:
-    return sorted({match.group() for pattern in (TASK_TESTS, SHAPE_TESTS) for match in pattern.finditer(text)})
+    return sorted({match.group() for pattern in (TASK_TESTS, SHAPE_TESTS, NAME_TESTS) for match in pattern.finditer(text)})
 
 
 def test_no_module_outside_the_tasks_asks_which_task_a_model_is():
@@ -36,10 +38,12 @@ def test_no_module_outside_the_tasks_asks_which_task_a_model_is():
 
 def test_the_scan_knows_a_shape_test_of_labels_from_other_shapes():
     asked = ["label_sets = labels.dim() == 2", "if targets.dim() == 1:", 'batch["labels"].ndim > 1',
-             "len(targets[kept].shape) == 2", "rows = label_rows[:, 0].dim()"]
+             "len(targets[kept].shape) == 2", "rows = label_rows[:, 0].dim()", "if task.name != STUDENT:",
+             "STUDENT_TASK = tasks.SingleLabel.name", "if parts.task.name in ('regression',):"]
     assert all(questions_of_the_task(line) for line in asked)
     not_asked = ["table = position_embeddings if position_embeddings.dim() == 3 else x", "values.ndim == 3",
-                 "targets = labels.float()", "label_smoothing / num_classes", "len(labels)"]
+                 "targets = labels.float()", "label_smoothing / num_classes", "len(labels)",
+                 'f"{task.name} run"', "data.task = task.name"]
     assert not any(questions_of_the_task(line) for line in not_asked)
 
 

@@ -34,7 +34,6 @@ from .errors import EXIT_USAGE, VitFinetuneError, shortened
 from .inference import InputError, load_classifier, model_location, refuse_own_code
 from .recipe import DistillSettings
 
-STUDENT_TASK = tasks.SingleLabel.name  # a teacher's top class or softmax teaches one label per image
 
 
 class DistillError(VitFinetuneError):
@@ -65,9 +64,9 @@ def teacher_config(settings: DistillSettings):
     except (OSError, ValueError) as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
                            f"({shortened(error)}); give a run's output_dir or an image classifier's Hub id") from None
-    kind = tasks.of_config(config).name
-    if kind != STUDENT_TASK:
-        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a {kind.replace('_', '-')} model; "
+    kind = tasks.of_config(config)
+    if not kind.distills:
+        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a {kind.name.replace('_', '-')} model; "
                            "distillation follows a single-label teacher's top class or softmax. Give a single-label "
                            "teacher")
     return config

@@ -171,7 +171,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
     teacher = None
     if recipe.train.distill is not None:  # its labels are checked before the student is built
-        if task.name != distill.STUDENT_TASK:
+        if not task.distills:
             raise RunError(f"train.distill works with single-label classification only, and data.dataset is "
                            f"{task.name.replace('_', '-')}; set train.distill=null")
         teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)

@@ -19,6 +19,7 @@ class SingleLabel(Task):
     keep_best_metrics = frozenset({"eval_accuracy", "eval_top5_accuracy", "eval_macro_f1", "eval_loss"})
     metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
     curve = ("eval_accuracy", "Eval accuracy", (0, 1))
+    distills = True
 
     def real(self, labels):
         return labels != SKIPPED
