@@ -68,6 +68,24 @@ def test_all_errors_are_reported_at_once_with_keys_values_and_fixes():
     assert "'a/b/c' is not a valid Hub repo id" in text
 
 
+def test_the_rules_between_keys_list_each_broken_one_apart_by_its_keys():
+    """Within a section and across the whole recipe: one problem per broken rule, each naming its keys, never the
+    section's values dumped in front of them."""
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, ["data.task=multi_label", "data.class_balance=sampler", "data.target_columns=[a]",
+                           "data.label_names=[x]"])
+    problems = caught.value.problems
+    assert len(problems) == 4
+    assert problems[0].startswith("data.class_balance=sampler draws images by their one class")
+    assert problems[1].startswith("data.target_columns names a regression's targets")
+    assert problems[2].startswith("data.label_names names the classes of a stream's")
+    assert problems[3].startswith("data.label_names=['x'] must hold at least two distinct names")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, ["hub.push=true", "train.early_stopping_patience=2"])
+    assert [problem.split(" ")[0] for problem in caught.value.problems] == ["hub.push=true",
+                                                                            "train.early_stopping_patience"]
+
+
 @pytest.mark.parametrize("repo_id", ["a/b/c", "my repo", "user/my model", "-bad/name", "user/"])
 def test_invalid_repo_ids_are_rejected_at_validation(repo_id):
     with pytest.raises(RecipeError, match="not a valid Hub repo id"):

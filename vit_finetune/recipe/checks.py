@@ -1,8 +1,8 @@
 """The rules between a recipe's keys, gathered in one place: what one key accepts alone is its field's check in
 schema.py; what several keys allow together is checked here, called by the schema's validators.
 
-The rules of one section stop at the first broken one (pydantic reports one problem per section); those of the whole
-recipe run once every section is valid and report all their problems together. The table of settings that draw
+Each section's rules report all their problems together, as one problem of the section; those of the whole recipe run
+once every section is valid and report all theirs together too. The table of settings that draw
 training pixels anew (PIXEL_DRAWS) lives here too: two of the rules read it.
 """
 
@@ -18,27 +18,30 @@ from .limits import _is_dir, excerpt
 if TYPE_CHECKING:
     from .schema import DataSettings, Recipe, TrainSettings
 
+# A rule's problems leave in one ValueError (pydantic takes one per validator), apart, and are listed one by one.
+PROBLEMS_APART = "\n"
+
 
 def check_data_section(data: DataSettings) -> None:
-    """The data section's rules in order, raising the first one `data` breaks. data.task=single_label or multi_label
-    also sets data.multi_label, which the loaders read: the assignment validates the section again, with it set."""
+    """The data section's rules, raising every one `data` breaks in one message. data.task=single_label or
+    multi_label also sets data.multi_label, which the loaders read (the assignment validates the section again)."""
+    problems = []
+    chosen_multi = {"single_label": False, "multi_label": True}.get(data.task)
+    multi_label = data.multi_label if chosen_multi is None or data.multi_label is not None else chosen_multi
     # What a stream cannot do without reading it whole first: subsample it, carve an eval part from it, or
     # count its classes for balancing.
     unsupported = {"max_train_samples": data.max_train_samples, "max_eval_samples": data.max_eval_samples,
                    "class_balance": data.class_balance}
     given = [f"data.{key}={value}" for key, value in unsupported.items() if value is not None]
     if data.streaming and given:
-        raise ValueError(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
-                         "whole before training); set them to null, or data.streaming=false")
-    if data.multi_label and data.class_balance == "sampler":
-        raise ValueError("data.class_balance=sampler draws images by their one class; with data.multi_label "
-                         "use class_balance=weights (a positive weight per class) or null")
-    chosen_multi = {"single_label": False, "multi_label": True}.get(data.task)
+        problems.append(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
+                        "whole before training); set them to null, or data.streaming=false")
+    if multi_label and data.class_balance == "sampler":
+        problems.append("data.class_balance=sampler draws images by their one class; with data.multi_label "
+                        "use class_balance=weights (a positive weight per class) or null")
     if chosen_multi is not None and data.multi_label is not None and data.multi_label != chosen_multi:
-        raise ValueError(f"data.task={data.task} and data.multi_label={str(data.multi_label).lower()} contradict "
-                         "each other; set data.multi_label=null")
-    if chosen_multi is not None and data.multi_label is None:  # the loaders read data.multi_label
-        data.multi_label = chosen_multi
+        problems.append(f"data.task={data.task} and data.multi_label={str(data.multi_label).lower()} contradict "
+                        "each other; set data.multi_label=null")
     if data.task == "regression":
         given = {"data.multi_label": data.multi_label, "data.class_balance": data.class_balance,
                  "data.label_names": data.label_names}
@@ -46,19 +49,23 @@ def check_data_section(data: DataSettings) -> None:
         if data.streaming:
             given.append("data.streaming=true")
         if given:
-            raise ValueError(f"data.task=regression has no classes: {', '.join(given)} do not apply; remove "
-                             "them (a stream is read as classification only)")
+            problems.append(f"data.task=regression has no classes: {', '.join(given)} do not apply; remove "
+                            "them (a stream is read as classification only)")
     if data.target_columns is not None and data.task != "regression":
-        raise ValueError("data.target_columns names a regression's targets; set data.task=regression, or remove it")
+        problems.append("data.target_columns names a regression's targets; set data.task=regression, or remove it")
     if data.target_columns is not None and (not data.target_columns
                                             or len(set(data.target_columns)) != len(data.target_columns)):
-        raise ValueError(f"data.target_columns={excerpt(data.target_columns)} must name at least one column, each "
-                         "once")
+        problems.append(f"data.target_columns={excerpt(data.target_columns)} must name at least one column, each "
+                        "once")
     if data.label_names is not None and not data.streaming:
-        raise ValueError("data.label_names names the classes of a stream's integer labels; it applies with "
-                         "data.streaming=true only (a dataset loaded whole finds its classes itself)")
+        problems.append("data.label_names names the classes of a stream's integer labels; it applies with "
+                        "data.streaming=true only (a dataset loaded whole finds its classes itself)")
     if data.label_names is not None and (len(set(data.label_names)) != len(data.label_names) or len(data.label_names) < 2):
-        raise ValueError(f"data.label_names={excerpt(data.label_names)} must hold at least two distinct names")
+        problems.append(f"data.label_names={excerpt(data.label_names)} must hold at least two distinct names")
+    if problems:
+        raise ValueError(PROBLEMS_APART.join(problems))
+    if multi_label != data.multi_label:  # the loaders read data.multi_label
+        data.multi_label = multi_label
 
 
 def check_train_section(train: TrainSettings) -> None:
@@ -97,7 +104,7 @@ def check_recipe(recipe: Recipe) -> None:
             f"train.warmup_steps={recipe.train.warmup_steps} must be smaller than train.max_steps={recipe.train.max_steps}"
         )
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ValueError(PROBLEMS_APART.join(problems))
 
 
 def _regression_problems(recipe: Recipe) -> list[str]:

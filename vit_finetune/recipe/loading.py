@@ -16,7 +16,7 @@ from pydantic_core import to_jsonable_python
 
 from ..errors import EXIT_USAGE, VitFinetuneError
 from ..layout import RECIPE_FILE
-from .checks import flatten
+from .checks import PROBLEMS_APART, flatten
 from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_file,
                      count_values, deepest, excerpt)
 from .schema import Recipe
@@ -177,19 +177,20 @@ def _location(error: dict[str, Any]) -> str:
     return re.sub(r"\.(LoraSettings|DistillSettings|list\[.*?\]|tuple\[.*?\])", "", location)
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: dict[str, Any]) -> list[str]:
+    """The problems one pydantic error stands for: one, or each problem a section's or the recipe's rules found."""
     location = _location(error)
     if error["type"] == "extra_forbidden":
         close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
-        return f"unknown key {location!r}{hint}"
+        return [f"unknown key {location!r}{hint}"]
     if error["type"] == "missing":  # its input is the section around it, which says nothing useful
-        return f"{location} is required and has no default; set it, e.g. {location}=VALUE"
+        return [f"{location} is required and has no default; set it, e.g. {location}=VALUE"]
     value = error.get("input")
     message = error["msg"].removeprefix("Value error, ")
-    if location == "":
-        return message
-    return f"{location}={excerpt(value)}: {message}"
+    if location == "" or (error["type"] == "value_error" and isinstance(value, dict)):
+        return message.split(PROBLEMS_APART)  # the rules between keys name the keys themselves
+    return [f"{location}={excerpt(value)}: {message}"]
 
 
 def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str, ...] = ()) -> Recipe:
@@ -210,8 +211,8 @@ def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str
         def from_command_line(e: dict[str, Any]) -> bool:
             return any(f"{_location(e)}.".startswith(f"{key}.") for key in overridden)
 
-        problems = list(dict.fromkeys(_describe(e) + (" (set on the command line)" if from_command_line(e) else "")
-                                      for e in error.errors()))
+        problems = list(dict.fromkeys(problem + (" (set on the command line)" if from_command_line(e) else "")
+                                      for e in error.errors() for problem in _describe(e)))
         raise RecipeError(problems, source) from None
 
 
