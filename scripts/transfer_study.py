@@ -30,7 +30,8 @@ thread, no loader workers, evaluated once at the end on the same eval split:
       the Trainer's AdamW and linear schedule without warm-up, one lr for all weights (PEER_LR, the example's
       documented 2e-5, which is also the toolkit's full-tuning default); the same base, data, size, steps and batch.
 Results are appended to <root>/results.jsonl (one line per cell, with its wall seconds); a cell already recorded
-is not redone, so the file can be extended by later runs. The cells measured so far are kept in
+is not redone (unless --rerun), so the file can be extended by later runs; where a cell was recorded twice (--rerun
+after a change to the toolkit), the tables take the later line. The cells measured so far are kept in
 scripts/transfer_study_results.jsonl: copy it to outputs/transfer/results.jsonl to extend it.
 """
 
@@ -264,15 +265,17 @@ OUTDATED = "training_resize"
 
 
 def read_results(root: Path) -> list[dict]:
+    """Every cell's result, the latest where a cell was measured again (a rerun on today's code replaces the
+    figure an earlier version of the toolkit gave)."""
     path = root / "results.jsonl"
-    first = {}
+    latest = {}
     for line in (path.read_text().splitlines() if path.exists() else []):
         run = json.loads(line)
         if run.get(OUTDATED) == "bilinear":
             continue
         run.setdefault("per_class", DATASETS[run["dataset"]].train_per_class)
-        first.setdefault(result_key(run), run)
-    return list(first.values())
+        latest[result_key(run)] = run
+    return list(latest.values())
 
 
 def summary(values: list[float]) -> str:
@@ -465,6 +468,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--per-class", default="", help="training images per class (default: each dataset's own: "
                         + ", ".join(f"{name} {d.train_per_class}" for name, d in DATASETS.items()) + ")")
+    parser.add_argument("--rerun", action="store_true", help="measure the cells again where already recorded (the "
+                        "tables then take the new results)")
     parser.add_argument("--table", action="store_true", help="only print the table and draw the PNG")
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
@@ -473,7 +478,7 @@ def main() -> None:
         raise SystemExit(f"--cells: unknown {unknown}; choose from peer, {', '.join(OPTIONS)}")
     if not args.table:
         base = reference_base(args.root)
-        done = {result_key(r) for r in read_results(args.root)}
+        done = set() if args.rerun else {result_key(r) for r in read_results(args.root)}
         for cell in cells(args):
             if cell.key() in done:
                 continue
