@@ -13,7 +13,7 @@ from runs import STEPS_PER_EPOCH, train
 from vit_finetune import augment
 from vit_finetune.augment import BatchAugmenter
 from vit_finetune.recipe import AugmentSettings
-from vit_finetune.tasks import SingleLabel
+from vit_finetune.tasks import SingleLabel, single_label
 
 BATCH, SIZE = 8, 16
 
@@ -88,7 +88,7 @@ def test_kornia_draws_the_same_whatever_labels_it_mixes_so_positions_stand_in_fo
     for position in range(4):
         mixed, targets = mixer(pixels, labels, epoch=0, batch=position)
         rows = by_class_ids["rows"].view(-1, 3)
-        expected = augment.soft_targets(rows[:, 0].long(), rows[:, 1].long(),
+        expected = single_label.soft_targets(rows[:, 0].long(), rows[:, 1].long(),
                                         augment.MIXES[mix].partner_weight(rows[:, 2]).float(), BATCH, 0.1)
         assert torch.equal(mixed, by_class_ids["pixels"]) and torch.equal(targets, expected)
         assert (rows[:, 2] > 0).any()  # it mixed
@@ -110,7 +110,7 @@ def test_bad_image_rows_train_nothing_and_a_blank_partner_leaves_the_own_label_w
     logits = torch.randn(3, BATCH)
     expected = -(torch.log_softmax(logits, -1)[0, 0] + 0.75 * torch.log_softmax(logits, -1)[2, 1]
                  + 0.25 * torch.log_softmax(logits, -1)[2, 2]) / 2  # the mean over the two rows with a target
-    assert augment.soft_target_loss(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
+    assert single_label.soft_target_loss(logits, targets) == pytest.approx(expected.item(), rel=1e-6)
 
 
 def test_class_weights_apply_to_mixed_targets_and_equal_weighted_cross_entropy_on_one_hot_rows():
@@ -118,16 +118,16 @@ def test_class_weights_apply_to_mixed_targets_and_equal_weighted_cross_entropy_o
     weights = torch.tensor([0.5, 2.0, 1.25])
     one_hot = torch.nn.functional.one_hot(labels, 3).float()
     expected = torch.nn.functional.cross_entropy(logits, labels, weight=weights)
-    assert augment.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert single_label.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
     one_hot[1] = 0  # a bad image's row holds no target and weighs nothing
     kept = torch.tensor([0, 2, 3, 4])
     expected = torch.nn.functional.cross_entropy(logits[kept], labels[kept], weight=weights)
-    assert augment.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert single_label.soft_target_loss(logits, one_hot, weights).item() == pytest.approx(expected.item(), rel=1e-6)
     mixed = torch.tensor([[0.7, 0.3, 0.0]])  # a mixed pair weighs 0.7 w_0 + 0.3 w_1
     log_p = torch.log_softmax(logits[:1], -1)[0]
     by_hand = -(0.7 * 0.5 * log_p[0] + 0.3 * 2.0 * log_p[1]) / (0.7 * 0.5 + 0.3 * 2.0)
-    assert augment.soft_target_loss(logits[:1], mixed, weights).item() == pytest.approx(by_hand.item(), rel=1e-6)
-    assert augment.soft_target_loss(logits, torch.zeros(5, 3), weights).item() == 0.0  # all rows skipped
+    assert single_label.soft_target_loss(logits[:1], mixed, weights).item() == pytest.approx(by_hand.item(), rel=1e-6)
+    assert single_label.soft_target_loss(logits, torch.zeros(5, 3), weights).item() == 0.0  # all rows skipped
 
 
 def test_mixing_is_off_in_the_last_epochs_and_on_before():

@@ -17,10 +17,8 @@ import torch
 
 from .recipe import AugmentSettings
 
-if TYPE_CHECKING:  # annotations only: the tasks import this module for the soft targets' arithmetic
+if TYPE_CHECKING:  # annotations only: the augmenter asks the task for a mixed batch's targets
     from .tasks import Task
-
-SKIPPED_LABEL = -1  # data.SKIPPED_LABEL: a bad image that kept its place in the batch; it trains nothing
 
 
 def _kornia():
@@ -107,43 +105,6 @@ class BatchAugmenter:
         if len(self.mixes) == 1:
             return next(iter(self.mixes))
         return "cutmix" if torch.rand(()).item() < self.settings.mix_switch_prob else "mixup"
-
-
-def soft_targets(own: torch.Tensor, partner: torch.Tensor, partner_weight: torch.Tensor, num_classes: int,
-                 label_smoothing: float = 0.0) -> torch.Tensor:
-    """Mixup/CutMix of class ids: each image's (class, its partner's class, the partner's weight) -> a probability
-    row that sums to 1, label smoothing applied.
-
-    A bad image's row (label -1) is all zeros: it trains nothing. An image mixed with a bad image's blank
-    keeps its own label alone, with weight 1: the blank part carries no class.
-    """
-    weight = partner_weight * (partner != SKIPPED_LABEL)
-    targets = (one_hot(own, num_classes) * (1 - weight)[:, None]
-               + one_hot(partner, num_classes) * weight[:, None])
-    valid = (own != SKIPPED_LABEL).float()[:, None]
-    return (targets * (1 - label_smoothing) + label_smoothing / num_classes) * valid
-
-
-def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """One-hot rows; a label of -1 (a skipped bad image) gives a row of zeros."""
-    rows = torch.nn.functional.one_hot(labels.clamp(min=0), num_classes).float()
-    return rows * (labels >= 0).float()[:, None]
-
-
-def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, class_weights: torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy against probability rows, averaged over the rows that hold a target (not bad images).
-
-    With class weights (data.class_balance=weights) each class's term is weighted and each row weighs
-    sum_c w_c t_c (lambda w_a + (1 - lambda) w_b for a mixed pair), then a weighted mean: for one-hot rows
-    exactly cross_entropy(weight=w)'s mean, as unmixed batches have it.
-    """
-    per_class = -(targets * torch.log_softmax(logits.float(), dim=-1))
-    if class_weights is None:
-        per_row, row_weights = per_class.sum(dim=-1), (targets.sum(dim=-1) > 0).float()
-    else:
-        per_row, row_weights = (per_class * class_weights).sum(dim=-1), (targets * class_weights).sum(dim=-1)
-    total = row_weights.sum()
-    return per_row.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def total_epochs(total_steps: int, steps_per_epoch: int) -> int:

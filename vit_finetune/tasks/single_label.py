@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .. import augment, evaluation, pictures
+from .. import evaluation, pictures
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 DEFAULT_TOP_K = 5  # the labels predict lists per image when --top-k is not given
@@ -32,7 +32,7 @@ class SingleLabel(Task):
         a zero gradient, when all were skipped (the forward and backward still run: under DDP every process must
         join each step's gradient all-reduce)."""
         if soft_targets is not None:  # a Mixup/CutMix batch; label smoothing is already in its targets
-            return augment.soft_target_loss(logits, soft_targets, class_weights)
+            return soft_target_loss(logits, soft_targets, class_weights)
         per_image = torch.nn.functional.cross_entropy(logits.float(), targets, weight=class_weights, reduction="none",
                                                       ignore_index=SKIPPED, label_smoothing=label_smoothing)
         # A weighted mean over the real images (weight 1 each without class weights), as cross_entropy's own mean
@@ -44,8 +44,8 @@ class SingleLabel(Task):
         return per_image.sum() / torch.where(total > 0, total, torch.ones_like(total))
 
     def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
-        """Probability rows over the classes, label smoothing in them (augment.soft_targets)."""
-        return augment.soft_targets(labels[own], labels[partner], partner_weight, num_classes, label_smoothing)
+        """Probability rows over the classes, label smoothing in them (soft_targets, below)."""
+        return soft_targets(labels[own], labels[partner], partner_weight, num_classes, label_smoothing)
 
     def probe_weights(self, labels, class_weights):
         """Its class's weight, as training's cross-entropy weighs the image."""
@@ -116,3 +116,43 @@ def evaluate_model(model, loader, accelerator, normalize, num_classes: int) -> d
     """Metrics over the whole eval split of a single-label model (evaluation.predict_split, then summarise)."""
     predictions = evaluation.predict_split(model, loader, accelerator, normalize, SingleLabel(), num_classes)
     return evaluation.summarise(predictions, num_classes)
+
+
+# ---------------------------------------------------------------- Mixup/CutMix's soft targets
+
+
+def soft_targets(own: torch.Tensor, partner: torch.Tensor, partner_weight: torch.Tensor, num_classes: int,
+                 label_smoothing: float = 0.0) -> torch.Tensor:
+    """Mixup/CutMix of class ids: each image's (class, its partner's class, the partner's weight) -> a probability
+    row that sums to 1, label smoothing applied.
+
+    A bad image's row (label -1) is all zeros: it trains nothing. An image mixed with a bad image's blank
+    keeps its own label alone, with weight 1: the blank part carries no class.
+    """
+    weight = partner_weight * (partner != SKIPPED)
+    targets = (one_hot(own, num_classes) * (1 - weight)[:, None]
+               + one_hot(partner, num_classes) * weight[:, None])
+    valid = (own != SKIPPED).float()[:, None]
+    return (targets * (1 - label_smoothing) + label_smoothing / num_classes) * valid
+
+
+def one_hot(labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """One-hot rows; a label of -1 (a skipped bad image) gives a row of zeros."""
+    rows = torch.nn.functional.one_hot(labels.clamp(min=0), num_classes).float()
+    return rows * (labels >= 0).float()[:, None]
+
+
+def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, class_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy against probability rows, averaged over the rows that hold a target (not bad images).
+
+    With class weights (data.class_balance=weights) each class's term is weighted and each row weighs
+    sum_c w_c t_c (lambda w_a + (1 - lambda) w_b for a mixed pair), then a weighted mean: for one-hot rows
+    exactly cross_entropy(weight=w)'s mean, as unmixed batches have it.
+    """
+    per_class = -(targets * torch.log_softmax(logits.float(), dim=-1))
+    if class_weights is None:
+        per_row, row_weights = per_class.sum(dim=-1), (targets.sum(dim=-1) > 0).float()
+    else:
+        per_row, row_weights = (per_class * class_weights).sum(dim=-1), (targets * class_weights).sum(dim=-1)
+    total = row_weights.sum()
+    return per_row.sum() / torch.where(total > 0, total, torch.ones_like(total))
