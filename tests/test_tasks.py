@@ -22,7 +22,8 @@ SHAPE_TESTS = re.compile(rf"{LABELS}\.(?:dim\(\)|ndim\b)|len\([^()]*?{LABELS}\.s
 # And asked by the task's name: `task.name != "single_label"`, or a name kept aside to compare with (`SingleLabel.name`).
 NAME_TESTS = re.compile(r"task\w*\.name\s*(?:[!=]=|(?:not\s+)?in\b)|\b(?:SingleLabel|MultiLabel|Regression)\.name\b")
 # Modules that decide the task from the data and the recipe (the loaders, the recipe's own checks), and the tasks.
-CHOOSERS = {"data.py", "labels.py", "streaming.py", "multilabel.py", "schema.py", "checks.py"}  # the last two: recipe/
+# splits.py is data/'s (the rest of data/ is not exempt); schema.py and checks.py are recipe/'s.
+CHOOSERS = {"splits.py", "labels.py", "streaming.py", "multilabel.py", "schema.py", "checks.py"}
 
 
 def questions_of_the_task(text: str) -> list[str]:

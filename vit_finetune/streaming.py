@@ -4,9 +4,9 @@ or a local folder, for datasets larger than the disk.
 Each process reads its own share of a split (datasets.distributed.split_dataset_by_node: whole shards when the shard
 count is a multiple of the process count, every n-th row otherwise) as an endless series of passes, each shuffled
 with a seeded buffer (IterableDataset.shuffle, set_epoch(pass)). The main process reads the stream and only hands
-the encoded rows out; DataLoader workers decode and augment them as data.py does for a map-style dataset. So the
-order of the rows never depends on the number of workers, and a row's augmentation is a function of (seed, pass,
-its place in the stream) alone.
+the encoded rows out; DataLoader workers decode and augment them as data/loaders.py does for a map-style dataset.
+So the order of the rows never depends on the number of workers, and a row's augmentation is a function of (seed,
+pass, its place in the stream) alone.
 
 Exact resume. IterableDataset.state_dict() is not enough: datasets documents that a shuffle buffer's content is not
 in it (a resumed stream refills its buffer from later rows), and a DataLoader reads ahead of training, so the

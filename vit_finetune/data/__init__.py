@@ -1,0 +1,35 @@
+"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders.
+
+Images are decoded here (not by `datasets`) so a bad file is reported by its path or index. Training
+batches leave the workers as uint8 and are normalised on the device; evaluation uses exactly the image
+processor that is saved with the model, so reported accuracy is what a `pipeline()` user gets.
+
+The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), splits.py
+(finding and loading the train and eval splits, their columns, labels or targets, and what a checkpoint records of
+them), pixels.py (decoding an image, transparency and flat images, the training crop and resize) and loaders.py (the
+datasets, the sampler, batches and loaders, and the normalisation on the device).
+"""
+
+from __future__ import annotations
+
+from ..labels import LABEL_COLUMN_NAMES
+from .errors import BadImageError, DataError
+from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassificationDataset, PixelNormalizer,
+                      blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,
+                      make_loader, train_dataset, train_dataset_as_evaluated)
+from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, alpha_card_text, auto_crop_scale, crop_in_words,
+                     decode_image, decoding_settings, flat_images, random_resized_crop_box, resample_of, sample_rng,
+                     train_transform)
+from .splits import (BUILTIN_SHAPES, CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, cache_dir, detect_column,
+                     files_digest, identity, image_folders, is_label_set, is_local, load_splits, open_dataset,
+                     refuse_unreachable, target_encoding, training_facts, training_facts_notes)
+
+__all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
+           "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",
+           "DataError", "EpochSampler", "ImageClassificationDataset", "PixelNormalizer", "Splits", "alpha_card_text",
+           "auto_crop_scale", "blank_pixels", "cache_dir", "collate", "cpu_cores", "crop_in_words", "decode_image",
+           "decoding_settings", "default_num_workers", "detect_column", "eval_dataset", "eval_pixels_from_processor",
+           "files_digest", "flat_images", "identity", "image_folders", "is_label_set", "is_local", "load_splits",
+           "make_loader", "open_dataset", "random_resized_crop_box", "refuse_unreachable", "resample_of", "sample_rng",
+           "target_encoding", "train_dataset", "train_dataset_as_evaluated", "train_transform", "training_facts",
+           "training_facts_notes"]

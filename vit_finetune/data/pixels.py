@@ -1,0 +1,302 @@
+"""From an image cell to pixels: decoding (a bad file is named by its path or index), RGB as `pipeline()` reads a
+file, transparency and flat images, and training's crop, flip and resize, drawn per sample from a seeded generator.
+"""
+
+from __future__ import annotations
+
+import io
+import random
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+from ..recipe import DataSettings
+from ..recipe.limits import excerpt
+from .errors import BadImageError
+from .splits import Splits, not_the_datasets_file, path_allowed
+
+
+# ---------------------------------------------------------------- decoding
+
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, never silently grey pixels
+
+
+def decode_image(encoded: dict, index: int, settings: DataSettings,
+                 folders: tuple[Path, ...] | None = None) -> Image.Image:
+    """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample. A cell
+    holding only a path is read only from `folders` (None: anywhere; see image_folders)."""
+    where = sample_name(encoded, index)
+    raw, path = encoded.get("bytes"), encoded.get("path")
+    if raw is None and not path_allowed(path, folders):
+        raise BadImageError(f"bad image sample #{index}: its cell " + not_the_datasets_file(path))
+    try:
+        source = io.BytesIO(raw) if raw is not None else path
+        if raw is not None and len(raw) == 0:
+            raise BadImageError("the file is empty (0 bytes)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(source)
+            width, height = image.size
+            if width * height > settings.max_image_pixels:
+                raise BadImageError(f"{width}x{height} px is over data.max_image_pixels={settings.max_image_pixels}")
+            if min(width, height) < settings.min_image_side:
+                raise BadImageError(f"{width}x{height} px is under data.min_image_side={settings.min_image_side}")
+            image.load()  # decode now, so a truncated file fails here and not inside a transform
+        return to_rgb(image, settings.alpha_background)
+    except BadImageError as error:
+        raise BadImageError(f"bad image {where}: {error}. Fix the file, or set data.skip_bad_images=true") from None
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError, Image.DecompressionBombError, Warning) as error:
+        raise BadImageError(
+            f"bad image {where}: cannot be decoded ({type(error).__name__}: {error}). "
+            "Fix the file, or set data.skip_bad_images=true to skip and count such images"
+        ) from None
+
+
+def sample_name(encoded: dict, index: int) -> str:
+    """How messages name a sample: its file, or its index when it came as bytes."""
+    return encoded.get("path") or f"sample #{index}"
+
+
+# Grey deeper than 8 bits: convert("RGB") clips it at 255 (a white image) or truncates floats (a black one), so it
+# is scaled to 8 bits instead, taking as white the top of the range its type conventionally spans:
+#   16-bit ("I;16*"), and Pillow's "I" from a 16-bit PGM/PNM (Pillow stretches any maxval to 0..65535): 65535
+#   32-bit integer TIFF ("I"): 2**31 - 1 if signed (Pillow writes these), 2**32 - 1 if unsigned
+#   32-bit float ("F"): 1.0, as float images are kept in [0, 1] (skimage, OpenCV); values outside are clipped
+# Data that uses only part of its type's range (12-bit counts in a 32-bit file) comes out dark: rescale it first.
+SIXTEEN_BIT_MODES = ("I;16", "I;16L", "I;16B", "I;16N")
+TIFF_BITS_PER_SAMPLE, TIFF_SAMPLE_FORMAT, TIFF_UNSIGNED = 258, 339, 1
+WHITE_LEVELS = {**{mode: lambda image: 65535 for mode in SIXTEEN_BIT_MODES},
+                "I": lambda image: _integer_white(image), "F": lambda image: 1.0}
+
+
+def _integer_white(image: Image.Image) -> int:
+    """White for Pillow's 32-bit signed mode "I": by the bits the file declares (only TIFF declares 32)."""
+    tags = getattr(image, "tag_v2", {})
+    if 32 not in tuple(tags.get(TIFF_BITS_PER_SAMPLE, ())):
+        return 65535
+    return 2**32 - 1 if tuple(tags.get(TIFF_SAMPLE_FORMAT, (TIFF_UNSIGNED,)))[0] == TIFF_UNSIGNED else 2**31 - 1
+
+
+def to_rgb(image: Image.Image, alpha_background: str | None = None) -> Image.Image:
+    """RGB pixels as `pipeline()` reads a file (transformers' load_image): EXIF orientation applied, then
+    convert("RGB"), which drops alpha and maps grey, palette and CMYK. Two exceptions: grey deeper than 8 bits is
+    scaled to 8 bits (WHITE_LEVELS; load_image clips it); and with `alpha_background` (data.alpha_background) an
+    image with transparency is laid on that colour first, so a drawing kept in the alpha channel survives.
+    `predict`, `explain` and the page decode with this function, so their pixels match evaluation."""
+    ImageOps.exif_transpose(image, in_place=True)
+    white_level = WHITE_LEVELS.get(image.mode)
+    if white_level is not None:
+        white = white_level(image)
+        values = np.asarray(image)
+        if white == 2**32 - 1:  # unsigned 32-bit samples, held by Pillow in a signed int32
+            values = values.astype(np.int32).view(np.uint32)
+        scaled = np.clip(values.astype(np.float64) / white, 0.0, 1.0) * 255.0
+        image = Image.fromarray(np.round(np.nan_to_num(scaled)).astype(np.uint8))  # mode L; NaN as black
+    elif alpha_background is not None and has_alpha(image):
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background_rgb(alpha_background), 255)),
+                                     rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+# ---------------------------------------------------------------- transparency and flat images
+
+# data.alpha_background: the colour transparent pixels are laid on before the alpha channel goes (a name here, or
+# #rrggbb). Saved in the model's config.json under ALPHA_BACKGROUND_KEY, where predict, evaluate --dataset, explain,
+# export and the page read it back; the card tells pipeline() users to do the same.
+ALPHA_BACKGROUNDS = {"white": (255, 255, 255), "black": (0, 0, 0)}
+ALPHA_BACKGROUND_KEY = "alpha_background"
+ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def has_alpha(image: Image.Image) -> bool:
+    """Whether an image has transparency: an alpha channel, or a palette or grey value marked transparent."""
+    return image.mode in ALPHA_MODES or "transparency" in image.info
+
+
+def background_rgb(name: str) -> tuple[int, int, int]:
+    """data.alpha_background as an (r, g, b) colour: white, black or #rrggbb (the recipe checks the spelling)."""
+    if name in ALPHA_BACKGROUNDS:
+        return ALPHA_BACKGROUNDS[name]
+    return tuple(int(name[start:start + 2], 16) for start in (1, 3, 5))
+
+
+def decoding_settings(config, **settings) -> DataSettings:
+    """The data settings an image is read with for a saved model: its data.alpha_background (config.json), so
+    that predict, evaluate, explain, export and the page see the pixels the model was trained and evaluated on."""
+    return DataSettings(alpha_background=getattr(config, ALPHA_BACKGROUND_KEY, None), **settings)
+
+
+def alpha_card_text(settings: DataSettings) -> str:
+    """The card's word on transparency: what training did with it, and what a pipeline() user must do the same."""
+    if settings.alpha_background is None:
+        return ""
+    return (f"Images with transparency were laid on {settings.alpha_background} before their alpha channel was "
+            f"dropped (`data.alpha_background: {settings.alpha_background}`, saved as `{ALPHA_BACKGROUND_KEY}` in "
+            "`config.json`); vit_finetune's `predict`, `explain` and page do the same. `pipeline()` drops alpha "
+            "without it: give it such images composited first, e.g. `Image.alpha_composite(Image.new(\"RGBA\", "
+            f"image.size, {background_rgb(settings.alpha_background)}), image.convert(\"RGBA\")).convert(\"RGB\")`.\n")
+
+
+# Before training, this many training images (seeded, spread over the split) are decoded as training will decode
+# them, to find those that come out as one flat colour: what a drawing kept only in the alpha channel becomes once
+# alpha is dropped. A flat field keeps a spread below FLAT_SPREAD (8-bit values, the largest channel's standard
+# deviation) even after JPEG compression; any drawing or photo is far above it.
+FLAT_CHECKED = 256
+FLAT_SPREAD = 2.0
+
+
+def is_flat(image: Image.Image) -> bool:
+    """Whether an image is one colour, or nearly (measured on a thumbnail: the same for a flat field, and fast)."""
+    thumbnail = image.copy()
+    thumbnail.thumbnail((128, 128))
+    values = np.asarray(thumbnail, dtype=np.float64)
+    return float(values.reshape(-1, values.shape[-1] if values.ndim == 3 else 1).std(axis=0).max()) < FLAT_SPREAD
+
+
+@dataclass
+class FlatImages:
+    """What the check found: how many training images it decoded, which came out flat, and which of those hold
+    a drawing in their alpha channel (not flat when laid on white or black)."""
+    checked: int
+    flat: list[str]
+    drawn_in_alpha: list[str]
+
+    def problem(self, settings: DataSettings) -> str | None:
+        """The console's word on the flat images (None if there is none)."""
+        if not self.flat:
+            return None
+        alpha = (f"; {len(self.drawn_in_alpha)} of them keep their drawing in the alpha channel (transparency), which "
+                 "decoding drops as pipeline() does" if self.drawn_in_alpha else "")
+        fix = ("Fix: data.alpha_background=white (or black, or #rrggbb) lays transparent pixels on that colour in "
+               "training, evaluation, predict, explain, export and the page, and the model card asks pipeline() "
+               "users to do the same" if self.drawn_in_alpha and settings.alpha_background is None
+               else "Fix: check those files")
+        return (f"{len(self.flat)} of the {self.checked} training images checked decode to one flat colour, which "
+                f"teaches nothing (e.g. {', '.join(excerpt(name) for name in self.flat[:3])}){alpha}. {fix}")
+
+    def refuses(self, settings: DataSettings) -> bool:
+        """Most training images flat: the run would train on nothing, unless data.allow_flat_images says so."""
+        return len(self.flat) * 2 > self.checked and not settings.allow_flat_images
+
+
+def flat_images(splits: Splits, settings: DataSettings, seed: int) -> FlatImages:
+    """Decode up to FLAT_CHECKED training images (a seeded sample) as training does; find the flat ones."""
+    table, count = splits.train, len(splits.train)
+    chosen = range(count) if count <= FLAT_CHECKED else sorted(random.Random(seed).sample(range(count), FLAT_CHECKED))
+    checked, flat, drawn = 0, [], []
+    on = {name: settings.model_copy(update={"alpha_background": name}) for name in ALPHA_BACKGROUNDS}
+    for index in chosen:
+        cell = table[index][splits.image_column]
+        try:
+            image = decode_image(cell, index, settings, splits.image_folders)
+        except BadImageError:  # reported, or skipped and counted, where training decodes it
+            continue
+        checked += 1
+        if not is_flat(image):
+            continue
+        flat.append(sample_name(cell, index))
+        if settings.alpha_background is None and any(
+                not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values()):
+            drawn.append(sample_name(cell, index))
+    return FlatImages(checked, flat, drawn)
+
+
+# ---------------------------------------------------------------- the training crop and resize
+
+# data.crop_scale=auto: the crop area from the training images a run will see (optimiser steps x images per step).
+# Measured (docs/training.md, "Small data"): against no crop, every random-resized-crop range tried lost or tied up to
+# AUTO_CROP_MEASURED_UP_TO images seen: 5-100 %, 35-100 % and 60-100 % at 1,280 (three real sets, tiny ViT) and
+# 75-100 % at 7,040 (held-out digits 5-9: 0.47 vs 0.63 from one digits-0-4 pretraining, 0.859 vs 0.865 from
+# scripts/heldout_digits.py's; with the head at train.head_lr=auto 0.880 vs 0.870, two images of 192, a tie, and
+# with the fused AdamW 0.891 vs 0.938; one seed each). No crop range is measured to help clearly anywhere,
+# and longer runs are not measured: there auto stays conservative (no crop) rather than extrapolate toward the
+# ViT paper's 5-100 % over 250k+ images.
+AUTO_CROP_MEASURED_UP_TO = 7_040  # training images seen: the longest run where crops were compared with none
+
+
+def auto_crop_scale(images_seen: int) -> tuple[tuple[float, float], str]:
+    """The random-resized-crop area range data.crop_scale=auto stands for, and why, for a run that sees
+    `images_seen` training images."""
+    if images_seen <= AUTO_CROP_MEASURED_UP_TO:
+        return (1.0, 1.0), (f"every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} training images seen lost to "
+                            "no crop or tied (docs/training.md: Small data)")
+    return (1.0, 1.0), (f"crops are not measured beyond {AUTO_CROP_MEASURED_UP_TO:,} training images seen, so auto "
+                        "stays at no crop")
+
+
+def crop_in_words(scale: tuple[float, float]) -> str:
+    """A crop area range as the console names it."""
+    low, high = scale
+    return "no random crop" if (low, high) == (1.0, 1.0) else f"random crops of {low:.0%} to {high:.0%} of the area"
+
+
+# The image processor's resampling filter (PIL's number) -> torch's uint8 kernel for it, which gives PIL's antialiased
+# resize to within one grey level, about 3x faster on one core for ~512 px photos to 384 px. Training must resize
+# as evaluation (the saved processor, which pipeline() runs) does: on 8 px digits upscaled to 56 px a head fitted on
+# bicubic pixels scored 0.863 on bilinear ones against 0.950 on bicubic. Filters not listed resize with PIL itself.
+TORCH_RESIZE = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}
+
+
+def resample_of(processor) -> int:
+    """The PIL filter an image processor resizes with (bilinear when it names none)."""
+    return int(getattr(processor, "resample", None) or Image.Resampling.BILINEAR)
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random, scale: tuple[float, float]) -> tuple[int, int, int, int]:
+    """A crop box covering `scale` of the area with aspect ratio in [3/4, 4/3], as in the original ViT recipe."""
+    if tuple(scale) == (1.0, 1.0) and width != height:
+        # No crop asked, and a draw of the whole area at another aspect than the image's own never fits. (A square
+        # image takes the draws below, which give it whole too: its random stream stays as measured.)
+        return whole_image_box(width, height)
+    area = width * height
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        crop_w = int(round(np.sqrt(target_area * aspect)))
+        crop_h = int(round(np.sqrt(target_area / aspect)))
+        if 0 < crop_w <= width and 0 < crop_h <= height:
+            left = rng.randint(0, width - crop_w)
+            top = rng.randint(0, height - crop_h)
+            return left, top, left + crop_w, top + crop_h
+    return whole_image_box(width, height)
+
+
+def whole_image_box(width: int, height: int) -> tuple[int, int, int, int]:
+    """torchvision's fallback when no draw fits: the whole image, centre-cropped only to bring its aspect ratio
+    into [3/4, 4/3]. Evaluation resizes the whole image, so within that range training without a crop sees what
+    evaluation sees."""
+    crop_w = min(width, round(height * 4 / 3))
+    crop_h = min(height, round(width * 4 / 3))
+    left, top = (width - crop_w) // 2, (height - crop_h) // 2
+    return left, top, left + crop_w, top + crop_h
+
+
+def train_transform(image: Image.Image, size: int, rng: random.Random, settings: DataSettings,
+                    resample: int = Image.Resampling.BILINEAR) -> torch.Tensor:
+    """Random resized crop + horizontal flip to a uint8 CHW tensor; the crop is resized with `resample` (PIL's
+    filter number: the image processor's, resample_of)."""
+    if settings.crop_scale == "auto":
+        raise ValueError("train_transform needs data.crop_scale resolved (auto_crop_scale) before it runs")
+    left, top, right, bottom = random_resized_crop_box(*image.size, rng, settings.crop_scale)
+    mode = TORCH_RESIZE.get(resample)
+    if mode is None:
+        resized = image.crop((left, top, right, bottom)).resize((size, size), resample)
+        pixels = torch.from_numpy(np.array(resized, dtype=np.uint8)).permute(2, 0, 1)
+    else:
+        crop = torch.from_numpy(np.array(image, dtype=np.uint8))[top:bottom, left:right].permute(2, 0, 1)
+        pixels = torch.nn.functional.interpolate(crop[None], size=(size, size), mode=mode, antialias=True,
+                                                 align_corners=False)[0]
+    if settings.horizontal_flip and rng.random() < 0.5:
+        pixels = pixels.flip(-1)
+    return pixels.contiguous()
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """Augmentation randomness fixed by (seed, epoch, sample): resumes and worker counts cannot change it."""
+    return random.Random(f"{seed}-{epoch}-{index}")
