@@ -75,7 +75,7 @@ class Regression(Task):
 
     def per_image_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of each image on the standardised scale, the mean over targets; 0 for a skipped image (NaN row)."""
-        real = ~targets[:, 0].isnan()
+        real = self.real(targets)
         standard = (targets.float().nan_to_num() - self.mean.to(logits.device)) / self.std.to(logits.device)
         if self.loss_kind == "huber":
             per_value = torch.nn.functional.huber_loss(logits.float(), standard, reduction="none", delta=1.0)
@@ -85,8 +85,7 @@ class Regression(Task):
 
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         """The mean over the batch's real images; 0 with a zero gradient when all were skipped."""
-        real = (~targets[:, 0].isnan()).float()
-        total = real.sum()
+        total = self.real(targets).float().sum()
         return self.per_image_loss(logits, targets).sum() / torch.where(total > 0, total, torch.ones_like(total))
 
     # ------------------------------------------------------------ evaluation
