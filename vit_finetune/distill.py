@@ -35,7 +35,6 @@ from .inference import InputError, load_classifier, model_location, refuse_own_c
 from .recipe import DistillSettings
 
 
-
 class DistillError(VitFinetuneError):
     """A teacher that cannot teach this run; the message names it and the fix."""
 
@@ -64,9 +63,9 @@ def teacher_config(settings: DistillSettings):
     except (OSError, ValueError) as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r} could not be read as a model config "
                            f"({shortened(error)}); give a run's output_dir or an image classifier's Hub id") from None
-    kind = tasks.of_config(config)
-    if not kind.distills:
-        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a {kind.name.replace('_', '-')} model; "
+    task = tasks.of_config(config)
+    if not task.distills:
+        raise DistillError(f"train.distill.teacher={settings.teacher!r} is a {task.name.replace('_', '-')} model; "
                            "distillation follows a single-label teacher's top class or softmax. Give a single-label "
                            "teacher")
     return config
