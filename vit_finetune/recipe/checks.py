@@ -192,8 +192,12 @@ def without_pixel_draws(recipe: Recipe) -> Recipe:
 def pixel_drawing_settings(recipe: Recipe) -> list[str]:
     """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
     values = flatten(recipe.model_dump(mode="json"))
-    return [f"{key}={yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix('...').strip()}"
-            for key, draws in PIXEL_DRAWS.items() if draws(values[key])]
+    return [f"{key}={as_yaml_value(values[key])}" for key, draws in PIXEL_DRAWS.items() if draws(values[key])]
+
+
+def as_yaml_value(value: Any) -> str:
+    """A value as it would be written after `key=` on the command line or in a recipe: [0.05, 1.0], true, null."""
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
 
 
 # The dotted form every rule above names keys in (train.distill.cache_logits); a resume compares two recipes in it.

@@ -16,7 +16,7 @@ from pydantic_core import to_jsonable_python
 
 from ..errors import EXIT_USAGE, VitFinetuneError
 from ..layout import RECIPE_FILE
-from .checks import PROBLEMS_APART, flatten
+from .checks import PROBLEMS_APART, as_yaml_value, flatten
 from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_file,
                      count_values, deepest, excerpt)
 from .schema import Recipe
@@ -162,7 +162,7 @@ def format_keys(recipe: Recipe) -> str:
 
     def shown_value(key: str) -> str:
         if key in values:
-            return yaml.safe_dump(values[key], default_flow_style=True).strip().removesuffix("...").strip()
+            return as_yaml_value(values[key])
         return "(set, below)" if any(k.startswith(f"{key}.") for k in values) else "-"
 
     shown = {key: shown_value(key) for key in key_descriptions()}
