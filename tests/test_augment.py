@@ -89,7 +89,7 @@ def test_kornia_draws_the_same_whatever_labels_it_mixes_so_positions_stand_in_fo
         mixed, targets = mixer(pixels, labels, epoch=0, batch=position)
         rows = by_class_ids["rows"].view(-1, 3)
         expected = single_label.soft_targets(rows[:, 0].long(), rows[:, 1].long(),
-                                        augment.MIXES[mix].partner_weight(rows[:, 2]).float(), BATCH, 0.1)
+                                             augment.MIXES[mix].partner_weight(rows[:, 2]).float(), BATCH, 0.1)
         assert torch.equal(mixed, by_class_ids["pixels"]) and torch.equal(targets, expected)
         assert (rows[:, 2] > 0).any()  # it mixed
 
