@@ -82,6 +82,35 @@ def test_keep_best_saves_the_best_evaluations_weights_and_says_which_step(args, 
     assert not (out / "best").exists()  # its job is done once the output holds the weights
 
 
+def test_keep_best_measures_the_eval_split_once_more_only_for_weights_the_final_evaluation_did_not_measure(args,
+                                                                                                           tmp_path):
+    from vit_finetune import evaluation
+
+    passes = []
+    real_predict = evaluation.predict_split
+
+    def counted(*arguments, **options):  # the real pass over the eval split, counted
+        passes.append(1)
+        return real_predict(*arguments, **options)
+
+    def run(name: str, options: list[str]) -> tuple[dict, int, Evaluations]:
+        seen, out = Evaluations(), tmp_path / name
+        passes.clear()
+        assert train([*args, *options, f"output_dir={out}"], callbacks=[seen],
+                     patches=[(evaluation, "predict_split", counted)]) == 0
+        return json.loads((out / "metrics.json").read_text()), len(passes), seen
+
+    # Evaluated only at the end: the best is the last step's weights, which the final evaluation just measured.
+    metrics, count, seen = run("last", ["train.eval_every_steps=12", "train.keep_best=eval_loss"])
+    assert list(seen.metrics) == [12] and metrics["best_step"] == 12 and count == 1
+    assert metrics["eval_loss"] == metrics["best_value"] == seen.metrics[12]["eval_loss"]
+    assert_output_holds(tmp_path / "last", seen.weights[12])
+    # An earlier best is loaded and measured again, for metrics and pictures of exactly the saved weights.
+    metrics, count, seen = run("earlier", [*UNSTABLE, "train.keep_best=eval_accuracy"])
+    assert metrics["best_step"] < 12 and count == len(seen.metrics) + 1
+    assert metrics["accuracy"] == seen.metrics[metrics["best_step"]]["accuracy"]
+
+
 def test_early_stopping_stops_after_n_evaluations_without_gain(args, tmp_path):
     seen = Evaluations()
     out = tmp_path / "out"

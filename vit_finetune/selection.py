@@ -7,7 +7,8 @@ accuracy), is the candidate. With keep_best, a candidate better than every earli
 `output_dir/best/weights.safetensors` (replaced atomically; run.state.best records its step and value), and
 each checkpoint holds a copy of it and of the EMA, so a killed run resumed with train.resume=auto knows and
 has its best. At the end the chosen weights go into the model that is saved, are measured once more for the
-metrics and pictures, and metrics.json says which they are (`weights`, `best_step`, `best_metric`, `best_value`).
+metrics and pictures (unless the final evaluation already measured them: the last step's raw weights), and
+metrics.json says which they are (`weights`, `best_step`, `best_metric`, `best_value`).
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class WeightSelection(Callback):
                     **({"stopped_early": run.state.stopped_early} if self.patience else {}),
                     **({k: best[k] for k in ("weights", f"raw_{self.compared}", f"ema_{self.compared}")}
                        if self.ema else {})}
+            if final is not None and best["step"] == run.state.step and best["weights"] == "raw":
+                return {**final[0], **said}, final[1]  # the final evaluation measured these very weights
         elif self.ema is not None:
             kind, said = self.latest[0], {"weights": self.latest[0], **self.raw_and_ema}
             if kind == "raw":
