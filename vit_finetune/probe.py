@@ -82,23 +82,6 @@ def head_module(model: nn.Module) -> nn.Linear:
     return model.get_submodule(vit.head_names(model)[0])
 
 
-def native_bf16_cpu() -> bool:
-    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there a frozen forward pass under bf16
-    autocast takes about a third of float32's time; elsewhere bf16 is emulated and slower."""
-    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
-    return any(check is not None and check() for check in checks)
-
-
-def feature_autocast(accelerator: Accelerator):
-    """The precision of the probe's forward pass: the run's own mixed precision where it sets one; on a CPU with
-    native bfloat16, bf16 even where training runs in float32 (about three times faster there). On the transfer
-    study's sets the probe's accuracy moved by a few eval images either way (docs/training.md, Wall time); the
-    fitted head and the weights stay float32."""
-    if accelerator.mixed_precision == "no" and accelerator.device.type == "cpu" and native_bf16_cpu():
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return accelerator.autocast()
-
-
 @torch.no_grad()
 def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, targets) of every image `loader` yields, in its order, on the CPU: the head's float32 input and the
@@ -111,7 +94,7 @@ def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[tor
     features, targets = [], []
     try:
         for batch in loader:
-            with feature_autocast(accelerator):
+            with accelerator.autocast():
                 model(pixel_values=batch["pixel_values"].to(accelerator.device))
             features.append(captured.pop().float().cpu())
             targets.append(batch["labels"])
