@@ -118,14 +118,16 @@ class WeightSelection(Callback):
         into the model; (their metrics, saying which weights they are, and their predictions)."""
         if self.keep_best:
             best = run.state.best
-            run.accelerator.wait_for_everyone()  # the main process wrote the file
-            load_trainable_state(self.model, load_file(str(self.best_file)))
             said = {"best_step": best["step"], "best_metric": self.keep_best, "best_value": best["value"],
                     **({"stopped_early": run.state.stopped_early} if self.patience else {}),
                     **({k: best[k] for k in ("weights", f"raw_{self.compared}", f"ema_{self.compared}")}
                        if self.ema else {})}
             if final is not None and best["step"] == run.state.step and best["weights"] == "raw":
-                return {**final[0], **said}, final[1]  # the final evaluation measured these very weights
+                # The model holds these very weights and the final evaluation measured them: nothing to load or
+                # measure (every process sees the same run.state.best, so all skip the barrier alike).
+                return {**final[0], **said}, final[1]
+            run.accelerator.wait_for_everyone()  # the main process wrote the file
+            load_trainable_state(self.model, load_file(str(self.best_file)))
         elif self.ema is not None:
             kind, said = self.latest[0], {"weights": self.latest[0], **self.raw_and_ema}
             if kind == "raw":
