@@ -24,7 +24,9 @@ from vit_finetune.processes import reset_accelerate_state
 # steps and its evaluation after each epoch: fine-tuning and eval_every_steps=null say so whatever `auto` would choose.
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
           "train.log_every_steps=1", "data.num_workers=0", "pictures=false", "train.method=finetune",
-          "train.eval_every_steps=null"]
+          "train.eval_every_steps=null",
+          # float32 on every host: auto would choose bf16 on a CPU with native bfloat16 and change the last bits
+          "train.mixed_precision=no"]
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
 WARM_LAUNCH = Path(__file__).resolve().parent / "warm_launch.py"
 

@@ -23,7 +23,8 @@ from vit_finetune.recipe import AugmentSettings
 from vit_finetune.tasks import MultiLabel
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
-          "data.num_workers=0", "train.log_every_steps=1"]
+          "data.num_workers=0", "train.log_every_steps=1",
+          "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
 
 
 # ---------------------------------------------------------------- pieces

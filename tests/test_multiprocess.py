@@ -69,7 +69,8 @@ def two_process_run(tmp_path_factory) -> dict:
          f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
          f"train.batch_size={BATCH}", f"train.epochs={EPOCHS}", "train.lr=0.005", f"train.seed={SEED}",
          "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3",
-         "train.ema_decay=0.5", "train.keep_best=eval_loss"],
+         "train.ema_decay=0.5", "train.keep_best=eval_loss",
+         "train.mixed_precision=no"],  # float32 on every host: the one-process check below evaluates in float32
         capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"out": out, "record": record, "images": images, "stdout": result.stdout}

@@ -35,7 +35,8 @@ FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp_full_shard.yaml"
 # 3 classes x 8 training images, 2 processes x batch 4: 3 optimiser steps an epoch, 6 in all; checkpoints at 2, 4, 6.
 # Pictures only in the shared FSDP run, which checks them.
 RUN = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
-       "data.num_workers=0", "train.log_every_steps=1", "train.checkpoint_every_steps=2", "pictures=false"]
+       "data.num_workers=0", "train.log_every_steps=1", "train.checkpoint_every_steps=2", "pictures=false",
+       "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
 GPUS = torch.cuda.device_count()
 # FSDP needs one device per process: two GPUs, or CPU processes (with Accelerate's state set as on GPUs).
 needs_two_processes = pytest.mark.skipif(

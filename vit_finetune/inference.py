@@ -409,7 +409,7 @@ class EvalSplit:
     """A split ready to evaluate: its images preprocessed by the saved processor, and how to batch them."""
     dataset: object  # data.ImageClassificationDataset
     batch_size: int
-    precision: str  # the run's mixed precision ("no" for another dataset)
+    precision: str  # the run's mixed precision, from its recipe.yaml ("no" for a folder without one)
     fields: dict  # eval_split and eval_carved_from_train, as metrics.json records them
     rule: object  # multilabel.ThresholdRule: how a multi-label model's thresholds are chosen (or fixed) here
 
@@ -417,23 +417,24 @@ class EvalSplit:
 def eval_split_of(name: str, model, processor, dataset: str | None = None, split: str | None = None,
                   batch_size: int | None = None) -> EvalSplit:
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
-    rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name."""
+    rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name,
+    evaluated at the run's precision too where its recipe.yaml says it (the same images, the same numbers)."""
     from . import data, evaluation, multilabel, tasks
     from .families import FAMILIES
 
     task = tasks.of_config(model.config)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    precision = "no"
+    recipe_file = Path(model_location(name)) / RECIPE_FILE
+    recipe = load_recipe(str(recipe_file)) if recipe_file.is_file() else None
+    precision = recipe.train.mixed_precision if recipe is not None else "no"
     if dataset is None:
-        recipe_file = Path(model_location(name)) / RECIPE_FILE
-        if not recipe_file.is_file():
+        if recipe is None:
             raise InputError(f"{name} holds no recipe.yaml, so its eval split is unknown; "
                                     "pass --dataset D --split S")
-        recipe = load_recipe(str(recipe_file))
         splits = data.load_splits(recipe.data, recipe.train.seed)
         table, image_column, label_column = splits.eval, splits.image_column, splits.label_column
         settings, batch_size = recipe.data, batch_size or recipe.train.batch_size
-        precision, split_fields = recipe.train.mixed_precision, evaluation.eval_split_fields(splits.eval_split)
+        split_fields = evaluation.eval_split_fields(splits.eval_split)
         # The run's own split: thresholds chosen exactly as training chose them, so metrics.json is reproduced.
         rule = evaluation.threshold_rule(recipe)
     else:
@@ -462,12 +463,16 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     from accelerate import Accelerator
 
     from . import data, evaluation, tasks
+    from .precision import auto_mixed_precision
 
     model_location(name)  # a wrong path fails before the imports below
     model, processor = load_classifier(name, device)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     chosen = eval_split_of(name, model, processor, dataset, split, batch_size)
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=chosen.precision)
+    precision = chosen.precision  # a recipe.yaml says what its run resolved; one written by hand may say auto
+    if precision == "auto":
+        precision = auto_mixed_precision(device.split(":")[0])[0]
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
     loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,
                                                   device.startswith("cuda")))
     task = tasks.of_config(model.config)

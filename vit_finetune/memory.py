@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .precision import auto_mixed_precision
 from .recipe import Recipe
 
 # Per layer and token, the backward keeps about: the two LayerNorm inputs, q, k, v, the attention output and its
@@ -83,6 +84,8 @@ def why_it_cannot_fit(config, recipe: Recipe, device: torch.device) -> str | Non
     """None if a training step fits the device; else the estimate and a size or batch that would fit, in memory
     and in time, each with what it costs."""
     size, batch, precision = recipe.model.image_size, recipe.train.batch_size, recipe.train.mixed_precision
+    if precision == "auto":
+        precision = auto_mixed_precision(device.type)[0]
     needed = training_bytes(config, size, batch, precision)
     available, where = available_bytes(device)
     if needed <= available:

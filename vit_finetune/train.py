@@ -23,7 +23,8 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
 from . import augment, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
-from . import distill, methods, pictures, probe, progress as display, selection, sharding, streaming, tasks, tracking
+from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
+from . import tracking
 from . import layout, publish, run_outputs, student
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
@@ -76,11 +77,15 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 def _accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
+    on_cpu = not torch.accelerator.is_available()
+    mixed_precision = t.mixed_precision
+    if mixed_precision == "auto":  # resolve_auto prints the choice and why
+        mixed_precision = precision.auto_mixed_precision("cpu" if on_cpu else torch.accelerator.current_accelerator().type)[0]
     return Accelerator(
         # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
         # process believes it is the main one.
-        cpu=not torch.accelerator.is_available(),
-        mixed_precision=t.mixed_precision,
+        cpu=on_cpu,
+        mixed_precision=mixed_precision,
         gradient_accumulation_steps=t.grad_accum,
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
@@ -335,6 +340,12 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         if unused:  # the probe reads each image once, as evaluation does: the recipe as run says so
             said["train.method"] += f"\n  {', '.join(unused)} not used: a probe reads each image once, unaugmented"
             recipe = without_pixel_draws(recipe)
+    if recipe.train.mixed_precision == "auto":  # make_accelerator chose it: the accelerator runs it
+        why = precision.auto_mixed_precision(accelerator.device.type)[1]
+        said["train.mixed_precision"] = (f"train.mixed_precision=auto -> {accelerator.mixed_precision}: {why}; set "
+                                         "train.mixed_precision to choose")
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(
+            update={"mixed_precision": accelerator.mixed_precision})})
     if recipe.data.crop_scale == "auto":
         crop_scale, why = data.auto_crop_scale(size.images_seen)
         # One short sentence, the reason on a line of its own.
@@ -357,7 +368,7 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
                                           f"evaluating {why}; set train.eval_every_steps to choose")
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"eval_every_steps": every})})
     if not methods.METHODS[recipe.train.method].fine_tunes:
-        said = {key: line for key, line in said.items() if key == "train.method"}
+        said = {key: line for key, line in said.items() if key in ("train.method", "train.mixed_precision")}
     if accelerator.is_main_process:
         for line in said.values():
             display.say(line)

@@ -258,8 +258,9 @@ class TrainSettings(Strict):
     cpu_threads: StrictInt | None = Field(None, gt=0, description=(
         "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
         "the same figures on every machine; null = torch's default (one per core)"))
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field("no",
-        description="no, bf16 or fp16 autocast; weights stay float32")
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
+        "no, bf16 or fp16 autocast; weights stay float32; auto: bf16 where the device computes bfloat16 natively "
+        "(a CUDA GPU that has it, a CPU with AVX512-BF16 or AMX), else no (precision.auto_mixed_precision), printed"))
     log_every_steps: StrictInt = Field(10, gt=0,
         description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
     eval_every_steps: StrictInt | Literal["auto"] | None = Field("auto", description=(

@@ -1,0 +1,62 @@
+"""train.mixed_precision=auto: bf16 autocast where the device computes bfloat16 natively, float32 elsewhere; a value
+the recipe sets is kept. Which CPU runs the suite cannot be chosen, so the one check of it
+(precision.native_bf16_cpu) is replaced for a run; the training, its autocast and its files are real."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from runs import train
+from vit_finetune import precision
+from vit_finetune.callbacks import Callback
+
+ONE_EPOCH = ["train.epochs=1"]
+
+
+class ForwardDtypes(Callback):
+    """The dtypes a Linear layer computes in during training forwards (autocast shows there)."""
+
+    def __init__(self):
+        self.dtypes: set[torch.dtype] = set()
+
+    def on_train_start(self, run):
+        layer = next(module for module in run.parts.model.modules() if isinstance(module, torch.nn.Linear))
+        layer.register_forward_hook(lambda _module, _inputs, output: self.dtypes.add(output.dtype)
+                                    if torch.is_grad_enabled() else None)
+
+
+@pytest.mark.parametrize("native, expected, dtype", [(True, "bf16", torch.bfloat16), (False, "no", torch.float32)])
+def test_auto_trains_in_bf16_only_on_a_cpu_with_native_bfloat16(args, tmp_path, capsys, native, expected, dtype):
+    out, seen = tmp_path / "out", ForwardDtypes()
+    code = train([*args, *ONE_EPOCH, "train.mixed_precision=auto", f"output_dir={out}"], callbacks=[seen],
+                 patches=[(precision, "native_bf16_cpu", lambda: native)])
+    assert code == 0
+    assert seen.dtypes == {dtype}
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == expected
+    assert json.loads((out / "run_info.json").read_text())["mixed_precision"] == expected
+    said = capsys.readouterr()
+    line = next(line for line in (said.out + said.err).splitlines() if line.startswith("train.mixed_precision=auto"))
+    assert line.startswith(f"train.mixed_precision=auto -> {expected}: ")
+    assert ("in hardware" in line) == native
+
+
+def test_a_precision_the_recipe_sets_is_kept_on_a_cpu_with_native_bfloat16(args, tmp_path, capsys):
+    out, seen = tmp_path / "out", ForwardDtypes()
+    code = train([*args, *ONE_EPOCH, "train.mixed_precision=no", f"output_dir={out}"], callbacks=[seen],
+                 patches=[(precision, "native_bf16_cpu", lambda: True)])
+    assert code == 0
+    assert seen.dtypes == {torch.float32}
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == "no"
+    said = capsys.readouterr()
+    assert "train.mixed_precision=auto" not in said.out + said.err
+
+
+def test_auto_is_the_default_and_resolves_per_device():
+    from vit_finetune.recipe import load_recipe
+
+    assert load_recipe(None, []).train.mixed_precision == "auto"
+    assert precision.auto_mixed_precision("mps")[0] == "no"  # not measured there: float32

@@ -1,0 +1,30 @@
+"""train.mixed_precision=auto: bf16 autocast where the hardware multiplies bfloat16 natively, else float32.
+
+Under bf16 autocast the matrix products run in bfloat16 and the weights, the optimiser and the loss stay float32
+(Accelerate's mixed precision). Where bfloat16 is native that is about twice as fast as float32 for a whole
+training step; where it is emulated it is slower, so auto keeps float32 there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slow."""
+    checks = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(check is not None and check() for check in checks)
+
+
+def auto_mixed_precision(device_type: str) -> tuple[str, str]:
+    """The precision train.mixed_precision=auto stands for on `device_type` ("cuda", "cpu", ...), and why."""
+    if device_type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return "bf16", "this GPU computes bfloat16 natively; the weights stay float32"
+        return "no", "this GPU has no native bfloat16, and fp16 would need a loss scaler"
+    if device_type == "cpu":
+        if native_bf16_cpu():
+            return "bf16", ("this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): a ViT's training step took "
+                            "about half of float32's time on such a CPU (docs/training.md); the weights stay float32")
+        return "no", "this CPU has no native bfloat16 (emulated, it would be slower than float32)"
+    return "no", f"float32 on {device_type}: bfloat16 was measured on CUDA and CPU only"
