@@ -30,6 +30,9 @@ thread, no loader workers, evaluated once at the end on the same eval split:
       RandomResizedCrop over 8-100 % of the area, aspect 3/4-4/3, horizontal flip; eval Resize + CenterCrop;
       the Trainer's AdamW and linear schedule without warm-up, one lr for all weights (PEER_LR, the example's
       documented 2e-5, which is also the toolkit's full-tuning default); the same base, data, size, steps and batch.
+Precision: the toolkit's cells run train.mixed_precision=auto, which on this study's CPU (AVX512-BF16) is bf16
+autocast; the peer runs float32, as the example's documented command does. The <method>_fp32 options are the same
+methods in float32, and hold every method row recorded before auto existed (FLOAT32_ROWS).
 Results are appended to <root>/results.jsonl (one line per cell, with its wall seconds); a cell already recorded
 is not redone (unless --rerun), so the file can be extended by later runs; where a cell was recorded twice (--rerun
 after a change to the toolkit), the tables take the later line. The cells measured so far are kept in
@@ -107,6 +110,7 @@ DATASETS = {
     "elpv": SmallDataset(elpv_solar_cells, [0, 1, 2], ["functional", "possibly-defective", "defective"], 40, 100, 0),
 }
 
+METHOD_ARMS = ("finetune", "linear_probe", "lp_ft")
 # Toolkit option sets: name -> overrides on top of the schema defaults. "peer" is not one: it is the Trainer.
 NO_AUGMENTATION = ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=false"]
 OPTIONS = {
@@ -118,6 +122,9 @@ OPTIONS = {
     "finetune": ["train.method=finetune"],
     "linear_probe": ["train.method=linear_probe"],
     "lp_ft": ["train.method=lp_ft"],
+    # Each method in float32 (train.mixed_precision=auto runs bf16 autocast on a CPU with native bfloat16, as the
+    # study's machine has): what every method row recorded before auto existed ran, and is read back as (FLOAT32_ROWS).
+    **{f"{method}_fp32": [f"train.method={method}", "train.mixed_precision=no"] for method in METHOD_ARMS},
     "lp_ft_head0.002": ["train.method=lp_ft", "train.head_lr=0.002"],  # the fitted head at fine-tuning's head lr
     # LP-FT with a linear warm-up over 10 % of the steps (run each with its own --steps: 6 of 60, 20 of 200): whether
     # Adam's first full-size steps are what moves LP-FT below its probe's accuracy on some cells.
@@ -224,6 +231,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     return {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
             "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
             "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
+            "mixed_precision_used": resolved["train"]["mixed_precision"],
             "adamw_kernel": adamw_kernel()}
 
 
@@ -267,6 +275,10 @@ def run_cell(cell: Cell, base: Path, root: Path) -> dict:
 # real base's is bicubic, as evaluation and pipeline() resize): kept in the file, marked "training_resize": "bilinear",
 # and left out of the tables. Linear-probe and peer rows never used that path.
 OUTDATED = "training_resize"
+# A method row (finetune, linear_probe, lp_ft) recorded before train.mixed_precision=auto ran float32; on the study's
+# CPU, which multiplies bfloat16 natively, the method's option now runs bf16 autocast. Such rows are read back under
+# the float32 option (<method>_fp32), beside which the bf16 rows are compared; rows since record mixed_precision_used.
+FLOAT32_ROWS = "_fp32"
 
 
 def read_results(root: Path) -> list[dict]:
@@ -279,6 +291,8 @@ def read_results(root: Path) -> list[dict]:
         if run.get(OUTDATED) == "bilinear":
             continue
         run.setdefault("per_class", DATASETS[run["dataset"]].train_per_class)
+        if run["option"] in METHOD_ARMS and "mixed_precision_used" not in run:
+            run["option"] += FLOAT32_ROWS
         latest[result_key(run)] = run
     return list(latest.values())
 
@@ -453,7 +467,7 @@ def cells(args) -> list[Cell]:
                     for name in args.datasets.split(","):
                         for per_class in [int(n) for n in args.per_class.split(",") if n] or [DATASETS[name].train_per_class]:
                             for option in args.cells.split(","):
-                                listed.append(Cell(option, name, size, 0 if option == "linear_probe" else steps, lr,
+                                listed.append(Cell(option, name, size, 0 if option.startswith("linear_probe") else steps, lr,
                                                    seed, per_class))
     return list(dict.fromkeys(listed))
 
