@@ -294,9 +294,12 @@ class Page:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/"
         with open(self.log, "a") as out:
+            # Ctrl-C as a terminal delivers it: SIGINT at its default in the page's process, whatever this test
+            # process inherited or was left with (an ignored SIGINT survives exec, and the page would not hear it).
             self.process = subprocess.Popen([sys.executable, "-m", "vit_finetune", "app", str(self.model), "--port",
                                              str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(self.temp)})
+                                            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(self.temp)},
+                                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 400  # gradio's import alone takes 30 s on a loaded 2-core machine
         while True:
             assert self.process.poll() is None, f"the app exited: {self.log.read_text()[-3000:]}"
