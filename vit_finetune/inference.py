@@ -463,16 +463,14 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     from accelerate import Accelerator
 
     from . import data, evaluation, tasks
-    from .precision import auto_mixed_precision
+    from .precision import resolved
 
     model_location(name)  # a wrong path fails before the imports below
     model, processor = load_classifier(name, device)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     chosen = eval_split_of(name, model, processor, dataset, split, batch_size)
-    precision = chosen.precision  # a recipe.yaml says what its run resolved; one written by hand may say auto
-    if precision == "auto":
-        precision = auto_mixed_precision(device.split(":")[0])[0]
-    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=precision)
+    # A run's recipe.yaml says the precision it resolved; one written by hand may say auto.
+    accelerator = Accelerator(cpu=device == "cpu", mixed_precision=resolved(chosen.precision, device.split(":")[0]))
     loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,
                                                   device.startswith("cuda")))
     task = tasks.of_config(model.config)

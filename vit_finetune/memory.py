@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .precision import auto_mixed_precision
+from .precision import resolved
 from .recipe import Recipe
 
 # Per layer and token, the backward keeps about: the two LayerNorm inputs, q, k, v, the attention output and its
@@ -83,9 +83,8 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
 def why_it_cannot_fit(config, recipe: Recipe, device: torch.device) -> str | None:
     """None if a training step fits the device; else the estimate and a size or batch that would fit, in memory
     and in time, each with what it costs."""
-    size, batch, precision = recipe.model.image_size, recipe.train.batch_size, recipe.train.mixed_precision
-    if precision == "auto":
-        precision = auto_mixed_precision(device.type)[0]
+    size, batch = recipe.model.image_size, recipe.train.batch_size
+    precision = resolved(recipe.train.mixed_precision, device.type)
     needed = training_bytes(config, size, batch, precision)
     available, where = available_bytes(device)
     if needed <= available:

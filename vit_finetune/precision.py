@@ -16,6 +16,11 @@ def native_bf16_cpu() -> bool:
     return any(check is not None and check() for check in checks)
 
 
+def resolved(setting: str, device_type: str) -> str:
+    """train.mixed_precision as it runs on `device_type`: auto's choice there, any other setting as it is."""
+    return auto_mixed_precision(device_type)[0] if setting == "auto" else setting
+
+
 def auto_mixed_precision(device_type: str) -> tuple[str, str]:
     """The precision train.mixed_precision=auto stands for on `device_type` ("cuda", "cpu", ...), and why."""
     if device_type == "cuda":

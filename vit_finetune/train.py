@@ -24,8 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
-from . import tracking
-from . import layout, publish, run_outputs, student
+from . import layout, publish, run_outputs, student, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -78,14 +77,12 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 def _accelerator(recipe: Recipe) -> Accelerator:
     t = recipe.train
     on_cpu = not torch.accelerator.is_available()
-    mixed_precision = t.mixed_precision
-    if mixed_precision == "auto":  # resolve_auto prints the choice and why
-        mixed_precision = precision.auto_mixed_precision("cpu" if on_cpu else torch.accelerator.current_accelerator().type)[0]
+    device_type = "cpu" if on_cpu else torch.accelerator.current_accelerator().type
     return Accelerator(
         # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
         # process believes it is the main one.
         cpu=on_cpu,
-        mixed_precision=mixed_precision,
+        mixed_precision=precision.resolved(t.mixed_precision, device_type),  # resolve_auto prints auto's reason
         gradient_accumulation_steps=t.grad_accum,
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
