@@ -6,19 +6,22 @@ Through the real CLI on the tests' tiny ViT and colour folders, and on the probe
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from PIL import Image
 from safetensors.torch import load_file
 from transformers import pipeline
 
 from runs import SimulatedKill, assert_bit_identical, history, kill_at, train, warm_launch_command
 from tiny import REPO
-from vit_finetune import evaluation, methods, probe
+from vit_finetune import evaluation, methods, optim, probe
+from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import SingleLabel
 
@@ -134,6 +137,43 @@ def test_lp_ft_fine_tunes_from_the_probe_head(probed, args, tmp_path):
     assert first[tuned] < first[plain] - 0.1
     card = (tuned / "README.md").read_text()
     assert "a linear probe" in card and "then full fine-tuning from that head" in card
+
+
+class StepLrs(Callback):
+    """The lr each optimiser step trains at (train.lr's share), read as its batch arrives."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def on_batch(self, run, batch):
+        group = run.parts.optimizer.param_groups[0]
+        self.lrs.append(group["lr"] / group.get("lr_scale", 1.0))
+
+
+def test_lp_ft_warms_up_over_a_tenth_of_its_steps_and_fine_tuning_from_a_new_head_does_not(args, tmp_path, capsys):
+    # 2 epochs of 6 steps = 12 steps: auto warms LP-FT up for 1 step (12 // 10), so its first step runs at half the lr.
+    lp_ft, plain = tmp_path / "lp_ft", tmp_path / "plain"
+    seen = {run: StepLrs() for run in (lp_ft, plain)}
+    assert train([*args, "train.method=lp_ft", f"output_dir={lp_ft}"], callbacks=[seen[lp_ft]]) == 0
+    assert "train.warmup_steps=auto -> 1: a tenth of the 12 steps" in capsys.readouterr().out
+    assert train([*args, "train.method=finetune", f"output_dir={plain}"], callbacks=[seen[plain]]) == 0
+    assert "train.warmup_steps=auto -> 0: the new head starts at zero" in capsys.readouterr().out
+    lr = 0.005  # the tests' recipe
+    assert seen[lp_ft].lrs[:2] == pytest.approx([lr / 2, lr])  # then the cosine from the peak
+    assert seen[plain].lrs[:2] == pytest.approx([lr, lr * 0.5 * (1 + math.cos(math.pi / 12))])
+    # Written as run, so a reader of the folder sees the warm-up that ran.
+    assert yaml.safe_load((lp_ft / "recipe.yaml").read_text())["train"]["warmup_steps"] == 1
+    assert yaml.safe_load((plain / "recipe.yaml").read_text())["train"]["warmup_steps"] == 0
+
+
+def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_only():
+    assert optim.auto_warmup_steps(True, 60)[0] == 6 and optim.auto_warmup_steps(True, 32)[0] == 3
+    assert optim.auto_warmup_steps(True, 9)[0] == 0  # under ten steps, none: a warm-up must end before the run does
+    assert optim.auto_warmup_steps(False, 600)[0] == 0
+    # A number given is kept, and one past the run is refused before any work.
+    assert load_recipe(None, ["train.warmup_steps=4"]).train.warmup_steps == 4
+    with pytest.raises(Exception, match="train.warmup_steps"):
+        load_recipe(None, ["train.warmup_steps=-1"])
 
 
 def test_lp_ft_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_run(args, tmp_path):

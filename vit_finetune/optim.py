@@ -98,6 +98,25 @@ def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False) -> tuple[
                                 f"more than train.lr={lr:g} gives the pretrained weights")
 
 
+# train.warmup_steps=auto. After the linear probe (train.method=lp_ft) the head already fits the training images, and
+# AdamW's first update moves every weight by the full lr whatever its gradient (its moment estimates hold one sample):
+# on a real DINOv2-S/14 at 112 px, one such step at 2e-5 from the probe's head took the loss on 32 other training
+# images from 0.63 to 5.9. A linear warm-up over a tenth of the steps lets the estimates form first; in the transfer
+# study it lifted LP-FT most at 112 and 224 px and moved it within noise at 56 px (docs/training.md, "Transfer on a
+# real base"). Fine-tuning from a new head keeps 0, as the study measured it: the head starts at zero, so the first
+# step moves no backbone weight.
+AUTO_WARMUP_SHARE_AFTER_PROBE = 0.1
+
+
+def auto_warmup_steps(head_fitted: bool, total_steps: int) -> tuple[int, str]:
+    """The warm-up steps train.warmup_steps=auto stands for, and why; `head_fitted`: a linear probe fitted the head."""
+    if not head_fitted:
+        return 0, "the new head starts at zero, so the first steps move the backbone little; none, as measured"
+    steps = int(total_steps * AUTO_WARMUP_SHARE_AFTER_PROBE)
+    return steps, (f"a tenth of the {total_steps:,} steps: the probe's head already fits, and AdamW's first full-size "
+                   "steps would undo the fit before its estimates form")
+
+
 def _group(lr_scale: float, decayed: bool, weight_decay: float) -> dict:
     # `decayed` and `lr_scale` travel in the optimizer's state, so a resume can re-apply a changed lr or weight decay.
     return {"params": [], "weight_decay": weight_decay if decayed else 0.0, "decayed": decayed, "lr_scale": lr_scale}

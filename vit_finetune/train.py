@@ -102,6 +102,14 @@ def learning_rates(recipe: Recipe) -> tuple[float, float]:
     return lr, optim.auto_head_lr(t.optimizer, lr, head_fitted)[0] if t.head_lr == "auto" else t.head_lr
 
 
+def warmup_steps(recipe: Recipe, total_steps: int) -> int:
+    """train.warmup_steps with `auto` resolved (resolve_auto prints why)."""
+    t = recipe.train
+    if t.warmup_steps != "auto":
+        return t.warmup_steps
+    return optim.auto_warmup_steps(t.method != "auto" and methods.METHODS[t.method].probes, total_steps)[0]
+
+
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
@@ -125,12 +133,12 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
-    t = recipe.train
+    t, warmup = recipe.train, warmup_steps(recipe, total_steps)
 
     def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / (t.warmup_steps + 1)
-        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
         if t.scheduler == "cosine":
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         if t.scheduler == "linear":
@@ -187,8 +195,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     method = methods.METHODS[as_run.train.method]
     if not method.fine_tunes:
         total_steps = 0  # the probe is the whole training
-    elif recipe.train.warmup_steps >= total_steps:
-        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
+    elif as_run.train.warmup_steps >= total_steps:
+        raise RunError(f"train.warmup_steps={as_run.train.warmup_steps} is not below the run's {total_steps} steps; "
                        "lower it or train longer")
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
@@ -358,6 +366,10 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
                                           head_fitted=methods.METHODS[recipe.train.method].probes)
         said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
+    if recipe.train.warmup_steps == "auto":
+        warmup, why = optim.auto_warmup_steps(methods.METHODS[recipe.train.method].probes, size.total_steps)
+        said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
     if recipe.train.eval_every_steps == "auto":
         every, why = evaluation.auto_eval_every_steps(size.eval_images, size.training_images, size.steps_per_epoch,
                                                       size.total_steps, weight_selection(recipe))

@@ -99,7 +99,8 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.train.distill is not None and recipe.train.distill.cache_logits:
         problems.extend(_cache_logits_problems(recipe))
     problems.extend(_method_problems(recipe))
-    if recipe.train.warmup_steps and recipe.train.max_steps and recipe.train.warmup_steps >= recipe.train.max_steps:
+    warmup = recipe.train.warmup_steps
+    if isinstance(warmup, int) and warmup and recipe.train.max_steps and warmup >= recipe.train.max_steps:
         problems.append(
             f"train.warmup_steps={recipe.train.warmup_steps} must be smaller than train.max_steps={recipe.train.max_steps}"
         )

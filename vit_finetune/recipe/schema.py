@@ -247,7 +247,9 @@ class TrainSettings(Strict):
     momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
     weight_decay: Float = Field(0.0, ge=0,
         description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
-    warmup_steps: StrictInt = Field(0, ge=0, description="optimiser steps of linear warm-up from 0 to train.lr")
+    warmup_steps: StrictInt | Literal["auto"] = Field("auto", description=(
+        "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
+        "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
         description="lr decay after the warm-up: cosine, linear or constant")
     max_grad_norm: Float | None = Field(1.0, gt=0,
@@ -339,6 +341,13 @@ class TrainSettings(Strict):
         "multi-label: share of the eval split (seeded) on which the thresholds are chosen; the metrics are then "
         "measured on the rest. null = chosen on the same images they are scored on (optimistic; metrics.json "
         "says so)"))
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be a number of steps, 0 or more, or auto, got {value}")
+        return value
 
     @field_validator("eval_every_steps")
     @classmethod
