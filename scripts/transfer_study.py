@@ -124,12 +124,17 @@ OPTIONS = {
     "lp_ft": ["train.method=lp_ft"],
     # Each method in float32 (train.mixed_precision=auto runs bf16 autocast on a CPU with native bfloat16, as the
     # study's machine has): what every method row recorded before auto existed ran, and is read back as (FLOAT32_ROWS).
+    # The lp_ft_fp32 rows recorded ran without LP-FT's warm-up (train.warmup_steps=auto came later); run today, it warms up.
     **{f"{method}_fp32": [f"train.method={method}", "train.mixed_precision=no"] for method in METHOD_ARMS},
     "lp_ft_head0.002": ["train.method=lp_ft", "train.head_lr=0.002"],  # the fitted head at fine-tuning's head lr
-    # LP-FT with a linear warm-up over 10 % of the steps (run each with its own --steps: 6 of 60, 20 of 200): whether
-    # Adam's first full-size steps are what moves LP-FT below its probe's accuracy on some cells.
+    # LP-FT's warm-up. train.warmup_steps=auto warms LP-FT up over a tenth of its steps; before it, LP-FT ran none:
+    # lp_ft rows recorded then are read back as lp_ft_no_warmup (NO_WARMUP_ROWS), the option that runs it today.
+    "lp_ft_no_warmup": ["train.method=lp_ft", "train.warmup_steps=0"],
+    # The warm-up measured before it was the default, at a tenth of each --steps: 6 of 60, 20 of 200, and any
+    # ({warmup} is filled in per cell). The last runs what lp_ft runs today and is read back as lp_ft.
     "lp_ft_warmup6": ["train.method=lp_ft", "train.warmup_steps=6"],
     "lp_ft_warmup20": ["train.method=lp_ft", "train.warmup_steps=20"],
+    "lp_ft_warmup10pct": ["train.method=lp_ft", "train.warmup_steps={warmup}"],
     "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
     "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,
@@ -220,7 +225,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     argv = ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
             "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
             *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}", f"output_dir={out}",
-            "overwrite=true", *OPTIONS[cell.option]]
+            "overwrite=true", *(o.replace("{warmup}", str(cell.steps // 10)) for o in OPTIONS[cell.option])]
     print("$ python -m vit_finetune " + " ".join(argv), flush=True)
     if main(argv) != 0:
         raise SystemExit(f"cell {cell.name()} failed")
@@ -232,6 +237,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
             "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
             "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
             "mixed_precision_used": resolved["train"]["mixed_precision"],
+            "warmup_steps_used": resolved["train"]["warmup_steps"],
             "adamw_kernel": adamw_kernel()}
 
 
@@ -279,6 +285,11 @@ OUTDATED = "training_resize"
 # CPU, which multiplies bfloat16 natively, the method's option now runs bf16 autocast. Such rows are read back under
 # the float32 option (<method>_fp32), beside which the bf16 rows are compared; rows since record mixed_precision_used.
 FLOAT32_ROWS = "_fp32"
+# An lp_ft row recorded before train.warmup_steps=auto ran no warm-up: read back as lp_ft_no_warmup. Rows since record
+# warmup_steps_used. lp_ft_warmup10pct rows ran the same settings as lp_ft does today (a tenth of the steps, bf16) and
+# are read back as lp_ft: the two gave the same accuracy to the last digit where both were run.
+NO_WARMUP_ROWS = "lp_ft_no_warmup"
+SAME_AS_LP_FT = "lp_ft_warmup10pct"
 
 
 def read_results(root: Path) -> list[dict]:
@@ -293,6 +304,10 @@ def read_results(root: Path) -> list[dict]:
         run.setdefault("per_class", DATASETS[run["dataset"]].train_per_class)
         if run["option"] in METHOD_ARMS and "mixed_precision_used" not in run:
             run["option"] += FLOAT32_ROWS
+        elif run["option"] == "lp_ft" and "warmup_steps_used" not in run:
+            run["option"] = NO_WARMUP_ROWS
+        elif run["option"] == SAME_AS_LP_FT:
+            run["option"] = "lp_ft"
         latest[result_key(run)] = run
     return list(latest.values())
 
