@@ -170,7 +170,7 @@ def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_only():
     assert optim.auto_warmup_steps(True, 60)[0] == 6 and optim.auto_warmup_steps(True, 32)[0] == 3
     assert optim.auto_warmup_steps(True, 9)[0] == 0  # under ten steps, none: a warm-up must end before the run does
     assert optim.auto_warmup_steps(False, 600)[0] == 0
-    # A number given is kept, and one past the run is refused before any work.
+    # A number given is kept; a negative one is refused when the recipe is read.
     assert load_recipe(None, ["train.warmup_steps=4"]).train.warmup_steps == 4
     with pytest.raises(Exception, match="train.warmup_steps"):
         load_recipe(None, ["train.warmup_steps=-1"])
