@@ -15,6 +15,9 @@ both on one torch thread, with the cell's base, data, size, steps, batch 16 and 
 Everything else is each tool's default (the toolkit's train.method=auto included); both save their model. Wall and CPU
 seconds of each process and its eval accuracy go to <root>/results.jsonl; a cell already recorded is not redone.
 Nothing else should run on the machine meanwhile.
+
+--float32 runs the toolkit with train.mixed_precision=no: what its `auto` picks on a CPU without native bfloat16
+(the peer runs float32 either way), so a CPU with it can measure the comparison such a CPU would see.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ import transfer_study as study  # noqa: E402
 MODES = ("end", "epoch")
 
 
-def commands(mode: str, base: Path, data: Path, size: int, steps: int, seed: int, out: Path) -> dict[str, list[str]]:
+def commands(mode: str, base: Path, data: Path, size: int, steps: int, seed: int, out: Path, float32: bool = False
+             ) -> dict[str, list[str]]:
     toolkit_eval = [f"train.eval_every_steps={steps}"] if mode == "end" else ["train.eval_every_steps=null",
                                                                                "train.keep_best=eval_loss"]
+    precision = ["train.mixed_precision=no"] if float32 else []
     return {
         "toolkit": [sys.executable, "-m", "vit_finetune", f"model.base={base}", f"model.image_size={size}",
                     f"data.dataset={data}", "data.eval_split=validation", f"train.max_steps={steps}", "train.epochs=1000",
                     f"train.batch_size={study.BATCH}", f"train.seed={seed}", "train.cpu_threads=1",
-                    f"output_dir={out / 'toolkit'}", "overwrite=true", *toolkit_eval],
+                    f"output_dir={out / 'toolkit'}", "overwrite=true", *toolkit_eval, *precision],
         "peer": [sys.executable, str(REPO / "scripts" / "peer_example.py"), "--dataset", str(data), "--model", str(base),
                  "--image_size", str(size), "--max_steps", str(steps), "--per_device_train_batch_size", str(study.BATCH),
                  "--seed", str(seed), "--eval_strategy", "no" if mode == "end" else "epoch",
@@ -72,15 +77,15 @@ def accuracy(arm: str, out: Path, log: Path) -> float:
     return json.loads(log.read_text().strip().splitlines()[-1])["accuracy"]
 
 
-def run_cell(cell: dict, first: str, base: Path, study_root: Path, root: Path) -> dict:
+def run_cell(cell: dict, first: str, base: Path, study_root: Path, root: Path, float32: bool = False) -> dict:
     data = study.write_small_dataset(study.sized(study.DATASETS[cell["dataset"]], cell["per_class"]),
                                      study.data_folder(study_root, study.Cell("", cell["dataset"], cell["size"], cell["steps"],
                                                                         None, cell["seed"], cell["per_class"])))
     name = f"{cell['dataset']}{cell['per_class']}-{cell['size']}px-{cell['steps']}st-{cell['mode']}-s{cell['seed']}"
-    out = root / "runs" / name
+    out = root / "runs" / (name + ("-float32" if float32 else ""))
     out.mkdir(parents=True, exist_ok=True)
-    argv = commands(cell["mode"], base, data, cell["size"], cell["steps"], cell["seed"], out)
-    result = dict(cell, first=first)
+    argv = commands(cell["mode"], base, data, cell["size"], cell["steps"], cell["seed"], out, float32)
+    result = dict(cell, first=first, toolkit_precision="float32" if float32 else "auto")
     for arm in (first, "peer" if first == "toolkit" else "toolkit"):
         log = out / f"{arm}.log"
         print("$ " + " ".join(argv[arm]), flush=True)
@@ -95,11 +100,12 @@ def run_cell(cell: dict, first: str, base: Path, study_root: Path, root: Path) -
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| data | size | steps | evaluations | toolkit wall / CPU s | peer wall / CPU s | toolkit / peer wall | "
-            "accuracy toolkit (method) / peer |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| data | size | steps | evaluations | toolkit precision | toolkit wall / CPU s | peer wall / CPU s | "
+            "toolkit / peer wall | accuracy toolkit (method) / peer |", "|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(results, key=lambda r: (r["dataset"], r["per_class"], r["size"], r["steps"], r["mode"], r["seed"])):
         t, p = r["toolkit"], r["peer"]
         rows.append(f"| {r['dataset']} {r['per_class']}/class | {r['size']} px | {r['steps']} | {r['mode']} | "
+                    f"{r.get('toolkit_precision', 'auto')} | "
                     f"{t['wall_s']} / {t['cpu_s']} | {p['wall_s']} / {p['cpu_s']} | {t['wall_s'] / p['wall_s']:.2f} | "
                     f"{t['accuracy']:.3f} ({t.get('method', '?')}) / {p['accuracy']:.3f} |")
     ratios = [r["toolkit"]["wall_s"] / r["peer"]["wall_s"] for r in results]
@@ -121,6 +127,8 @@ def main() -> None:
     parser.add_argument("--per-class", default="")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seeds", default="0")
+    parser.add_argument("--float32", action="store_true", help="the toolkit in float32 (train.mixed_precision=no), as "
+                        "auto runs it on a CPU without native bfloat16")
     parser.add_argument("--table", action="store_true")
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
@@ -128,7 +136,9 @@ def main() -> None:
     results = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if not args.table:
         base = study.reference_base(args.study_root)
-        done = {tuple(r[k] for k in ("dataset", "per_class", "size", "steps", "mode", "seed")) for r in results}
+        key = ("dataset", "per_class", "size", "steps", "mode", "seed")
+        precision = "float32" if args.float32 else "auto"
+        done = {tuple(r[k] for k in key) for r in results if r.get("toolkit_precision", "auto") == precision}
         index = 0
         for seed in map(int, args.seeds.split(",")):
             for mode in args.modes.split(","):
@@ -143,7 +153,8 @@ def main() -> None:
                                     continue
                                 first = ("toolkit", "peer")[index % 2]
                                 index += 1
-                                results.append(run_cell(cell, first, base, args.study_root, args.root))
+                                results.append(run_cell(cell, first, base, args.study_root, args.root,
+                                                        args.float32))
                                 r = results[-1]
                                 print(f"== {cell}: toolkit {r['toolkit']}, peer {r['peer']}", flush=True)
     print(table(results))
