@@ -253,6 +253,10 @@ def test_auto_is_conservative_outside_what_was_measured():
     assert auto(high, int(high * 10 * few_epochs) - 16)[0] == "linear_probe"
     assert auto(low, few_seen)[0] == "lp_ft" and auto(high, int(high * 10 * few_epochs))[0] == "lp_ft"
     assert auto(low, longest)[0] == "lp_ft"
+    # The study's cells of 400 per class on either side of the epoch boundary: 0.4 epochs (100 steps of 16) and 0.48
+    # (200 per class, 60 steps) the probe; 0.6 and 0.8 epochs LP-FT.
+    assert [auto(400, 1600)[0], auto(200, 960)[0]] == ["linear_probe"] * 2
+    assert [auto(400, 2400)[0], auto(400, 3200)[0]] == ["lp_ft"] * 2
     # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
     assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
     # Beyond the range, on either axis: fine-tuning, saying why.
