@@ -156,11 +156,15 @@ def test_lp_ft_warms_up_over_a_tenth_of_its_steps_and_fine_tuning_from_a_new_hea
     seen = {run: StepLrs() for run in (lp_ft, plain)}
     assert train([*args, "train.method=lp_ft", f"output_dir={lp_ft}"], callbacks=[seen[lp_ft]]) == 0
     assert "train.warmup_steps=auto -> 1: a tenth of the 12 steps" in capsys.readouterr().out
-    assert train([*args, "train.method=finetune", f"output_dir={plain}"], callbacks=[seen[plain]]) == 0
+    assert train([*args, "train.method=finetune", "train.log_every_steps=1", f"output_dir={plain}"],
+                 callbacks=[seen[plain]]) == 0
     assert "train.warmup_steps=auto -> 0: the new head starts at zero" in capsys.readouterr().out
     lr = 0.005  # the tests' recipe
     assert seen[lp_ft].lrs[:2] == pytest.approx([lr / 2, lr])  # then the cosine from the peak
     assert seen[plain].lrs[:2] == pytest.approx([lr, lr * 0.5 * (1 + math.cos(math.pi / 12))])
+    # The log gives each step the lr it trained at: the full lr at step 1, the cosine's last non-zero value at step 12.
+    assert [entry["lr"] for entry in history(plain) if "loss" in entry] == pytest.approx(seen[plain].lrs)
+    assert len(seen[plain].lrs) == 12 and seen[plain].lrs[-1] > 0
     # Written as run, so a reader of the folder sees the warm-up that ran.
     assert yaml.safe_load((lp_ft / "recipe.yaml").read_text())["train"]["warmup_steps"] == 1
     assert yaml.safe_load((plain / "recipe.yaml").read_text())["train"]["warmup_steps"] == 0

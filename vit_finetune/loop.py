@@ -8,6 +8,7 @@ model, export) is train.py's; callbacks observe each event (callbacks.py).
 
 from __future__ import annotations
 
+import math
 import random
 import signal
 import time
@@ -166,6 +167,7 @@ class TrainLog:
         self.skipped_before, self.skipped_here = state.skipped_images, 0  # all processes' at a resume; ours since
         self.skipped_this_epoch: list[str] = []  # this process's bad files, named on the console at the epoch's end
         self.loss_total = torch.zeros((), device=accelerator.device)
+        self.lr = math.nan  # the lr of the last optimiser step (add_step)
         self._restart()
 
     def _restart(self) -> None:
@@ -181,12 +183,15 @@ class TrainLog:
             self.loss_batches += 1
         self.images += images * self.accelerator.num_processes
 
-    def add_step(self) -> None:
+    def add_step(self, lr: float) -> None:
+        """One optimiser step done, at `lr`: read before the step, since the scheduler moves it for the next one."""
         self.progress.update(1)
+        self.lr = lr
 
-    def write(self, state: checkpoint.TrainState, lr: float) -> dict:
-        """A collective: append the history entry of the steps since the last one (mean loss over processes, lr,
-        images/s), show it on the progress bar and return it."""
+    def write(self, state: checkpoint.TrainState) -> dict:
+        """A collective: append the history entry of the steps since the last one (mean loss over processes, the lr
+        the last of them trained at, images/s), show it on the progress bar and return it."""
+        lr = self.lr
         mean_loss = self._mean_loss_over_processes()
         rate = self.images / (time.perf_counter() - self.clock)
         # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
@@ -235,7 +240,7 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         pending_finite = finite
         callbacks.on_step_end(run)
         if _due(state.step, t.log_every_steps) or state.step == last:
-            callbacks.on_log(run, log.write(state, _scheduled_lr(run)))
+            callbacks.on_log(run, log.write(state))
         if _due(state.step, eval_every_steps(run)) and state.step < last:  # run() evaluates the last step's weights
             _evaluate_during_training(run, callbacks)
         stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
@@ -272,13 +277,14 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback,
                 boundary.take()
             callbacks.on_batch(run, batch)
             batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
+            lr = _scheduled_lr(run)  # the lr this step trains at; the scheduler moves it once the step is taken
             loss, finite = train_step(accelerator, parts, batch, run.recipe)
             state.batches_done += 1
             log.add_batch(loss, batch)
             step_starts = accelerator.sync_gradients
             if accelerator.sync_gradients:
                 state.step += 1
-                log.add_step()
+                log.add_step(lr)
                 yield finite
             elif boundary is not None and _interrupted(interrupt, accelerator):  # a collective, as at a step's end
                 boundary.restore(parts.model)
