@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from runs import assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
+from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
 from vit_finetune.augment import BatchAugmenter
@@ -24,7 +24,7 @@ from vit_finetune.tasks import MultiLabel
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
           "data.num_workers=0", "train.log_every_steps=1",
-          "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
+          FLOAT32]
 
 
 # ---------------------------------------------------------------- pieces

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import recorder
-from runs import assert_bit_identical, torchrun_command
+from runs import FLOAT32, assert_bit_identical, torchrun_command
 from vit_finetune.processes import reset_accelerate_state
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
@@ -70,7 +70,7 @@ def two_process_run(tmp_path_factory) -> dict:
          f"train.batch_size={BATCH}", f"train.epochs={EPOCHS}", "train.lr=0.005", f"train.seed={SEED}",
          "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3",
          "train.ema_decay=0.5", "train.keep_best=eval_loss",
-         "train.mixed_precision=no"],  # float32 on every host: the one-process check below evaluates in float32
+         FLOAT32],  # the one-process check below evaluates in float32
         capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"out": out, "record": record, "images": images, "stdout": result.stdout}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from runs import assert_bit_identical, killed_after_a_checkpoint, train
+from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
 from vit_finetune.cli import main
 from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
@@ -21,7 +21,7 @@ from vit_finetune.tasks.regression import summarise
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
           "data.num_workers=0", "train.log_every_steps=1", "data.task=regression",
           "data.target_columns=[brightness,redness]",
-          "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
+          FLOAT32]
 
 
 def write_targets(root: Path, images: int = 32, seed: int = 0, rows: list[str] | None = None) -> Path:

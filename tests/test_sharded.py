@@ -27,7 +27,7 @@ import torch
 
 import fsdp_on_cpu
 import recorder
-from runs import WarmLauncher, assert_bit_identical, completed, free_port, train
+from runs import FLOAT32, WarmLauncher, assert_bit_identical, completed, free_port, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -36,7 +36,7 @@ FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp_full_shard.yaml"
 # Pictures only in the shared FSDP run, which checks them.
 RUN = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
        "data.num_workers=0", "train.log_every_steps=1", "train.checkpoint_every_steps=2", "pictures=false",
-       "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
+       FLOAT32]
 GPUS = torch.cuda.device_count()
 # FSDP needs one device per process: two GPUs, or CPU processes (with Accelerate's state set as on GPUs).
 needs_two_processes = pytest.mark.skipif(

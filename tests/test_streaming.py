@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import recorder
-from runs import WarmLauncher, assert_bit_identical, completed, exists, launch_and_kill, train
+from runs import FLOAT32, WarmLauncher, assert_bit_identical, completed, exists, launch_and_kill, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CLASSES, TRAIN_PER_CLASS, EVAL_PER_CLASS = 3, 8, 3  # 24 train rows, 9 eval rows
@@ -39,7 +39,7 @@ TRAIN_SHARDS, EVAL_SHARDS = 4, 3  # 2 processes: whole shards for train; rows fo
 BATCH = 4
 RECIPE = ["model.image_size=32", f"train.batch_size={BATCH}", "train.epochs=2", "train.lr=0.005", "train.seed=1",
           "train.log_every_steps=1", "data.num_workers=0", "data.streaming=true", "data.shuffle_buffer=5",
-          "train.mixed_precision=no"]  # float32 on every host: auto picks bf16 on a CPU with native bfloat16
+          FLOAT32]
 FIXED_CROP = ["data.crop_scale=[1.0,1.0]"]  # on square images: each row's training pixels are known
 
 
