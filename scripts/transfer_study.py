@@ -238,6 +238,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
             "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
             "mixed_precision_used": resolved["train"]["mixed_precision"],
             "warmup_steps_used": resolved["train"]["warmup_steps"],
+            "probe_precision_used": (metrics.get("probe") or {}).get("precision"),
             "adamw_kernel": adamw_kernel()}
 
 

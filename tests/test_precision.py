@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from runs import train
-from vit_finetune import precision
+from vit_finetune import precision, probe
 from vit_finetune.callbacks import Callback
 
 ONE_EPOCH = ["train.epochs=1"]
@@ -53,6 +53,39 @@ def test_a_precision_the_recipe_sets_is_kept_on_a_cpu_with_native_bfloat16(args,
     assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["mixed_precision"] == "no"
     said = capsys.readouterr()
     assert "train.mixed_precision=auto" not in said.out + said.err
+
+
+class ProbeForwardDtypes:
+    """The dtypes a Linear layer computes in during the probe's pass over the training images: the pass is wrapped
+    (head_inputs, as the run calls it), so training and evaluation forwards are not counted."""
+
+    def __init__(self):
+        self.dtypes: set[torch.dtype] = set()
+
+    def patch(self) -> tuple:
+        original = probe.head_inputs
+
+        def observed(model, loader, accelerator, mixed_precision):
+            layer = next(module for module in model.modules() if isinstance(module, torch.nn.Linear))
+            hook = layer.register_forward_hook(lambda _module, _inputs, output: self.dtypes.add(output.dtype))
+            try:
+                return original(model, loader, accelerator, mixed_precision)
+            finally:
+                hook.remove()
+
+        return probe, "head_inputs", observed
+
+
+@pytest.mark.parametrize("method, dtype, said", [("linear_probe", torch.float32, "float32"),
+                                                 ("lp_ft", torch.bfloat16, "bf16")])
+def test_the_probe_reads_float32_features_for_a_final_head_and_the_runs_precision_before_fine_tuning(
+        args, tmp_path, capsys, method, dtype, said):
+    seen = ProbeForwardDtypes()
+    code = train([*args, *ONE_EPOCH, f"train.method={method}", "train.mixed_precision=bf16",
+                  f"output_dir={tmp_path / 'out'}"], patches=[seen.patch()])
+    assert code == 0
+    assert seen.dtypes == {dtype}
+    assert f"(32 each, {said}) in" in capsys.readouterr().out
 
 
 def test_auto_is_the_default_and_resolves_per_device():

@@ -33,7 +33,7 @@ MEASURED_IMAGES_SEEN = (320, 9600)
 # datasets, at 960 LP-FT led on most) and in passes over the data. On mnist and Fashion-MNIST with 200 and 400 images
 # per class, 3 seeds each: at 0.4 and 0.48 epochs the probe led Fashion-MNIST by more than the noise (0.863 against
 # 0.837, 0.843 against 0.787) and tied mnist; from 0.6 epochs on LP-FT led mnist by 0.03-0.04 and stayed within noise
-# of the probe on Fashion-MNIST (-0.011 to +0.003), as on digits at 0.8. Between the measured points the boundary is
+# of the probe on Fashion-MNIST (-0.014 to +0.003), as on digits at 0.8. Between the measured points the boundary is
 # a choice: the probe, the cheaper arm that never moves the backbone, until the measured point where LP-FT led.
 PROBE_ALONE_BELOW_IMAGES_SEEN = 960
 PROBE_ALONE_BELOW_EPOCHS = 0.6

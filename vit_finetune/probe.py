@@ -57,11 +57,13 @@ class ProbeResult:
     folds: int
     feature_seconds: float
     fit_seconds: float
+    precision: str = "float32"  # what the features' forward pass computed in: float32, or the run's bf16
 
     def as_metrics(self) -> dict:
         """What metrics.json (and each checkpoint, for a resumed run's) says of the probe; its time is in run_info."""
         return {"images": self.images, "features": self.features, "c": self.c,
-                "cv_loss": None if math.isnan(self.cv_loss) else self.cv_loss, "folds": self.folds}
+                "cv_loss": None if math.isnan(self.cv_loss) else self.cv_loss, "folds": self.folds,
+                "precision": self.precision}
 
     @property
     def seconds(self) -> float:
@@ -70,8 +72,8 @@ class ProbeResult:
     def describe(self) -> str:
         cv = (f"C={self.c:.3g} chosen by {self.folds}-fold cross-validation (validation loss {self.cv_loss:.4f})"
               if self.folds else f"C={self.c:.3g} (too few images to cross-validate)")
-        return (f"linear probe: features of {self.images:,} training images ({self.features} each) in "
-                f"{self.feature_seconds:.1f} s; head fitted in {self.fit_seconds:.1f} s, {cv}")
+        return (f"linear probe: features of {self.images:,} training images ({self.features} each, {self.precision}) "
+                f"in {self.feature_seconds:.1f} s; head fitted in {self.fit_seconds:.1f} s, {cv}")
 
 
 # ---------------------------------------------------------------- features
@@ -83,14 +85,17 @@ def head_module(model: nn.Module) -> nn.Linear:
 
 
 @torch.no_grad()
-def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features, targets) of every image `loader` yields, in its order, on the CPU: the head's float32 input and the
-    labels (class ids, or 0/1 rows for label sets). Each process reads every image: the probe runs while the model is
-    being built, where no process may wait for another (the main process of each machine loads first).
+def head_inputs(model: nn.Module, loader, accelerator: Accelerator, mixed_precision: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features, targets) of every image `loader` yields, in its order, on the CPU: the head's input, as float32, and
+    the labels (class ids, or 0/1 rows for label sets). Each process reads every image: the probe runs while the model
+    is being built, where no process may wait for another (the main process of each machine loads first).
 
-    The forward pass is float32 whatever the run's mixed precision: a head fitted on bf16 features lost 1 to 4 of
-    300 eval images on 8 of 24 of the transfer study's probe cells and gained on none (docs/training.md), and the
-    probe reads each image once, so float32 costs little beside the training it saves."""
+    `mixed_precision`: the forward pass under the run's autocast (bf16 where it runs so), else float32. A head that
+    is the final model is fitted on float32 features: on bf16 ones it lost 1 to 4 of 300 eval images on 8 of 24 of
+    the transfer study's probe cells and gained on none. A head that fine-tuning goes on training (LP-FT) is not:
+    in bf16 the pass took a third of float32's time, and LP-FT's accuracy moved by nothing beyond its seeds' spread
+    (docs/training.md)."""
     captured: list[torch.Tensor] = []
     hook = head_module(model).register_forward_hook(lambda module, inputs, output: captured.append(inputs[0]))
     was_training = model.training
@@ -98,7 +103,7 @@ def head_inputs(model: nn.Module, loader, accelerator: Accelerator) -> tuple[tor
     features, targets = [], []
     try:
         for batch in loader:
-            with torch.autocast(accelerator.device.type, enabled=False):
+            with accelerator.autocast() if mixed_precision else torch.autocast(accelerator.device.type, enabled=False):
                 model(pixel_values=batch["pixel_values"].to(accelerator.device))
             features.append(captured.pop().float().cpu())
             targets.append(batch["labels"])
@@ -223,18 +228,19 @@ def set_heads(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> Non
             head.bias.copy_(bias)
 
 
-def probe(model: nn.Module, loader, accelerator: Accelerator, task: Task, class_weights: torch.Tensor | None = None
-          ) -> ProbeResult:
+def probe(model: nn.Module, loader, accelerator: Accelerator, task: Task, class_weights: torch.Tensor | None = None,
+          mixed_precision: bool = False) -> ProbeResult:
     """Fit the model's head for `task` on the frozen features of every image of `loader` (in a fixed order) and put
-    it into the model; the random generators are left as they were."""
+    it into the model; the random generators are left as they were. `mixed_precision`: see head_inputs."""
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[]):
-        features, labels = head_inputs(model, loader, accelerator)
+        features, labels = head_inputs(model, loader, accelerator, mixed_precision)
         extracted = time.perf_counter()
         weight, bias, c, cv_loss, folds = fit_head(features, labels, head_module(model).out_features, task,
                                                    None if class_weights is None else class_weights.cpu())
     set_heads(model, weight.to(head_module(model).weight.device), bias.to(head_module(model).bias.device))
     images = int(task.real(labels).sum())
+    precision = accelerator.mixed_precision if mixed_precision and accelerator.mixed_precision != "no" else "float32"
     return ProbeResult(images, features.shape[1], c, cv_loss, folds, extracted - started,
-                       time.perf_counter() - extracted)
+                       time.perf_counter() - extracted, precision)
 

@@ -213,7 +213,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     sampler, class_weights = (None, None) if streamed else task.balancing(recipe.data.class_balance, splits, seed)
     fitted = None
     if method.probes and not resuming:
-        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights)
+        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights,
+                                   fine_tuned_after=method.fine_tunes)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
@@ -252,16 +253,17 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
-                      task: tasks.Task, class_weights) -> probe.ProbeResult:
+                      task: tasks.Task, class_weights, fine_tuned_after: bool) -> probe.ProbeResult:
     """The linear probe: the head fitted on the frozen features of every training image, computed once in the
     split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
-    its cost. Without gradients a batch costs about a third of a training step's: four times the batch."""
+    its cost. Without gradients a batch costs about a third of a training step's: four times the batch. The features
+    are float32 where the head is the final model, in the run's precision where fine-tuning goes on (probe.head_inputs)."""
     images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
     loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
                               accelerator.device.type == "cuda")
     model.to(accelerator.device)
     result = probe.probe(model, display.passes(loader, "features", accelerator.is_main_process), accelerator, task,
-                         class_weights)
+                         class_weights, mixed_precision=fine_tuned_after)
     if accelerator.is_main_process:
         display.say(result.describe())
     return result
