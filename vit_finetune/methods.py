@@ -25,7 +25,7 @@ METHODS = {
 
 
 # Where the transfer study measured the methods (docs/training.md, "Transfer on a real base"): 10 to 400 training images
-# per class, and schedules of 20 to 600 steps of 16 images (0.5 to 32 epochs). Outside it, auto keeps to fine-tuning,
+# per class, and schedules of 20 to 600 steps of 16 images (0.4 to 32 epochs). Outside it, auto keeps to fine-tuning,
 # what every reference recipe does at scale: a probe's gain was measured on small data and short schedules only.
 MEASURED_IMAGES_PER_CLASS = (10, 400)
 MEASURED_IMAGES_SEEN = (320, 9600)
