@@ -257,7 +257,8 @@ def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Acc
     """The linear probe: the head fitted on the frozen features of every training image, computed once in the
     split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
     its cost. Without gradients a batch costs about a third of a training step's: four times the batch. The features
-    are float32 where the head is the final model, in the run's precision where fine-tuning goes on (probe.head_inputs)."""
+    are float32 where the head is the final model, in the run's precision where fine-tuning goes on
+    (probe.head_inputs)."""
     images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
     loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
                               accelerator.device.type == "cuda")
