@@ -24,6 +24,11 @@ METHODS = {
 }
 
 
+def fits_head_first(method: str) -> bool:
+    """Whether train.method fits the head by the linear probe before any step (an unresolved `auto`: not known, no)."""
+    return method != "auto" and METHODS[method].probes
+
+
 # Where the transfer study measured the methods (docs/training.md, "Transfer on a real base"): 10 to 400 training images
 # per class, and schedules of 20 to 600 steps of 16 images (0.4 to 32 epochs). Outside it, auto keeps to fine-tuning,
 # what every reference recipe does at scale: a probe's gain was measured on small data and short schedules only.

@@ -98,8 +98,9 @@ def learning_rates(recipe: Recipe) -> tuple[float, float]:
     """(train.lr, train.head_lr) with `auto` resolved (resolve_auto prints why)."""
     t = recipe.train
     lr = optim.auto_lr(recipe.model.lora is not None)[0] if t.lr == "auto" else t.lr
-    head_fitted = t.method != "auto" and methods.METHODS[t.method].probes
-    return lr, optim.auto_head_lr(t.optimizer, lr, head_fitted)[0] if t.head_lr == "auto" else t.head_lr
+    if t.head_lr != "auto":
+        return lr, t.head_lr
+    return lr, optim.auto_head_lr(t.optimizer, lr, methods.fits_head_first(t.method))[0]
 
 
 def warmup_steps(recipe: Recipe, total_steps: int) -> int:
@@ -107,7 +108,7 @@ def warmup_steps(recipe: Recipe, total_steps: int) -> int:
     t = recipe.train
     if t.warmup_steps != "auto":
         return t.warmup_steps
-    return optim.auto_warmup_steps(t.method != "auto" and methods.METHODS[t.method].probes, total_steps)[0]
+    return optim.auto_warmup_steps(methods.fits_head_first(t.method), total_steps)[0]
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
@@ -366,11 +367,11 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
     if recipe.train.head_lr == "auto":
         head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
-                                          head_fitted=methods.METHODS[recipe.train.method].probes)
+                                          head_fitted=methods.fits_head_first(recipe.train.method))
         said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
     if recipe.train.warmup_steps == "auto":
-        warmup, why = optim.auto_warmup_steps(methods.METHODS[recipe.train.method].probes, size.total_steps)
+        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps)
         said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
     if recipe.train.eval_every_steps == "auto":
