@@ -20,7 +20,7 @@ from transformers import pipeline
 
 from runs import SimulatedKill, assert_bit_identical, history, kill_at, train, warm_launch_command
 from tiny import REPO
-from vit_finetune import evaluation, methods, optim, probe
+from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import SingleLabel
@@ -187,10 +187,12 @@ def test_lp_ft_killed_after_a_checkpoint_and_resumed_equals_the_uninterrupted_ru
     out = tmp_path / "out"
     with pytest.raises(SimulatedKill):
         train([*run, f"output_dir={out}"], callbacks=[kill_at(7)])
-    assert train([*run, f"output_dir={out}", "train.resume=auto"]) == 0  # the probe is not run again
+    # The probe runs again on resume, for WiSE-FT's average (train.wise_ft_alpha=auto): the same head, deterministic.
+    assert train([*run, f"output_dir={out}", "train.resume=auto"]) == 0
     assert history(out) == history(reference)
     assert_bit_identical(out / "model.safetensors", reference / "model.safetensors")
     assert metrics_of(out)["probe"] == metrics_of(reference)["probe"]
+    assert metrics_of(out)["wise_ft_alpha"] == metrics_of(reference)["wise_ft_alpha"] == wise_ft.AUTO_ALPHA
 
 
 def test_lp_ft_with_lora_saves_the_probe_head_beside_the_adapter(probed, args, tmp_path):

@@ -81,4 +81,9 @@ def card_text(method: str, metrics: dict, tuning: str) -> str:
     probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features of "
                   f"{probe.get('images', 0):,} training images, C={probe.get('c', float('nan')):.3g}"
                   + (f" chosen by {probe['folds']}-fold cross-validation)" if probe.get("folds") else ")"))
-    return probe_text if method == "linear_probe" else f"{probe_text}, then {tuning} from that head"
+    if method == "linear_probe":
+        return probe_text
+    alpha = metrics.get("wise_ft_alpha")
+    averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model (WiSE-FT)"
+                if alpha is not None else "")
+    return f"{probe_text}, then {tuning} from that head{averaged}"

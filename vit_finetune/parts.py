@@ -41,3 +41,4 @@ class Parts:
     teacher_cache: TeacherLogitsCache | None = None  # train.distill.cache_logits: its logits of every training image
     probe: ProbeResult | None = None  # train.method linear_probe / lp_ft: how the head was fitted (None on a resume)
     data_facts: dict = field(default_factory=dict)  # what metrics.json records of the training split (data.training_facts)
+    wise_ft_start: dict | None = None  # train.wise_ft_alpha < 1: the probe's model, which the final weights move toward

@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
-from . import layout, publish, run_outputs, student, tracking
+from . import layout, publish, run_outputs, student, tracking, wise_ft
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -168,7 +168,7 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> Parts:
     """Data, model (its head fitted by the linear probe first when the method says so, unless `resuming`: the
-    checkpoint holds the head then), loaders, optimiser and schedule, with every `auto` of the recipe resolved."""
+    checkpoint holds the head then, and the probe runs again only for WiSE-FT), loaders, optimiser and schedule, with every `auto` of the recipe resolved."""
     streamed = recipe.data.streaming
     if streamed:
         splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
@@ -212,10 +212,15 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
         workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
     pin = accelerator.device.type == "cuda"
     sampler, class_weights = (None, None) if streamed else task.balancing(recipe.data.class_balance, splits, seed)
-    fitted = None
-    if method.probes and not resuming:
+    fitted = wise_ft_start = None
+    # A resumed run fits the probe again only for WiSE-FT's average: its model is the start the average goes back to,
+    # and the probe, deterministic, gives the same head as before the stop.
+    averages = method.fine_tunes and as_run.train.wise_ft_alpha < 1
+    if method.probes and (averages or not resuming):
         fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights,
                                    fine_tuned_after=method.fine_tunes)
+    if method.probes and averages:
+        wise_ft_start = wise_ft.snapshot(model)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and vit.has_distillation_token(model):
@@ -250,7 +255,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
                  augment=batch_augmenter, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
                  recipe_as_run=as_run, eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
                  class_weights=None if class_weights is None else class_weights.to(accelerator.device),
-                 teacher=teacher, probe=fitted, data_facts=data_facts)
+                 teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start)
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
@@ -374,6 +379,10 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps)
         said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
+    if recipe.train.wise_ft_alpha == "auto":
+        alpha, why = wise_ft.auto_alpha(recipe.train.method, wise_ft_unmeasured(recipe, accelerator, task))
+        said["train.wise_ft_alpha"] = f"train.wise_ft_alpha=auto -> {alpha:g}: {why}; set train.wise_ft_alpha to choose"
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"wise_ft_alpha": alpha})})
     if recipe.train.eval_every_steps == "auto":
         every, why = evaluation.auto_eval_every_steps(size.eval_images, size.training_images, size.steps_per_epoch,
                                                       size.total_steps, weight_selection(recipe))
@@ -385,7 +394,33 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
     if accelerator.is_main_process:
         for line in said.values():
             display.say(line)
+    refuse_wise_ft(recipe, accelerator)  # after the lines above, which say what auto chose
     return recipe
+
+
+def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Task) -> str | None:
+    """A setting of this run that WiSE-FT's average was not measured with (train.wise_ft_alpha=auto keeps 1), if any."""
+    if task.name != "single_label":
+        return f"{task.name.replace('_', '-')} labels"
+    chosen = needs_optimiser_steps(recipe) or weight_selection(recipe)
+    if chosen:
+        return chosen
+    return "sharded weights" if sharding.is_sharded(accelerator) else None
+
+
+def refuse_wise_ft(recipe: Recipe, accelerator: Accelerator) -> None:
+    """A train.wise_ft_alpha below 1 that this run cannot honour, known only once auto chose the method or the
+    launch chose sharding (the recipe's own contradictions were refused when it was read)."""
+    alpha = recipe.train.wise_ft_alpha
+    if alpha == 1 or recipe.train.method == "linear_probe":  # the probe alone: nothing fine-tuned to average
+        return
+    if recipe.train.method == "finetune":
+        raise RunError(f"train.wise_ft_alpha={alpha:g} averages the fine-tuned weights with the probe's model, but "
+                       "train.method=auto chose finetune for this run (its line above says why), which fits no "
+                       "probe; set train.method=lp_ft, or train.wise_ft_alpha=auto")
+    if sharding.is_sharded(accelerator):
+        raise RunError(f"train.wise_ft_alpha={alpha:g} averages whole weights, which a sharded run splits across its "
+                       "processes; set train.wise_ft_alpha=auto, or launch without FSDP")
 
 
 def needs_optimiser_steps(recipe: Recipe) -> str | None:
@@ -557,6 +592,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     started = time.perf_counter()
     loop.train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
+    alpha = average_with_probe(parts, accelerator)
     # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
     final = None if state.stopped_early else loop.evaluate(training, hooks)
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
@@ -564,6 +600,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
                    **parts.data_facts)
+    if alpha is not None:
+        metrics["wise_ft_alpha"] = alpha
     if state.probe is not None:
         metrics["probe"] = state.probe
     if parts.teacher is not None:
@@ -594,6 +632,19 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     accelerator.end_training()
     let_gloo_threads_settle(accelerator)
     return metrics
+
+
+def average_with_probe(parts: Parts, accelerator: Accelerator) -> float | None:
+    """WiSE-FT: the fine-tuned weights moved toward the probe's model (wise_ft.py), before the final evaluation;
+    its alpha, or None where the run keeps its fine-tuned weights."""
+    if parts.wise_ft_start is None:
+        return None
+    alpha = parts.recipe_as_run.train.wise_ft_alpha
+    wise_ft.interpolate(accelerator.unwrap_model(parts.model, keep_torch_compile=False), parts.wise_ft_start, alpha)
+    parts.wise_ft_start = None  # the copy is spent
+    if accelerator.is_main_process:
+        display.say(f"WiSE-FT: the saved weights are {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model")
+    return alpha
 
 
 def device_name(device: torch.device) -> str:

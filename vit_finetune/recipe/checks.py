@@ -99,6 +99,7 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.train.distill is not None and recipe.train.distill.cache_logits:
         problems.extend(_cache_logits_problems(recipe))
     problems.extend(_method_problems(recipe))
+    problems.extend(_wise_ft_problems(recipe))
     warmup = recipe.train.warmup_steps
     if isinstance(warmup, int) and warmup and recipe.train.max_steps and warmup >= recipe.train.max_steps:
         problems.append(
@@ -160,6 +161,28 @@ def _method_problems(recipe: Recipe) -> list[str]:
                         "would never be used; turn them off, or use train.method=lp_ft (the fine-tuning after the "
                         "probe uses them)")
     return problems
+
+
+def _wise_ft_problems(recipe: Recipe) -> list[str]:
+    """What a train.wise_ft_alpha below 1 (averaging with the probe's model) cannot be combined with."""
+    t = recipe.train
+    alpha = t.wise_ft_alpha
+    if alpha == "auto" or alpha == 1:
+        return []
+    given = f"train.wise_ft_alpha={alpha:g} averages the fine-tuned weights with the probe's model"
+    if t.method in ("finetune", "linear_probe"):
+        fits = "fits no probe" if t.method == "finetune" else "fine-tunes nothing"
+        return [f"{given}, and train.method={t.method} {fits}; use train.method=lp_ft (or auto), or "
+                "train.wise_ft_alpha=auto"]
+    chosen = {"model.lora": recipe.model.lora, "train.distill": t.distill, "train.keep_best": t.keep_best,
+              "train.early_stopping_patience": t.early_stopping_patience, "train.ema_decay": t.ema_decay}
+    clashes = [key for key, value in chosen.items() if value is not None]
+    if clashes:
+        return [f"{given}, which is built for full fine-tuning that saves its last weights, not with "
+                f"{', '.join(clashes)} (LoRA's adapters and a distillation head have no counterpart in the probe's "
+                f"model; the weight selections choose among evaluations of other weights); remove them, or set "
+                "train.wise_ft_alpha=auto"]
+    return []
 
 
 # What makes a training image's pixels differ from epoch to epoch (a random draw per image or per batch): each key,

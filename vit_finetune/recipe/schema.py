@@ -301,6 +301,10 @@ class TrainSettings(Strict):
     head_lr: Float | Literal["auto"] = Field("auto", description=(
         "peak lr of the new classifier head (it starts from nothing, the backbone from pretraining); auto: "
         "optim.auto_head_lr, printed with its reason (AdamW: at least 2e-3; SGD: train.lr)"))
+    wise_ft_alpha: Float | Literal["auto"] = Field("auto", description=(
+        "after train.method=lp_ft the saved weights are alpha x the fine-tuned ones + (1 - alpha) x the probe's "
+        "model (WiSE-FT), in (0, 1]; 1 keeps the fine-tuned weights; auto: wise_ft.auto_alpha, 0.75 after LP-FT "
+        "where that was measured, else 1, printed with its reason"))
 
     @field_validator("lr", "head_lr", mode="before")
     @classmethod
@@ -313,6 +317,22 @@ class TrainSettings(Strict):
                 return float(value)  # YAML 1.1 reads 1e-4 as a string
             except ValueError:
                 raise ValueError(f"must be a number or auto, got {value!r}; e.g. 2e-5") from None
+        return value
+
+    @field_validator("wise_ft_alpha", mode="before")
+    @classmethod
+    def _alpha_number_or_auto(cls, value):
+        """A number in (0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
+        if isinstance(value, str) and value != "auto":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"must be a number in (0, 1] or auto, got {value!r}; e.g. 0.75") from None
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
+                             "0 would be the probe alone (train.method=linear_probe); e.g. 0.75")
         return value
 
     # Beyond 1e6 the lr overflows inside the optimiser.

@@ -1,0 +1,128 @@
+"""train.wise_ft_alpha: after LP-FT the saved weights are averaged with the probe's model (WiSE-FT).
+
+Through the real CLI on the tests' tiny ViT and colour folders, and on the average's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch import nn
+
+from runs import train
+from vit_finetune import wise_ft
+from vit_finetune.recipe import load_recipe
+
+
+def metrics_of(output: Path) -> dict:
+    return json.loads((output / "metrics.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def probe_model(args, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The probe's model: what a linear_probe run saves (the base's backbone, the fitted head) is where LP-FT starts."""
+    out = tmp_path_factory.mktemp("probe") / "out"
+    assert train([*args, "train.method=linear_probe", f"output_dir={out}"]) == 0
+    return load_file(str(out / "model.safetensors"))
+
+
+def test_the_saved_model_is_alpha_times_the_fine_tuned_one_plus_the_rest_of_the_probes(args, probe_model, tmp_path,
+                                                                                          capsys):
+    saved = {}
+    for alpha in ("1", "0.5", "auto"):
+        out = tmp_path / f"alpha-{alpha}"
+        assert train([*args, "train.method=lp_ft", f"train.wise_ft_alpha={alpha}", f"output_dir={out}"]) == 0
+        saved[alpha] = load_file(str(out / "model.safetensors"))
+    said = capsys.readouterr().out
+    assert f"train.wise_ft_alpha=auto -> {wise_ft.AUTO_ALPHA:g}: after LP-FT" in said
+    fine_tuned = saved["1"]  # the same seed: the same fine-tuning, then averaged or not
+    moved = [name for name in fine_tuned if not torch.equal(fine_tuned[name], probe_model[name])]
+    assert "classifier.weight" in moved and len(moved) > len(fine_tuned) // 2  # the backbone moved too
+    for alpha, key in ((0.5, "0.5"), (wise_ft.AUTO_ALPHA, "auto")):
+        for name in fine_tuned:
+            torch.testing.assert_close(saved[key][name], alpha * fine_tuned[name] + (1 - alpha) * probe_model[name])
+    # Written as run, and said in metrics.json and the card; a run that keeps its weights says nothing of an average.
+    out = tmp_path / "alpha-auto"
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["wise_ft_alpha"] == wise_ft.AUTO_ALPHA
+    assert metrics_of(out)["wise_ft_alpha"] == wise_ft.AUTO_ALPHA
+    assert "x the probe's model (WiSE-FT)" in (out / "README.md").read_text()
+    assert "wise_ft_alpha" not in metrics_of(tmp_path / "alpha-1")
+    assert "WiSE-FT" not in (tmp_path / "alpha-1" / "README.md").read_text()
+
+
+def test_the_final_evaluation_measures_the_averaged_weights(args, tmp_path):
+    """The evaluation after the last step differs from the one of the same step's fine-tuned weights; the one during
+    training (every epoch here) saw the fine-tuned weights."""
+    evaluations = {}
+    for alpha in ("1", "0.5"):
+        out = tmp_path / f"alpha-{alpha}"
+        assert train([*args, "train.method=lp_ft", f"train.wise_ft_alpha={alpha}", f"output_dir={out}"]) == 0
+        history = json.loads((out / "history.json").read_text())
+        evaluations[alpha] = [entry["eval_loss"] for entry in history if "eval_loss" in entry]
+    assert evaluations["1"][:-1] == evaluations["0.5"][:-1]  # during training: the same weights
+    assert evaluations["1"][-1] != evaluations["0.5"][-1]
+    assert metrics_of(tmp_path / "alpha-0.5")["eval_loss"] == evaluations["0.5"][-1]
+
+
+def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(args, tmp_path, capsys):
+    out = tmp_path / "best"
+    assert train([*args, "train.method=lp_ft", "train.keep_best=eval_accuracy", f"output_dir={out}"]) == 0
+    assert ("train.wise_ft_alpha=auto -> 1: the average was measured on full fine-tuning of single-label classifiers, "
+            "not with train.keep_best=eval_accuracy") in capsys.readouterr().out
+    assert "wise_ft_alpha" not in metrics_of(out)
+    assert wise_ft.auto_alpha("lp_ft", None)[0] == wise_ft.AUTO_ALPHA
+    assert wise_ft.auto_alpha("lp_ft", "model.lora")[0] == 1.0
+    assert wise_ft.auto_alpha("finetune", None)[0] == 1.0  # a new head: no probe's model to go back to
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["train.method=finetune"], "train.method=finetune fits no probe"),
+    (["train.method=linear_probe"], "train.method=linear_probe fine-tunes nothing"),
+    (["train.method=lp_ft", "model.lora={r: 2}"], "not with model.lora"),
+    (["train.method=lp_ft", "train.keep_best=eval_loss"], "not with train.keep_best"),
+])
+def test_an_average_the_run_cannot_make_is_refused_before_anything_is_written(args, tmp_path, capsys, overrides, says):
+    assert train([*args, *overrides, "train.wise_ft_alpha=0.5", f"output_dir={tmp_path}/out"]) == 2
+    error = capsys.readouterr().err
+    assert "train.wise_ft_alpha=0.5 averages the fine-tuned weights with the probe's model" in error and says in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_average_with_a_method_auto_did_not_choose_lp_ft_for_is_refused_before_training(args, tmp_path, capsys):
+    # model.pretrained=false: auto fine-tunes (random features are not worth probing), so there is no probe's model.
+    out = tmp_path / "out"
+    code = train([*args, "train.method=auto", "model.pretrained=false", "train.wise_ft_alpha=0.5", f"output_dir={out}"])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "train.method=auto -> finetune" in captured.out
+    assert "train.method=auto chose finetune for this run" in captured.err
+    assert not (out / "model.safetensors").exists() and "train step" not in captured.out
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "true", "half"])
+def test_an_alpha_outside_zero_to_one_is_refused_with_the_range(value):
+    with pytest.raises(Exception, match=r"train.wise_ft_alpha[\s\S]*must be a number in \(0, 1\] or auto"):
+        load_recipe(None, [f"train.wise_ft_alpha={value}"])
+
+
+def test_interpolate_moves_each_floating_weight_and_only_those_the_start_holds():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    start = wise_ft.snapshot(model)
+    assert "1.num_batches_tracked" not in start  # an integer count is no weight to average
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(1.0)
+    fine_tuned = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    wise_ft.interpolate(model, start, 0.25)
+    for name, tensor in model.state_dict().items():
+        expected = 0.25 * fine_tuned[name] + 0.75 * start[name] if name in start else fine_tuned[name]
+        torch.testing.assert_close(tensor, expected)
+    assert torch.allclose(model[0].weight, start["0.weight"] + 0.25)  # the parameter itself moved, not a copy
+    with pytest.raises(ValueError, match="the probe's model has weights the fine-tuned one lacks: extra"):
+        wise_ft.interpolate(model, {**start, "extra": torch.zeros(1)}, 0.5)
