@@ -135,6 +135,9 @@ OPTIONS = {
     "lp_ft_warmup6": ["train.method=lp_ft", "train.warmup_steps=6"],
     "lp_ft_warmup20": ["train.method=lp_ft", "train.warmup_steps=20"],
     "lp_ft_warmup10pct": ["train.method=lp_ft", "train.warmup_steps={warmup}"],
+    # WiSE-FT's alpha (train.wise_ft_alpha=auto is 0.75 after LP-FT): 1 keeps the fine-tuned weights, as lp_ft did
+    # before the average; lp_ft rows recorded then are read back as lp_ft_wise1 (NO_AVERAGE_ROWS).
+    **{f"lp_ft_wise{alpha}": ["train.method=lp_ft", f"train.wise_ft_alpha={alpha}"] for alpha in ("1", "0.5", "0.25")},
     "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
     "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,
@@ -238,6 +241,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
             "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
             "mixed_precision_used": resolved["train"]["mixed_precision"],
             "warmup_steps_used": resolved["train"]["warmup_steps"],
+            "wise_ft_alpha_used": resolved["train"]["wise_ft_alpha"],
             "probe_precision_used": (metrics.get("probe") or {}).get("precision"),
             "adamw_kernel": adamw_kernel()}
 
@@ -290,6 +294,9 @@ FLOAT32_ROWS = "_fp32"
 # warmup_steps_used. lp_ft_warmup10pct rows ran the same settings as lp_ft does today (a tenth of the steps, bf16) and
 # are read back as lp_ft: the two gave the same accuracy to the last digit where both were run.
 NO_WARMUP_ROWS = "lp_ft_no_warmup"
+# An lp_ft row with a warm-up recorded before train.wise_ft_alpha=auto kept its fine-tuned weights: read back as
+# lp_ft_wise1. Rows since record wise_ft_alpha_used.
+NO_AVERAGE_ROWS = "lp_ft_wise1"
 SAME_AS_LP_FT = "lp_ft_warmup10pct"
 
 
@@ -307,6 +314,8 @@ def read_results(root: Path) -> list[dict]:
             run["option"] += FLOAT32_ROWS
         elif run["option"] == "lp_ft" and "warmup_steps_used" not in run:
             run["option"] = NO_WARMUP_ROWS
+        elif run["option"] == "lp_ft" and "wise_ft_alpha_used" not in run:
+            run["option"] = NO_AVERAGE_ROWS
         elif run["option"] == SAME_AS_LP_FT:
             run["option"] = "lp_ft"
         latest[result_key(run)] = run
@@ -380,7 +389,8 @@ def tables(results: list[dict]) -> str:
     return "\n".join(out)
 
 
-ARMS = {"linear_probe": "linear probe", "lp_ft": "LP-FT", "finetune": "fine-tune", "peer": "peer"}
+ARMS = {"linear_probe": "linear probe", "lp_ft": "LP-FT", "lp_ft_wise1": "LP-FT unaveraged", "finetune": "fine-tune",
+        "peer": "peer"}
 
 
 def chosen_method(name: str, per_class: int, steps: int) -> str:
