@@ -78,6 +78,9 @@ def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(ar
     assert wise_ft.auto_alpha("lp_ft", None)[0] == wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", "model.lora")[0] == 1.0
     assert wise_ft.auto_alpha("finetune", None)[0] == 1.0  # a new head: no probe's model to go back to
+    # A sharded run splits the weights across its processes: refused when it asks for an average, known at launch.
+    assert "launch without FSDP" in wise_ft.refusal("lp_ft", 0.5, sharded=True)
+    assert wise_ft.refusal("lp_ft", 0.5, sharded=False) is None and wise_ft.refusal("lp_ft", 1.0, sharded=True) is None
 
 
 @pytest.mark.parametrize("overrides, says", [

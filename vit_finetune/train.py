@@ -394,7 +394,10 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
     if accelerator.is_main_process:
         for line in said.values():
             display.say(line)
-    refuse_wise_ft(recipe, accelerator)  # after the lines above, which say what auto chose
+    # After the lines above, which say what auto chose.
+    refused = wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharding.is_sharded(accelerator))
+    if refused:
+        raise RunError(refused)
     return recipe
 
 
@@ -406,21 +409,6 @@ def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Tas
     if chosen:
         return chosen
     return "sharded weights" if sharding.is_sharded(accelerator) else None
-
-
-def refuse_wise_ft(recipe: Recipe, accelerator: Accelerator) -> None:
-    """A train.wise_ft_alpha below 1 that this run cannot honour, known only once auto chose the method or the
-    launch chose sharding (the recipe's own contradictions were refused when it was read)."""
-    alpha = recipe.train.wise_ft_alpha
-    if alpha == 1 or recipe.train.method == "linear_probe":  # the probe alone: nothing fine-tuned to average
-        return
-    if recipe.train.method == "finetune":
-        raise RunError(f"train.wise_ft_alpha={alpha:g} averages the fine-tuned weights with the probe's model, but "
-                       "train.method=auto chose finetune for this run (its line above says why), which fits no "
-                       "probe; set train.method=lp_ft, or train.wise_ft_alpha=auto")
-    if sharding.is_sharded(accelerator):
-        raise RunError(f"train.wise_ft_alpha={alpha:g} averages whole weights, which a sharded run splits across its "
-                       "processes; set train.wise_ft_alpha=auto, or launch without FSDP")
 
 
 def needs_optimiser_steps(recipe: Recipe) -> str | None:

@@ -35,6 +35,21 @@ def auto_alpha(method: str, unmeasured: str | None) -> tuple[float, str]:
                         "model (WiSE-FT) kept LP-FT's gains and came closer to the probe where the probe alone led")
 
 
+def refusal(method: str, alpha: float, sharded: bool) -> str | None:
+    """Why this run cannot honour an alpha below 1, known only once auto chose the method or the launch chose
+    sharding (the recipe's own contradictions are refused when it is read), or None."""
+    if alpha == 1 or method == "linear_probe":  # the probe alone: nothing fine-tuned to average
+        return None
+    if method == "finetune":
+        return (f"train.wise_ft_alpha={alpha:g} averages the fine-tuned weights with the probe's model, but "
+                "train.method=auto chose finetune for this run (its line above says why), which fits no probe; set "
+                "train.method=lp_ft, or train.wise_ft_alpha=auto")
+    if sharded:
+        return (f"train.wise_ft_alpha={alpha:g} averages whole weights, which a sharded run splits across its "
+                "processes; set train.wise_ft_alpha=auto, or launch without FSDP")
+    return None
+
+
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of the model's floating-point weights and buffers: the start the average goes back toward."""
     return {name: tensor.detach().to("cpu", copy=True) for name, tensor in model.state_dict().items()
