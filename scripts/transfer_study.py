@@ -291,11 +291,11 @@ OUTDATED = "training_resize"
 # the float32 option (<method>_fp32), beside which the bf16 rows are compared; rows since record mixed_precision_used.
 FLOAT32_ROWS = "_fp32"
 # An lp_ft row recorded before train.warmup_steps=auto ran no warm-up: read back as lp_ft_no_warmup. Rows since record
-# warmup_steps_used. lp_ft_warmup10pct rows ran the same settings as lp_ft does today (a tenth of the steps, bf16) and
-# are read back as lp_ft: the two gave the same accuracy to the last digit where both were run.
+# warmup_steps_used. lp_ft_warmup10pct rows ran the same settings as lp_ft did then (a tenth of the steps, bf16) and
+# are read back as it (lp_ft_wise1, below): the two gave the same accuracy to the last digit where both were run.
 NO_WARMUP_ROWS = "lp_ft_no_warmup"
 # An lp_ft row with a warm-up recorded before train.wise_ft_alpha=auto kept its fine-tuned weights: read back as
-# lp_ft_wise1. Rows since record wise_ft_alpha_used.
+# lp_ft_wise1, as are the lp_ft_warmup10pct rows. Rows since record wise_ft_alpha_used.
 NO_AVERAGE_ROWS = "lp_ft_wise1"
 SAME_AS_LP_FT = "lp_ft_warmup10pct"
 
@@ -317,7 +317,7 @@ def read_results(root: Path) -> list[dict]:
         elif run["option"] == "lp_ft" and "wise_ft_alpha_used" not in run:
             run["option"] = NO_AVERAGE_ROWS
         elif run["option"] == SAME_AS_LP_FT:
-            run["option"] = "lp_ft"
+            run["option"] = NO_AVERAGE_ROWS
         latest[result_key(run)] = run
     return list(latest.values())
 
