@@ -168,7 +168,8 @@ def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
 
 def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> Parts:
     """Data, model (its head fitted by the linear probe first when the method says so, unless `resuming`: the
-    checkpoint holds the head then, and the probe runs again only for WiSE-FT), loaders, optimiser and schedule, with every `auto` of the recipe resolved."""
+    checkpoint holds the head then, and the probe runs again only for WiSE-FT), loaders, optimiser and schedule,
+    with every `auto` of the recipe resolved."""
     streamed = recipe.data.streaming
     if streamed:
         splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
