@@ -17,6 +17,7 @@ from torch import nn
 from runs import train
 from vit_finetune import wise_ft
 from vit_finetune.recipe import load_recipe
+from vit_finetune.tasks import MultiLabel, SingleLabel
 
 
 def metrics_of(output: Path) -> dict:
@@ -78,6 +79,8 @@ def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(ar
     assert wise_ft.auto_alpha("lp_ft", None)[0] == wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", "model.lora")[0] == 1.0
     assert wise_ft.auto_alpha("finetune", None)[0] == 1.0  # a new head: no probe's model to go back to
+    # Measured on single-label classifiers only: label sets keep their fine-tuned weights under auto.
+    assert [task.wise_ft_measured for task in (SingleLabel, MultiLabel)] == [True, False]
     # A sharded run splits the weights across its processes: refused when it asks for an average, known at launch.
     assert "launch without FSDP" in wise_ft.refusal("lp_ft", 0.5, sharded=True)
     assert wise_ft.refusal("lp_ft", 0.5, sharded=False) is None and wise_ft.refusal("lp_ft", 1.0, sharded=True) is None

@@ -404,7 +404,7 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
 
 def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Task) -> str | None:
     """A setting of this run that WiSE-FT's average was not measured with (train.wise_ft_alpha=auto keeps 1), if any."""
-    if task.name != "single_label":
+    if not task.wise_ft_measured:
         return f"{task.name.replace('_', '-')} labels"
     chosen = needs_optimiser_steps(recipe) or weight_selection(recipe)
     if chosen:

@@ -35,6 +35,8 @@ class Task:
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
     probe_fits: ClassVar[bool] = True  # whether train.method's linear probe can fit this task's head
+    # whether train.wise_ft_alpha=auto averages LP-FT's weights with the probe's model: where the average was measured
+    wise_ft_measured: ClassVar[bool] = False
     # whether distillation serves it: a teacher of this task teaches a student of it by its top class or softmax
     distills: ClassVar[bool] = False
 

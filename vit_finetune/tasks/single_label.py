@@ -20,6 +20,7 @@ class SingleLabel(Task):
     metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
     curve = ("eval_accuracy", "Eval accuracy", (0, 1))
     distills = True
+    wise_ft_measured = True
 
     def real(self, labels):
         return labels != SKIPPED
