@@ -216,11 +216,11 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     fitted = wise_ft_start = None
     # A resumed run fits the probe again only for WiSE-FT's average: its model is the start the average goes back to,
     # and the probe, deterministic, gives the same head as before the stop.
-    averages = method.fine_tunes and as_run.train.wise_ft_alpha < 1
+    averages = method.probes and method.fine_tunes and as_run.train.wise_ft_alpha < 1
     if method.probes and (averages or not resuming):
         fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights,
                                    fine_tuned_after=method.fine_tunes)
-    if method.probes and averages:
+    if averages:
         wise_ft_start = wise_ft.snapshot(model)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
