@@ -297,6 +297,9 @@ NO_WARMUP_ROWS = "lp_ft_no_warmup"
 # An lp_ft row with a warm-up recorded before train.wise_ft_alpha=auto kept its fine-tuned weights: read back as
 # lp_ft_wise1, as are the lp_ft_warmup10pct rows. Rows since record wise_ft_alpha_used.
 NO_AVERAGE_ROWS = "lp_ft_wise1"
+# The LP-FT column is LP-FT averaged at 0.75 (train.wise_ft_alpha=auto from 0.6 epochs on); an lp_ft row whose auto
+# chose another alpha (0.5 under 0.6 epochs) is read back under that alpha's option.
+LP_FT_ALPHA = 0.75
 SAME_AS_LP_FT = "lp_ft_warmup10pct"
 
 
@@ -316,6 +319,8 @@ def read_results(root: Path) -> list[dict]:
             run["option"] = NO_WARMUP_ROWS
         elif run["option"] == "lp_ft" and "wise_ft_alpha_used" not in run:
             run["option"] = NO_AVERAGE_ROWS
+        elif run["option"] == "lp_ft" and run["wise_ft_alpha_used"] != LP_FT_ALPHA:
+            run["option"] = f"lp_ft_wise{run['wise_ft_alpha_used']:g}"  # auto's alpha for a short schedule
         elif run["option"] == SAME_AS_LP_FT:
             run["option"] = NO_AVERAGE_ROWS
         latest[result_key(run)] = run
@@ -391,15 +396,22 @@ def tables(results: list[dict]) -> str:
 
 ARMS = {"linear_probe": "linear probe", "lp_ft": "LP-FT", "lp_ft_wise1": "LP-FT unaveraged", "finetune": "fine-tune",
         "peer": "peer"}
+# What the defaults may run that has no column of its own: LP-FT averaged halfway (auto's alpha under 0.6 epochs).
+CHOSEN_ONLY = {"lp_ft_wise0.5": "LP-FT, 0.5 average"}
 
 
-def chosen_method(name: str, per_class: int, steps: int) -> str:
-    """What train.method=auto runs for this cell: the toolkit's own rule, given the cell's numbers."""
+def chosen_arm(name: str, per_class: int, steps: int) -> str:
+    """What train.method=auto and train.wise_ft_alpha=auto run for this cell, as the option whose rows hold it: the
+    toolkit's own rules, given the cell's numbers (a single-label classifier, fully fine-tuned, its last weights)."""
     from vit_finetune.methods import auto_method
+    from vit_finetune.wise_ft import auto_alpha
 
     classes = len(DATASETS[name].classes)
     seen = steps * BATCH
-    return auto_method(per_class, seen, seen / (per_class * classes), pretrained=True, streaming=False)[0]
+    epochs = seen / (per_class * classes)
+    method = auto_method(per_class, seen, epochs, pretrained=True, streaming=False, averages=True)[0]
+    alpha = auto_alpha(method, None, epochs)[0]
+    return method if method != "lp_ft" or alpha == LP_FT_ALPHA else f"lp_ft_wise{alpha:g}"
 
 
 def noise(best: list[float], defaults: list[float], eval_images: int) -> float:
@@ -423,10 +435,10 @@ def choice_table(results: list[dict], size: int = 56, compact: bool = False) -> 
     trained = sorted({(r["per_class"], r["steps"]) for r in results if r["steps"] and r["size"] == size})
     for per_class, steps in trained:
         for name in DATASETS:
+            chosen = chosen_arm(name, per_class, steps)
             runs = {arm: [r for r in results if r["option"] == arm and r["dataset"] == name and r["size"] == size
                           and r["per_class"] == per_class and r["steps"] in ((0,) if arm == "linear_probe" else (steps,))
-                          and r["lr"] is None] for arm in ARMS}
-            chosen = chosen_method(name, per_class, steps)
+                          and r["lr"] is None] for arm in dict.fromkeys([*ARMS, chosen])}
             if not runs.get(chosen) or sum(bool(v) for v in runs.values()) < 2:
                 continue  # a cell needs what the defaults ran and another arm beside it
             accuracy = {arm: [r["accuracy"] for r in rs] for arm, rs in runs.items() if rs}
@@ -439,7 +451,8 @@ def choice_table(results: list[dict], size: int = 56, compact: bool = False) -> 
                        else f"**no** ({difference})")
             cells = [(f"**{shown(accuracy[arm])}**" if arm == best else shown(accuracy[arm])) if arm in accuracy
                      else "–" for arm in ARMS]
-            row = [f"{per_class}, {steps}", name, f"{shown(accuracy[chosen])} ({ARMS[chosen]})", *cells, verdict]
+            label = {**ARMS, **CHOSEN_ONLY}[chosen]
+            row = [f"{per_class}, {steps}", name, f"{shown(accuracy[chosen])} ({label})", *cells, verdict]
             if not compact:
                 row.append(" / ".join(f"{statistics.mean(r['cpu_seconds'] for r in runs[arm]):.0f}"
                                       if runs[arm] and all("cpu_seconds" in r for r in runs[arm]) else "–"

@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from accelerate import Accelerator
 from safetensors.torch import load_file
 from transformers import pipeline
 
@@ -24,6 +25,7 @@ from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import SingleLabel
+from vit_finetune.train import RunSize, resolve_auto
 
 HEAD = ("classifier.weight", "classifier.bias")
 
@@ -248,7 +250,7 @@ def test_a_probe_refuses_a_stream(method):
 def test_auto_is_conservative_outside_what_was_measured():
     low, high = methods.MEASURED_IMAGES_PER_CLASS
     shortest, longest = methods.MEASURED_IMAGES_SEEN
-    few_seen, few_epochs = methods.PROBE_ALONE_BELOW_IMAGES_SEEN, methods.PROBE_ALONE_BELOW_EPOCHS
+    few_seen, few_epochs = methods.PROBE_ALONE_BELOW_IMAGES_SEEN, methods.SHORT_BELOW_EPOCHS
 
     def auto(per_class: float, seen: int, **options) -> tuple[str, str]:
         return methods.auto_method(per_class, seen, seen / (per_class * 10), **{"pretrained": True, "streaming": False,
@@ -260,17 +262,47 @@ def test_auto_is_conservative_outside_what_was_measured():
     assert auto(low, few_seen)[0] == "lp_ft" and auto(high, int(high * 10 * few_epochs))[0] == "lp_ft"
     assert auto(low, longest)[0] == "lp_ft"
     # The study's cells of 400 per class on either side of the epoch boundary: 0.4 epochs (100 steps of 16) and 0.48
-    # (200 per class, 60 steps) the probe; 0.6 and 0.8 epochs LP-FT.
+    # (200 per class, 60 steps) the probe alone, unless LP-FT's weights are averaged with the probe's model; 0.6 and
+    # 0.8 epochs LP-FT either way.
     assert [auto(400, 1600)[0], auto(200, 960)[0]] == ["linear_probe"] * 2
+    assert [auto(400, 1600, averages=True)[0], auto(200, 960, averages=True)[0]] == ["lp_ft"] * 2
     assert [auto(400, 2400)[0], auto(400, 3200)[0]] == ["lp_ft"] * 2
+    # Short in steps stays the probe alone, averaged or not: there the probe beat LP-FT at every alpha measured.
+    assert auto(high, few_seen - 16, averages=True)[0] == "linear_probe"
     # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
     assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
+    assert auto(400, 1600, needs_steps="model.lora")[0] == "lp_ft"
     # Beyond the range, on either axis: fine-tuning, saying why.
     for per_class, seen in ((high * 2, longest), (low - 1, longest), (40, longest * 2), (40, shortest // 2)):
-        method, why = auto(per_class, seen)
+        method, why = auto(per_class, seen, averages=True)
         assert method == "finetune" and "not here" in why, (per_class, seen)
     assert auto(40, 1000, pretrained=False)[0] == "finetune"
     assert auto(40, 1000, streaming=True)[0] == "finetune"
+
+
+@pytest.mark.parametrize("overrides, method, alpha", [
+    ([], "lp_ft", wise_ft.SHORT_SCHEDULE_ALPHA),  # 0.4 epochs: LP-FT, averaged halfway back to the probe's model
+    (["train.max_steps=200"], "lp_ft", wise_ft.AUTO_ALPHA),  # 0.8 epochs: LP-FT, its usual average
+    (["train.wise_ft_alpha=1"], "linear_probe", 1.0),  # no average asked for: the probe alone, as unaveraged
+    (["train.keep_best=eval_loss"], "linear_probe", 1.0),  # the average was not measured with weight selection
+    (["train.wise_ft_alpha=0.6"], "lp_ft", 0.6),  # an average asked for: LP-FT with it
+    (["model.lora={r: 2}"], "lp_ft", 1.0),  # LoRA needs steps; its average was not measured
+])
+def test_auto_takes_lp_ft_under_an_epoch_of_many_images_only_where_it_averages_with_the_probe(overrides, method,
+                                                                                              alpha, capsys):
+    """resolve_auto on a run of 4,000 training images in 10 classes, 100 steps of 16 (0.4 epochs) unless overridden:
+    the method and alpha auto choose together, and the lines that say why."""
+    recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=100",
+                                *overrides])
+    steps = recipe.train.max_steps
+    size = RunSize(images_seen=steps * 16, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
+                   total_steps=steps)
+    resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
+    said = capsys.readouterr().out
+    assert (resolved.train.method, resolved.train.wise_ft_alpha) == (method, alpha)
+    assert f"train.method=auto -> {method}" in said
+    if method == "lp_ft" and not any(o.startswith("train.wise_ft_alpha") for o in overrides):
+        assert f"train.wise_ft_alpha=auto -> {alpha:g}" in said
 
 
 def test_a_run_prints_the_method_auto_chose_and_saves_it_resolved(args, tmp_path, capsys):

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from runs import train
-from vit_finetune import wise_ft
+from vit_finetune import methods, wise_ft
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import MultiLabel, SingleLabel
 
@@ -76,9 +76,14 @@ def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(ar
     assert ("train.wise_ft_alpha=auto -> 1: the average was measured on full fine-tuning of single-label classifiers, "
             "not with train.keep_best=eval_accuracy") in capsys.readouterr().out
     assert "wise_ft_alpha" not in metrics_of(out)
-    assert wise_ft.auto_alpha("lp_ft", None)[0] == wise_ft.AUTO_ALPHA
-    assert wise_ft.auto_alpha("lp_ft", "model.lora")[0] == 1.0
-    assert wise_ft.auto_alpha("finetune", None)[0] == 1.0  # a new head: no probe's model to go back to
+    assert wise_ft.auto_alpha("lp_ft", None, 2.0)[0] == wise_ft.AUTO_ALPHA
+    assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0)[0] == 1.0
+    assert wise_ft.auto_alpha("finetune", None, 2.0)[0] == 1.0  # a new head: no probe's model to go back to
+    # Under an epoch's fraction fine-tuning is short: halfway back to the probe's model, where that was measured.
+    short = methods.SHORT_BELOW_EPOCHS - 0.01
+    assert wise_ft.auto_alpha("lp_ft", None, short)[0] == wise_ft.SHORT_SCHEDULE_ALPHA < wise_ft.AUTO_ALPHA
+    assert wise_ft.auto_alpha("lp_ft", None, methods.SHORT_BELOW_EPOCHS)[0] == wise_ft.AUTO_ALPHA
+    assert wise_ft.auto_alpha("lp_ft", "model.lora", short)[0] == 1.0
     # Measured on single-label classifiers only: label sets keep their fine-tuned weights under auto.
     assert [task.wise_ft_measured for task in (SingleLabel, MultiLabel)] == [True, False]
     # A sharded run splits the weights across its processes: refused when it asks for an average, known at launch.

@@ -345,10 +345,13 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
     """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
     the method: the others resolve, for recipe.yaml, but change nothing)."""
     said = {}
+    unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
     if recipe.train.method == "auto":
+        alpha = recipe.train.wise_ft_alpha
+        averages = unaveraged is None if alpha == "auto" else alpha < 1
         method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
                                           recipe.data.streaming, needs_optimiser_steps(recipe),
-                                          None if task.probe_fits else task.name)
+                                          None if task.probe_fits else task.name, averages)
         said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
         unused = pixel_drawing_settings(recipe) if not methods.METHODS[method].fine_tunes else []
@@ -381,7 +384,7 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
     if recipe.train.wise_ft_alpha == "auto":
-        alpha, why = wise_ft.auto_alpha(recipe.train.method, wise_ft_unmeasured(recipe, accelerator, task))
+        alpha, why = wise_ft.auto_alpha(recipe.train.method, unaveraged, size.epochs)
         said["train.wise_ft_alpha"] = f"train.wise_ft_alpha=auto -> {alpha:g}: {why}; set train.wise_ft_alpha to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"wise_ft_alpha": alpha})})
     if recipe.train.eval_every_steps == "auto":

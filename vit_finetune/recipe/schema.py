@@ -304,7 +304,7 @@ class TrainSettings(Strict):
     wise_ft_alpha: Float | Literal["auto"] = Field("auto", description=(
         "after train.method=lp_ft the saved weights are alpha x the fine-tuned ones + (1 - alpha) x the probe's "
         "model (WiSE-FT), in (0, 1]; 1 keeps the fine-tuned weights; auto: wise_ft.auto_alpha, 0.75 after LP-FT "
-        "where that was measured, else 1, printed with its reason"))
+        "where that was measured (0.5 under 0.6 epoch of fine-tuning), else 1, printed with its reason"))
 
     @field_validator("lr", "head_lr", mode="before")
     @classmethod
