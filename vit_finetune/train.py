@@ -30,7 +30,8 @@ from .errors import VitFinetuneError
 from .parts import Parts
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
                         refuse_a_lone_process, unshared_folder_refusal, watch_launcher)
-from .recipe import Recipe, pixel_drawing_settings, without_pixel_draws, write_recipe
+from .recipe import (Recipe, pixel_drawing_settings, step_only_settings, weight_selection_settings,
+                     without_pixel_draws, write_recipe)
 
 
 class RunError(VitFinetuneError):
@@ -417,17 +418,12 @@ def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Tas
 
 def needs_optimiser_steps(recipe: Recipe) -> str | None:
     """A setting that only optimiser steps serve, if the recipe has one."""
-    if recipe.model.lora is not None:
-        return "model.lora"
-    return "train.distill" if recipe.train.distill is not None else None
+    return next(iter(step_only_settings(recipe)), None)
 
 
 def weight_selection(recipe: Recipe) -> str | None:
     """The setting that chooses the saved weights among the evaluations during training, if any."""
-    t = recipe.train
-    chooser = {"train.keep_best": t.keep_best, "train.early_stopping_patience": t.early_stopping_patience,
-               "train.ema_decay": t.ema_decay}
-    return next((f"{key}={value}" for key, value in chooser.items() if value is not None), None)
+    return next(iter(weight_selection_settings(recipe)), None)
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:

@@ -163,6 +163,22 @@ def _method_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+def step_only_settings(recipe: Recipe) -> list[str]:
+    """The settings of this recipe that only optimiser steps serve: LoRA's adapters and a teacher. A probe alone would
+    leave them unused, and WiSE-FT's average has no counterpart for them in the probe's model."""
+    return [key for key, value in (("model.lora", recipe.model.lora), ("train.distill", recipe.train.distill))
+            if value is not None]
+
+
+def weight_selection_settings(recipe: Recipe) -> list[str]:
+    """The settings of this recipe, as key=value, that choose the saved weights among the evaluations during
+    training (so an evaluation must follow every epoch, and the weights saved may not be the last ones)."""
+    t = recipe.train
+    chooser = {"train.keep_best": t.keep_best, "train.early_stopping_patience": t.early_stopping_patience,
+               "train.ema_decay": t.ema_decay}
+    return [f"{key}={value}" for key, value in chooser.items() if value is not None]
+
+
 def _wise_ft_problems(recipe: Recipe) -> list[str]:
     """What a train.wise_ft_alpha below 1 (averaging with the probe's model) cannot be combined with."""
     t = recipe.train
@@ -174,9 +190,7 @@ def _wise_ft_problems(recipe: Recipe) -> list[str]:
         fits = "fits no probe" if t.method == "finetune" else "fine-tunes nothing"
         return [f"{given}, and train.method={t.method} {fits}; use train.method=lp_ft (or auto), or "
                 "train.wise_ft_alpha=auto"]
-    chosen = {"model.lora": recipe.model.lora, "train.distill": t.distill, "train.keep_best": t.keep_best,
-              "train.early_stopping_patience": t.early_stopping_patience, "train.ema_decay": t.ema_decay}
-    clashes = [key for key, value in chosen.items() if value is not None]
+    clashes = step_only_settings(recipe) + weight_selection_settings(recipe)
     if clashes:
         return [f"{given}, which is built for full fine-tuning that saves its last weights, not with "
                 f"{', '.join(clashes)} (LoRA's adapters and a distillation head have no counterpart in the probe's "
