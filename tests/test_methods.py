@@ -118,6 +118,31 @@ def test_two_processes_fit_the_head_one_process_fits(probed, args, tmp_path):
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
 
 
+def test_two_processes_average_lp_ft_with_the_probe_model_one_process_fits(probed, args, tmp_path):
+    """In a two-process LP-FT run the weights saved at alpha 0.5 are 0.5 x the same run's at alpha 1 + 0.5 x the probe's
+    model (the base's backbone, the head one process fits), and the final evaluation, which both processes share,
+    measured the average."""
+    def launch(alpha: str) -> Path:
+        out = tmp_path / f"alpha-{alpha}"
+        # A tenth of 6 steps is no warm-up: at the tests' lr of 5e-3 the loss would reach 0.0 in float32 in both runs,
+        # and the two final evaluations could not differ.
+        command = [*warm_launch_command(), "-m", "vit_finetune", *args, "train.method=lp_ft", "train.lr=5e-4",
+                   f"train.wise_ft_alpha={alpha}", f"output_dir={out}"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=360, cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        return out
+
+    half, whole = launch("0.5"), launch("1")
+    averaged, fine_tuned = load_file(str(half / "model.safetensors")), load_file(str(whole / "model.safetensors"))
+    start = load_file(str(probed / "model.safetensors"))
+    assert not torch.equal(fine_tuned["classifier.weight"], start["classifier.weight"])  # fine-tuning moved the head
+    for key, tensor in averaged.items():
+        torch.testing.assert_close(tensor, 0.5 * fine_tuned[key] + 0.5 * start[key], rtol=1e-4, atol=1e-5)
+    assert metrics_of(half)["wise_ft_alpha"] == 0.5 and "wise_ft_alpha" not in metrics_of(whole)
+    assert metrics_of(half)["eval_loss"] != metrics_of(whole)["eval_loss"]
+
+
 # ---------------------------------------------------------------- LP-FT
 
 
