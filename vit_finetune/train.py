@@ -348,8 +348,8 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
     said = {}
     unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
     if recipe.train.method == "auto":
-        alpha = recipe.train.wise_ft_alpha
-        averages = unaveraged is None if alpha == "auto" else alpha < 1
+        asked = recipe.train.wise_ft_alpha
+        averages = unaveraged is None if asked == "auto" else asked < 1
         method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
                                           recipe.data.streaming, needs_optimiser_steps(recipe),
                                           None if task.probe_fits else task.name, averages)
