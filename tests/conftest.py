@@ -163,7 +163,7 @@ LONGEST_FILES_FIRST = ("test_stopping.py", "test_serving.py", "test_launch.py", 
                        "test_first_minutes.py", "test_multiprocess.py", "test_safety_io.py", "test_distill.py",
                        "test_multiprocess_errors.py", "test_unreachable_hub.py", "test_device_switches.py",
                        "test_multilabel.py", "test_bench.py", "test_hostile_recipes.py", "test_families.py",
-                       "test_output_dir.py", "test_model.py")
+                       "test_methods.py", "test_output_dir.py", "test_model.py")
 
 
 def pytest_collection_modifyitems(items):
