@@ -292,7 +292,7 @@ def test_auto_is_conservative_outside_what_was_measured():
     assert [auto(400, 1600)[0], auto(200, 960)[0]] == ["linear_probe"] * 2
     assert [auto(400, 1600, averages=True)[0], auto(200, 960, averages=True)[0]] == ["lp_ft"] * 2
     assert [auto(400, 2400)[0], auto(400, 3200)[0]] == ["lp_ft"] * 2
-    # Short in steps stays the probe alone, averaged or not: there the probe beat LP-FT at every alpha measured.
+    # Short in steps stays the probe alone, averaged or not: there no average came within noise of it on digits.
     assert auto(high, few_seen - 16, averages=True)[0] == "linear_probe"
     # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
     assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"

@@ -79,7 +79,7 @@ def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(ar
     assert wise_ft.auto_alpha("lp_ft", None, 2.0)[0] == wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0)[0] == 1.0
     assert wise_ft.auto_alpha("finetune", None, 2.0)[0] == 1.0  # a new head: no probe's model to go back to
-    # Under an epoch's fraction fine-tuning is short: halfway back to the probe's model, where that was measured.
+    # Under 0.6 epochs fine-tuning is short: halfway back to the probe's model, where that was measured.
     short = methods.SHORT_BELOW_EPOCHS - 0.01
     assert wise_ft.auto_alpha("lp_ft", None, short)[0] == wise_ft.SHORT_SCHEDULE_ALPHA < wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", None, methods.SHORT_BELOW_EPOCHS)[0] == wise_ft.AUTO_ALPHA
