@@ -93,6 +93,86 @@ def test_settings_that_need_classes_are_refused_with_regression(tmp_path, capsys
     assert "train.label_smoothing works on class labels" in err and "train.method=linear_probe fits a classifier" in err
 
 
+def write_values(root: Path, columns: dict[str, list[float]]) -> Path:
+    """root/metadata.csv: one noisy image per row and the given target columns (a plain list of values each)."""
+    rng = np.random.default_rng(0)
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    rows = len(next(iter(columns.values())))
+    lines = ["file_name," + ",".join(columns)]
+    for i in range(rows):
+        colour_image((120, 120, 120), rng, size=(8, 8)).save(root / "images" / f"{i}.png")
+        lines.append(f"images/{i}.png," + ",".join(repr(float(values[i])) for values in columns.values()))
+    (root / "metadata.csv").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def regression_data(root: Path, columns: dict[str, list[float]]):
+    """data.load_splits of those columns as a regression's targets (one image in eight held out for eval)."""
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    return data.load_splits(DataSettings(dataset=str(write_values(root, columns)), task="regression",
+                                         target_columns=list(columns)), seed=0)
+
+
+def test_a_target_too_large_for_float32_is_refused_before_any_model_loads(made, tmp_path, capsys):
+    from vit_finetune import model as vit
+
+    data = write_values(tmp_path / "data", {"size": [1e308] * 8, "other": list(range(8))})
+    built = []
+    recipe = [arg for arg in RECIPE if not arg.startswith("data.target_columns=")]
+    code = train([*recipe, f"data.dataset={data}", "data.target_columns=[size,other]", f"output_dir={tmp_path / 'out'}",
+                  f"model.base={made['base']}"],
+                 patches=[(vit, "build_model", lambda *a, **k: built.append(1))])
+    err = capsys.readouterr().err
+    assert code != 0 and built == [] and "Traceback" not in err
+    assert "the target column 'size' holds 1e+308" in err and "Fix: rescale the column" in err
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("values, said", [
+    ([i * 1e200 for i in range(8)], "holds 1e+200"),  # finite in float64; once standardised in float32, not
+    ([1e9 + i / 1000 for i in range(8)], "rounds values of that size by up to"),  # the spread drowns in rounding
+    ([i * 1e-40 for i in range(8)], "below 1e-30"),  # float32 has no digits left down there
+])
+def test_targets_float32_cannot_standardise_are_refused_when_read_naming_the_column_and_fix(tmp_path, values, said):
+    from vit_finetune import data
+
+    with pytest.raises(data.DataError) as caught:
+        regression_data(tmp_path, {"y": list(range(8)), "reading": values})
+    message = str(caught.value)
+    assert "'reading'" in message and said in message and "Fix: rescale the column" in message
+
+
+def test_a_constant_target_is_said_and_a_run_of_only_constant_targets_is_refused(tmp_path):
+    from vit_finetune import data
+
+    splits = regression_data(tmp_path / "one", {"y": list(range(8)), "flat": [5.0] * 8})
+    assert any("constant" in note and "'flat': 5.0" in note and "target_std saved as 1" in note
+               for note in splits.notes)
+    task = Regression.for_training(splits, "mse")
+    assert task.std.tolist()[1] == 1.0 and task.mean.tolist()[1] == 5.0  # what the note says it is learned as
+    with pytest.raises(data.DataError, match="every target is constant.*nothing to learn"):
+        regression_data(tmp_path / "all", {"flat": [5.0] * 8, "also": [2.0] * 8})
+
+
+def test_a_thousand_target_columns_are_read_without_copying_every_columns_features_per_column(monkeypatch):
+    """Reading Dataset.features deep-copies every column's feature: done once per target, 1,000 columns took minutes."""
+    import datasets
+
+    from vit_finetune.data import splits
+
+    names = [f"t{i}" for i in range(1000)]
+    table = datasets.Dataset.from_dict({"image": [f"{i}.png" for i in range(4)],
+                                        **{name: [float(i + row) for row in range(4)] for i, name in enumerate(names)}})
+    copies = []
+    copy = datasets.Features.copy
+    monkeypatch.setattr(datasets.Features, "copy", lambda self: copies.append(1) or copy(self))
+    targets = splits.as_targets(table, "image", names, "train")
+    assert len(copies) < 20  # a few per table, not one per target
+    assert targets[splits.TARGETS_COLUMN][3][:2] == [3.0, 4.0]  # row 3: column t0 holds 3, t1 holds 4
+
+
 # ---------------------------------------------------------------- one run, every use of it
 
 
