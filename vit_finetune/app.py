@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
 from .layout import POSITION_FILE
+from .text import printable
 
 DEFAULT_PORT = 7860
 MAX_UPLOAD = "100mb"  # larger uploads are refused before they reach the disk
@@ -116,7 +117,8 @@ def classifier(name: str, top_k: int, scratch: Path):
         finally:
             os.unlink(path)
         task = explanation.task
-        confidences = dict(explanation.given[:top_k]) if task.confidences else None
+        confidences = ({printable(label): score for label, score in explanation.given[:top_k]} if task.confidences
+                       else None)
         return confidences, picture, task.page_note(explanation.top, explanation.given, top_k)
 
     return classify, model.config, size
@@ -124,13 +126,13 @@ def classifier(name: str, top_k: int, scratch: Path):
 
 def header_html(name: str, config, size: int) -> str:
     """The page's heading: the model's name, type, task and labels (or targets) as escaped text (a label is any
-    string its maker chose, `![t](http://host/x.png)` or `<img src=...>` included)."""
+    string its maker chose, `![t](http://host/x.png)`, `<img src=...>` or a right-to-left override included)."""
     from .tasks import of_config
 
     task = of_config(config)
     labels = [config.id2label[i] for i in range(config.num_labels)]
-    shown = ", ".join(html.escape(str(label)) for label in labels[:10]) + (", ..." if len(labels) > 10 else "")
-    return (f"<h2>{html.escape(name)}</h2><p>A {html.escape(str(config.model_type))} {task.model_noun} at "
+    shown = ", ".join(html.escape(printable(label)) for label in labels[:10]) + (", ..." if len(labels) > 10 else "")
+    return (f"<h2>{html.escape(printable(name))}</h2><p>A {html.escape(str(config.model_type))} {task.model_noun} at "
             f"{size}x{size} px with {len(labels)} {task.output_noun} ({shown}). Drop an image to try it.</p>")
 
 

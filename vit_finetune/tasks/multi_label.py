@@ -12,6 +12,7 @@ import torch
 from .. import multilabel, pictures
 from ..data import DataError
 from ..layout import PRECISION_RECALL_FILE
+from ..text import printable
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 
@@ -118,7 +119,7 @@ class MultiLabel(Task):
         thresholds, chosen = self.saved_thresholds(), {label for label, _ in given}
 
         def written(label: str, score: float) -> str:
-            return f"{html.escape(str(label))} {score:.2f} (threshold {thresholds[label]:.2f})"
+            return f"{html.escape(printable(label))} {score:.2f} (threshold {thresholds[label]:.2f})"
 
         passing = ", ".join(f"<b>{written(label, score)}</b>" for label, score in given[:top_k])
         below = ", ".join(written(label, score) for label, score in shown if label not in chosen)

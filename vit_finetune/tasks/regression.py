@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import layout, pictures
+from ..text import printable
 from .base import Answers, SplitPredictions, Task
 
 PROBLEM_TYPE = "regression"
@@ -151,7 +152,7 @@ class Regression(Task):
 
     def page_note(self, shown, given, top_k):
         """The values as a table of numbers in the targets' own units (not as confidences)."""
-        rows = "".join(f"<tr><td>{html.escape(str(name))}</td><td>{value:{self.score_format}}</td></tr>"
+        rows = "".join(f"<tr><td>{html.escape(printable(name))}</td><td>{value:{self.score_format}}</td></tr>"
                        for name, value in given[:top_k])
         more = f" The first {top_k} of {len(given)} targets; predict lists them all." if len(given) > top_k else ""
         return f"<p>Predicted values, each in its target's own units:{more}</p><table>{rows}</table>"
