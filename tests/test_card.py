@@ -68,3 +68,36 @@ def test_a_hostile_dataset_path_and_output_folder_name_cannot_change_the_card(ba
     for tag in ("<img", "<a ", "<strong>", "<em>", "<code>", "<h1", "<h2", "<h3", "<table", "<p>", "<li>", "<pre"):
         assert shown.count(tag) == render(cards["plain"]).count(tag), tag
     assert "&lt;img src=x onerror=" in shown  # the name is still there, as text
+
+
+# U+202E RIGHT-TO-LEFT OVERRIDE: everything after it is drawn reversed, so "cat\u202egpj.exe" reads "catexe.jpg"
+OVERRIDE = "\u202e"
+
+
+def test_a_label_that_reverses_the_text_after_it_is_neutralised_in_the_card_and_the_page_and_kept_in_the_config(
+        base, images, tmp_path):
+    import json
+    import shutil
+
+    from transformers import AutoConfig
+
+    from runs import RECIPE, train
+    from vit_finetune.app import header_html
+    from vit_finetune.tasks import MultiLabel
+
+    label = f"cat{OVERRIDE}gpj.exe"
+    _, body = card_parts([label, "dog"])
+    assert OVERRIDE not in body and "cat\\u202egpj.exe" in label_line(body)  # shown as its escape, in place
+    data = tmp_path / "data"
+    shutil.copytree(images, data)
+    for split in ("train", "validation"):
+        (data / split / "red").rename(data / split / label)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, "train.max_steps=1", f"output_dir={out}"]) == 0
+    assert label in json.loads((out / "config.json").read_text())["id2label"].values()  # the label itself, as data
+    card = (out / "README.md").read_text()
+    assert OVERRIDE not in card and "cat\\u202egpj.exe" in label_line(card.split("---\n", 2)[2])
+    page = header_html(str(out), AutoConfig.from_pretrained(out), 32)
+    assert OVERRIDE not in page and "cat\\u202egpj.exe" in page
+    note = MultiLabel([label, "dog"], [0.5, 0.5]).page_note([(label, 0.9)], [(label, 0.9)], 5)
+    assert OVERRIDE not in note and "cat\\u202egpj.exe 0.90" in note

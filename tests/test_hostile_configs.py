@@ -81,3 +81,73 @@ def test_a_base_config_that_would_allocate_wildly_or_divide_by_zero_is_refused_f
     error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
     assert f"model.base={str(damaged)!r}" in error and message in error, error
     assert not (tmp_path / "out").exists()
+
+
+def whole_number_keys(section=None, prefix: str = "") -> list[str]:
+    """Every recipe key whose value may be a whole number (alone, or beside auto or null), read off the schema."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    from vit_finetune.recipe import Recipe
+
+    def members(annotation) -> list:
+        if typing.get_origin(annotation) is typing.Annotated:
+            return members(typing.get_args(annotation)[0])
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            return [member for argument in typing.get_args(annotation) for member in members(argument)]
+        return [annotation]
+
+    keys = []
+    for name, field in (section or Recipe).model_fields.items():
+        kinds = members(field.annotation)
+        sections = [kind for kind in kinds if isinstance(kind, type) and issubclass(kind, BaseModel)]
+        for inner in sections:
+            keys += whole_number_keys(inner, f"{prefix}{name}.")
+        if not sections and int in kinds:
+            keys.append(prefix + name)
+    return keys
+
+
+def test_every_whole_number_key_refuses_a_number_that_would_overflow_or_run_for_years_when_the_recipe_is_read():
+    from vit_finetune.recipe import RecipeError, load_recipe
+    from vit_finetune.recipe.limits import UNBOUNDED_WHOLE_NUMBERS, WHOLE_NUMBER_LIMITS
+
+    keys = whole_number_keys()
+    assert {"train.grad_accum", "train.epochs", "model.image_size", "data.num_workers"} <= set(keys)
+    assert set(WHOLE_NUMBER_LIMITS) | set(UNBOUNDED_WHOLE_NUMBERS) >= set(keys)  # a new key says which it is
+    for key in keys:
+        if key in UNBOUNDED_WHOLE_NUMBERS:
+            continue
+        with pytest.raises(RecipeError) as caught:
+            load_recipe(None, [f"{key}={10 ** 20}"])
+        assert f"{key}={10 ** 20}" in str(caught.value)
+        if key in WHOLE_NUMBER_LIMITS:
+            limit, why = WHOLE_NUMBER_LIMITS[key]
+            assert f"must be at most {limit:,} ({why})" in str(caught.value)
+
+
+def test_a_twenty_digit_grad_accum_is_a_recipe_error_before_data_or_model_load(args, tmp_path, capsys):
+    err = refused([*args, "train.grad_accum=99999999999999999999", f"output_dir={tmp_path / 'out'}"], capsys, 2)
+    assert "train.grad_accum=99999999999999999999: must be at most 65,536" in err and "OverflowError" not in err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)  # before the check, 2048 px hung in the first forward pass
+@pytest.mark.parametrize("size", [2048, 8192])
+def test_a_target_grid_over_256_patches_a_side_is_refused_from_the_config_before_weights_load(args, tmp_path,
+                                                                                            capsys, size):
+    from vit_finetune import model as vit
+
+    def never_built(*_args, **_kwargs):
+        raise AssertionError("the model was built")
+
+    assert train([*args, f"model.image_size={size}", f"output_dir={tmp_path / 'out'}"],
+                 patches=[(vit, "build_model", never_built)]) == 1
+    err = capsys.readouterr().err
+    error = next(line for line in reversed(err.splitlines()) if line.startswith("error: "))
+    grid = size // 4  # the tiny ViT's patch is 4 px
+    assert f"model.image_size={size} at the base's patch size 4 makes a {grid}x{grid} grid" in error, error
+    assert "at most 256 a side" in error and "Fix: model.image_size=1024 or less" in error
+    assert not (tmp_path / "out").exists()

@@ -259,11 +259,40 @@ def test_a_multi_label_linear_probe_chooses_thresholds(base, tmp_path):
     ("data.horizontal_flip=true", "data.horizontal_flip=true would never be used"),
     ("augment.mixup=true", "augment.mixup=true would never be used"),
     ("train.distill={teacher: some/teacher}", "set train.distill=null, or train.method=lp_ft"),
+    ("train.keep_best=eval_loss", "train.keep_best=eval_loss would never be used"),
+    ("train.ema_decay=0.9", "train.ema_decay=0.9 would never be used"),
+    ("model.pretrained=false", "model.pretrained=false makes them random: the probe would fit noise. Fix: "
+                               "model.pretrained=true, or train.method=finetune"),
 ])
 def test_a_linear_probe_refuses_what_it_would_never_use(args, tmp_path, capsys, override, says):
     assert train([*args, "train.method=linear_probe", override, f"output_dir={tmp_path}/out"]) == 2
     assert says in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_lp_ft_refuses_to_probe_random_features():
+    with pytest.raises(Exception, match="train.method=lp_ft fits the head on the frozen backbone's features, and "
+                                        "model.pretrained=false makes them random"):
+        load_recipe(None, ["train.method=lp_ft", "model.pretrained=false"])
+
+
+@pytest.mark.parametrize("overrides, unused", [
+    (["train.method=auto", "train.keep_best=eval_loss", "train.ema_decay=0.9"],
+     "train.keep_best=eval_loss, train.ema_decay=0.9, train.max_steps=50 not used"),
+    (["train.method=auto", "train.wise_ft_alpha=0.6"], "train.max_steps=50, train.wise_ft_alpha=0.6 not used"),
+    (["train.method=linear_probe"], "train.method=linear_probe\n  train.max_steps=50 not used"),
+])
+def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, capsys):
+    """resolve_auto on 4,000 training images in 10 classes, 50 steps of 16 (800 images seen): auto takes the probe
+    alone; a setting it cannot use, chosen for another method, is named once."""
+    recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=50", *overrides])
+    size = RunSize(images_seen=800, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
+                   total_steps=50)
+    resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
+    said = capsys.readouterr().out
+    assert resolved.train.method == "linear_probe"
+    assert unused in said and said.count("not used") == 1
+    assert "takes no optimiser step" in said
 
 
 @pytest.mark.parametrize("method", ["linear_probe", "lp_ft"])

@@ -131,3 +131,42 @@ def test_resume_ignore_changes_must_name_real_keys():
     assert load_recipe(None, ["train.resume_ignore_changes=[train.epochs]"]).train.resume_ignore_changes == ["train.epochs"]
     with pytest.raises(RecipeError, match=r"unknown keys \['train.epoch'\]"):
         load_recipe(None, ["train.resume_ignore_changes=[train.epoch]"])
+
+
+@pytest.mark.parametrize("text, key, where", [
+    ("train:\n  lr: 0.01\nmodel:\n  image_size: 32\ntrain:\n  epochs: 3\n", "'train'", "on lines 1 and 5"),
+    ("train:\n  lr: 0.01\n  epochs: 2\n  lr: 0.02\n", "'lr'", "on lines 2 and 4"),
+    ("model: {lora: {r: 2, r: 4}}\n", "'r'", "on line 1"),
+])
+def test_a_key_given_twice_in_a_recipe_is_refused_with_its_lines(tmp_path, text, key, where):
+    """YAML itself forbids it; PyYAML kept the last block and dropped the first's keys without a word."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(text)
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(str(path))
+    assert f"the key {key} is given twice, {where}" in str(caught.value) and "merge them into one" in str(caught.value)
+
+
+def test_a_key_given_twice_in_an_override_is_refused_and_a_merge_key_may_still_be_overridden(tmp_path):
+    with pytest.raises(RecipeError, match="the key 'r' is given twice"):
+        load_recipe(None, ["model.lora={r: 2, r: 4}"])
+    path = tmp_path / "merged.yaml"  # YAML's merge key: its values are defaults the mapping may override
+    path.write_text("train:\n  resume_ignore_changes: &keys [train.epochs]\n  distill:\n    <<: {teacher: a, weight: 0.3}\n"
+                    "    weight: 0.7\n")
+    assert load_recipe(str(path)).train.distill.weight == 0.7
+
+
+@pytest.mark.parametrize("holds", [["demo.yaml", "mine.yaml"], []])
+def test_a_folder_given_as_recipe_is_named_as_a_folder_with_the_recipes_it_holds(tmp_path, holds):
+    folder = tmp_path / "my_recipes"
+    folder.mkdir()
+    for name in holds:
+        (folder / name).write_text("train: {epochs: 1}\n")
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(str(folder))
+    message = str(caught.value)
+    assert f"{str(folder)!r} is a folder, not a recipe file" in message and "does not exist" not in message
+    if holds:
+        assert "the recipes in it: demo.yaml, mine.yaml" in message and f"--recipe {folder}/demo.yaml" in message
+    else:
+        assert "holds no .yaml recipe" in message and "--list-recipes" in message

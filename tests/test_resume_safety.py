@@ -49,6 +49,25 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_resumed(bas
     assert json.loads((out / "metrics.json").read_text())["steps"] == 12
 
 
+def test_an_intact_checkpoint_that_an_accepted_change_no_longer_fits_is_refused_and_never_set_aside(base, tmp_path,
+                                                                                                     capsys):
+    """train.layer_decay splits the optimiser into other parameter groups: accepting that change (as the refusal
+    suggests) makes Accelerate's load fail on files that read back perfectly well."""
+    args, out = killed_run(base, tmp_path)
+    before = {path.relative_to(out): path.read_bytes() for path in (out / "checkpoints").rglob("*") if path.is_file()}
+    assert train([*args, "train.layer_decay=0.75", "train.resume=auto"]) == 1
+    assert "train.resume_ignore_changes=[train.layer_decay]" in error_line(capsys.readouterr().err)
+    assert train([*args, "train.layer_decay=0.75", "train.resume=auto",
+                  "train.resume_ignore_changes=[train.layer_decay]"]) == 1
+    error = error_line(capsys.readouterr().err)
+    assert "step-00000002: it is intact, but what it saved does not fit this run" in error, error
+    assert "restore those keys' values" in error and "overwrite=true" in error
+    after = {path.relative_to(out): path.read_bytes() for path in (out / "checkpoints").rglob("*") if path.is_file()}
+    assert after == before  # nothing renamed damaged-*, nothing changed
+    assert train([*args, "train.resume=auto"]) == 0  # and the run resumes as it was
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 12
+
+
 def test_a_checkpoint_recipe_that_is_not_yaml_is_a_clean_error_and_auto_skips_it(base, tmp_path, capsys):
     args, out = killed_run(base, tmp_path)
     newest = out / "checkpoints" / "step-00000002"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
 from .layout import POSITION_FILE
+from .text import printable
 
 DEFAULT_PORT = 7860
 MAX_UPLOAD = "100mb"  # larger uploads are refused before they reach the disk
@@ -85,9 +86,10 @@ def read_upload(path: str, settings):
 
 
 def classifier(name: str, top_k: int, scratch: Path):
-    """classify(uploaded file) -> ({label: score} of the labels the model gives the image, as predict lists them; the
-    rollout picture; for a multi-label model a line saying which labels pass their thresholds). The pictures are drawn
-    in `scratch` and read back, so none is kept."""
+    """classify(uploaded file) -> ({label: score} of the labels the model gives the image, as predict lists them,
+    or None where its scores are not confidences (a regression's values); the rollout picture; the task's line under
+    them (which labels pass their thresholds; a regression's values as numbers)). The pictures are drawn in `scratch`
+    and read back, so none is kept."""
     from PIL import Image
 
     from .data import decoding_settings
@@ -114,34 +116,24 @@ def classifier(name: str, top_k: int, scratch: Path):
                 picture = drawn.copy()
         finally:
             os.unlink(path)
-        return dict(explanation.given[:top_k]), picture, verdict_html(explanation, top_k)
+        task = explanation.task
+        confidences = ({printable(label): score for label, score in explanation.given[:top_k]} if task.confidences
+                       else None)
+        return confidences, picture, task.page_note(explanation.top, explanation.given, top_k)
 
     return classify, model.config, size
 
 
-def verdict_html(explanation, top_k: int) -> str:
-    """The line under the labels, as escaped text: for a multi-label model, which labels pass their thresholds and
-    the best of those that do not; nothing for a single-label one (its labels are its top k)."""
-    if explanation.thresholds is None:
-        return ""
-    given = {label for label, _ in explanation.given}
-
-    def shown(label: str, score: float) -> str:
-        return f"{html.escape(str(label))} {score:.2f} (threshold {explanation.thresholds[label]:.2f})"
-
-    passing = ", ".join(f"<b>{shown(label, score)}</b>" for label, score in explanation.given[:top_k])
-    below = ", ".join(shown(label, score) for label, score in explanation.top if label not in given)
-    return (f"<p>Labels given (score at or over the label's threshold): {passing or 'none'}."
-            + (f" Below their thresholds: {below}." if below else "") + "</p>")
-
-
 def header_html(name: str, config, size: int) -> str:
-    """The page's heading: the model's name, type and labels as escaped text (a label is any string its maker chose,
-    `![t](http://host/x.png)` or `<img src=...>` included)."""
+    """The page's heading: the model's name, type, task and labels (or targets) as escaped text (a label is any
+    string its maker chose, `![t](http://host/x.png)`, `<img src=...>` or a right-to-left override included)."""
+    from .tasks import of_config
+
+    task = of_config(config)
     labels = [config.id2label[i] for i in range(config.num_labels)]
-    shown = ", ".join(html.escape(str(label)) for label in labels[:10]) + (", ..." if len(labels) > 10 else "")
-    return (f"<h2>{html.escape(name)}</h2><p>A {html.escape(str(config.model_type))} classifier at {size}x{size} px "
-            f"with {len(labels)} labels ({shown}). Drop an image to classify it.</p>")
+    shown = ", ".join(html.escape(printable(label)) for label in labels[:10]) + (", ..." if len(labels) > 10 else "")
+    return (f"<h2>{html.escape(printable(name))}</h2><p>A {html.escape(str(config.model_type))} {task.model_noun} at "
+            f"{size}x{size} px with {len(labels)} {task.output_noun} ({shown}). Drop an image to try it.</p>")
 
 
 def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
@@ -154,13 +146,18 @@ def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
     location = model_location(name)
     scratch = Path(scratch or tempfile.mkdtemp(prefix="vit-finetune-app-"))
     classify, config, size = classifier(name, top_k, scratch)
+    from .tasks import of_config
+
+    task = of_config(config)
     picture = position_picture(name, location)
     with gradio.Blocks(title=f"{Path(name).name} - vit_finetune", delete_cache=CACHE_CLEANING_S) as page:
         gradio.HTML(header_html(name, config, size), elem_id="header")
         with gradio.Row():
             image = gradio.File(label="image", file_types=["image"], type="filepath", elem_id="image")
             with gradio.Column():
-                top = gradio.Label(num_top_classes=top_k, label="labels the model gives", elem_id="labels")
+                # a regression's values are not confidences: they are written as numbers in the line below
+                top = gradio.Label(num_top_classes=top_k, label="labels the model gives", elem_id="labels",
+                                   visible=task.confidences)
                 passing = gradio.HTML(elem_id="verdict")
         gradio.HTML("<h3>Attention rollout: where the model looked</h3>")
         rollout = gradio.Image(show_label=False, elem_id="rollout", interactive=False)

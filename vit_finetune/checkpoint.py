@@ -291,11 +291,34 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity
         accelerator.load_state(str(checkpoint))
         return TrainState(**read_saved_state(checkpoint)[1])
     except READ_ERRORS as error:
+        if unreadable_file(checkpoint) is None:  # every file reads back: intact, but saved for another shape of run
+            raise CheckpointError(
+                f"cannot resume from {checkpoint}: it is intact, but what it saved does not fit this run "
+                f"({type(error).__name__}: {shortened(error)}); a change accepted with train.resume_ignore_changes"
+                f"={excerpt(recipe.train.resume_ignore_changes)} changes the model or optimiser it saved. Fix: restore "
+                "those keys' values to resume it, or train again with overwrite=true (or another output_dir)"
+            ) from None
         raise DamagedCheckpoint(
             f"cannot resume from {checkpoint}: it is damaged or was not written by vit_finetune "
             f"({type(error).__name__}: {shortened(error)}). Resume from an earlier checkpoint with "
             f"train.resume=<its folder>, or start again with overwrite=true"
         ) from None
+
+
+def unreadable_file(checkpoint: Path) -> str | None:
+    """The first of a checkpoint's weight and state files that does not read back, with why; None when all do. Only
+    asked after a load failed: a failure with every file readable is a run that does not fit, never damage."""
+    from accelerate.utils import load  # torch.load(weights_only=True), with the NumPy types RNG states hold
+    from safetensors.torch import load_file
+
+    for path in sorted(checkpoint.rglob("*")):
+        if path.suffix not in (".safetensors", ".bin", ".pkl", ".pt"):
+            continue
+        try:
+            load_file(str(path)) if path.suffix == ".safetensors" else load(path)
+        except READ_ERRORS as error:
+            return f"{path.name}: {type(error).__name__}"
+    return None
 
 
 def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> tuple[Path, TrainState]:

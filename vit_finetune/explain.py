@@ -22,7 +22,8 @@ from .data import BadImageError, decode_image, decoding_settings
 from .errors import VitFinetuneError
 from .families import FAMILIES
 from .figures import pyplot, save_figure
-from .inference import label_scores, labels_given, load_classifier, path_kind, printable
+from .inference import label_scores, labels_given, load_classifier, path_kind
+from .text import printable
 from .layout import describe_write_error
 
 METHODS = ("rollout", "gradient")
@@ -101,9 +102,15 @@ def gradient_rollout(attentions: list[torch.Tensor], gradients: list[torch.Tenso
 class Explanation:
     heat_map: torch.Tensor  # (grid, grid) in [0, 1]
     explained_label: str
-    top: list[tuple[str, float]]  # (label, probability; for a multi-label model its own sigmoid score), best first
+    # what the picture shows beside the map (the task's `shown`): a classifier's top labels and their probabilities
+    # (a multi-label model's own sigmoid scores), best first; a regression's values, in the targets' order
+    top: list[tuple[str, float]]
     given: list[tuple[str, float]]  # what predict lists for the image (inference.labels_given), best first
-    thresholds: dict[str, float] | None = None  # a multi-label model's saved threshold per label
+    task: tasks.Task  # the model's: it draws and words its outputs
+
+    def given_text(self) -> str:
+        """What the model gives the image, in one line: `label score` (a regression: `target value`) pairs."""
+        return ", ".join(f"{label} {score:{self.task.score_format}}" for label, score in self.given) or "no label"
 
 
 def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: str | None = None,
@@ -115,25 +122,25 @@ def explain_pixels(model, pixels: torch.Tensor, method: str = "rollout", label: 
         raise ExplainError("the model returned no attention weights; load it with attn_implementation='eager'")
     attentions = outputs.attentions
     logits = outputs.logits[0].detach().float()
-    # A multi-label model scores each label on its own (a sigmoid), as pipeline() and predict do.
-    probabilities = label_scores(model.config, logits)
-    values, indices = probabilities.topk(min(top_k, probabilities.numel()))
-    top = [(model.config.id2label[i], v) for v, i in zip(values.tolist(), indices.tolist())]
+    # A multi-label model scores each label on its own (a sigmoid), as pipeline() and predict do; a regression model
+    # gives its values in the targets' units.
+    scores = label_scores(model.config, logits)
     task = tasks.of_config(model.config)
-    given = labels_given(model.config, probabilities.tolist(), top_k if task.ranks else None)  # what predict lists
-    thresholds = task.saved_thresholds()
-    target = indices[0].item() if label is None else model.config.label2id[label]
+    top = task.shown(scores, [model.config.id2label[i] for i in range(model.config.num_labels)], top_k)
+    given = labels_given(model.config, scores.tolist(), top_k if task.ranks else None)  # what predict lists
+    target = model.config.label2id[label if label is not None else top[0][0]]
     layout = token_layout(model.config, attentions[0].shape[-1])
     if method == "rollout":
         heat_map = rollout([a[0].detach() for a in attentions], layout)
     else:
         gradients = torch.autograd.grad(outputs.logits[0, target], attentions)
         heat_map = gradient_rollout([a[0].detach() for a in attentions], [g[0] for g in gradients], layout)
-    return Explanation(heat_map, model.config.id2label[target], top, given, thresholds)
+    return Explanation(heat_map, model.config.id2label[target], top, given, task)
 
 
 def draw_explanation(image, explanation: Explanation, size: int, method: str, path: Path) -> None:
-    """The image as the model sees it (its resolution), the same with the heat map per patch, and the top labels."""
+    """The image as the model sees it (its resolution), the same with the heat map per patch, and what the model gives
+    it as its task shows that (top labels, label scores and thresholds, or values)."""
     plt = pyplot()
     shown = image.convert("RGB").resize((size, size))
     figure, (plain, heat, bars) = plt.subplots(1, 3, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1, 1, 1.1]})
@@ -147,20 +154,7 @@ def draw_explanation(image, explanation: Explanation, size: int, method: str, pa
     heat.set_title(f"{what}\n({grid}x{grid} patches)", fontsize=10)
     for axis in (plain, heat):
         axis.set_axis_off()
-    labels, scores = zip(*reversed(explanation.top))
-    given = {label for label, _ in explanation.given}
-    if explanation.thresholds is None:
-        drawn = bars.barh(range(len(labels)), scores, color="tab:blue")
-        bars.set(xlim=(0, 1), xlabel="probability", title="top predictions")
-    else:  # multi-label: the labels the model gives (over their thresholds) stand out; each threshold is a tick
-        colours = ["tab:blue" if label in given else "lightgrey" for label in labels]
-        drawn = bars.barh(range(len(labels)), scores, color=colours)
-        bars.scatter([explanation.thresholds[label] for label in labels], range(len(labels)), marker="|", s=400,
-                     color="black", zorder=3)
-        bars.set(xlim=(0, 1), xlabel="sigmoid score (|: the label's threshold)",
-                 title="given: " + (", ".join(label for label, _ in explanation.given)[:60] or "no label"))
-    bars.bar_label(drawn, fmt="%.2f", padding=3)
-    bars.set_yticks(range(len(labels)), labels)
+    explanation.task.draw_shown(bars, explanation.top, explanation.given)  # probabilities, label scores or values
     figure.tight_layout()
     save_figure(figure, path, dpi=80)
 
@@ -220,7 +214,6 @@ def explain_images(model_name: str, sources: list, output_dir: Path, method: str
                                f"{len(written)} picture(s) written before it are whole, no picture is half-written. "
                                "Free disk space or choose another --output-dir") from None
         written.append(output_dir / name)
-        shown = ", ".join(f"{label} {score:.2f}" for label, score in explanation.given) or "no label"
-        print(printable(f"{source.name}: {shown} -> {output_dir / name}"))
+        print(printable(f"{source.name}: {explanation.given_text()} -> {output_dir / name}"))
     return written
 

@@ -20,6 +20,7 @@ from .progress import progress
 from .recipe import DataSettings, load_recipe
 from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, excerpt
 from .spreadsheet import csv_writer
+from .text import printable
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
 # fail in a fraction of a second, before seconds of imports.
@@ -273,12 +274,6 @@ def write_csv(rows: Iterator[dict], path: Path, top_k: int, config=None) -> int:
 
     task = tasks.of_config(config) if config is not None else tasks.SingleLabel()
     return task.write_csv(rows, path, top_k, csv_writer)
-
-
-def printable(text: str) -> str:
-    """Text for one line of a terminal: line breaks and other control characters escaped (a file named
-    "cat.png\\n  0.99  dog" would otherwise print a prediction the model never made)."""
-    return "".join(char if char.isprintable() else repr(char)[1:-1] for char in str(text))
 
 
 def write_text(rows: Iterator[dict], stream=None) -> int:

@@ -29,7 +29,7 @@ from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
 from .recipe import LoraSettings, ModelSettings
-from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
+from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, MAX_GRID_SIDE, REPO_ID_PATTERN
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
@@ -39,7 +39,6 @@ IMAGE_PROCESSOR_BACKEND = "pil"
 # hostile config would otherwise make tables of any size (image_size 100000 at patch 4: a 240 GB position table),
 # divide by a patch size of 0, or spend minutes parsing a million labels.
 MAX_BASE_LABELS = 100_000  # ImageNet-21k's 21,843 are the most a public ViT checkpoint has
-MAX_GRID_SIDE = 256  # patches per side: 4,096 px at patch 16 (DINOv2's grid is 37 a side)
 MAX_CONFIG_BYTES = 64_000_000  # a ViT's config.json is a few KB, about 1 MB with 21,843 labels
 
 
@@ -90,6 +89,7 @@ def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     family = family_of(config, settings.base)
     check_base_geometry(config, family, settings.base)
     check_image_size(settings.image_size, family.patch_size(config))
+    check_target_grid(settings.image_size, family.patch_size(config))
     if settings.window_size is not None and family.set_window is None:
         raise ModelError(
             f"model.window_size={settings.window_size} applies to Swin and Swinv2 only; {family.name} has no "
@@ -162,6 +162,19 @@ def check_image_size(image_size: int, patch_size: int) -> None:
             f"model.image_size={image_size} is not a multiple of the patch size {patch_size}; "
             f"use {low or high} or {high}"
         )
+
+
+def check_target_grid(image_size: int, patch_size: int) -> None:
+    """model.image_size's patch grid within MAX_GRID_SIDE a side, as the base's is. Attention grows with the square
+    of the tokens: at 256 a side one image's forward pass through the tests' 2-block tiny ViT took 47 s on a CPU,
+    at 512 (2048 px, patch 4) sixteen times the attention, in ops that Ctrl-C and SIGTERM cannot interrupt."""
+    grid = image_size // patch_size
+    if grid > MAX_GRID_SIDE:
+        largest = MAX_GRID_SIDE * patch_size
+        raise ModelError(f"model.image_size={image_size} at the base's patch size {patch_size} makes a {grid}x{grid} "
+                         f"grid of patches ({grid * grid + 1:,} tokens an image); this toolkit takes at most "
+                         f"{MAX_GRID_SIDE} a side. Fix: model.image_size={largest} or less, or a base with larger "
+                         "patches")
 
 
 @contextmanager

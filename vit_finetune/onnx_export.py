@@ -214,12 +214,12 @@ def answers_for(config) -> Answers:
 
 def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set, batch_size: int, limit: int | None,
                      fallback: torch.Tensor) -> dict:
-    """Accuracy and CPU speed of the float and the quantised graph, batch by batch on the same pixels (interleaved,
-    so a busy machine slows both alike); only session.run is timed, not the image decoding. Without a labelled
-    eval split, agreement of their answers on the parity pixels."""
+    """Quality (the task's metric: accuracy, a regression's MAE) and CPU speed of the float and the quantised graph,
+    batch by batch on the same pixels (interleaved, so a busy machine slows both alike); only session.run is timed,
+    not the image decoding. Without a labelled eval split, agreement of their answers on the parity pixels."""
     batches = ([{"pixel_values": fallback, "labels": None}] if eval_set is None else
                make_loader(eval_set, batch_size, False, 0, 0, False))
-    seconds, correct, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0, "int8": 0}, 0, 0, 0
+    seconds, scored, agree, counted, labelled = {"float": 0.0, "int8": 0.0}, {"float": 0.0, "int8": 0.0}, 0, 0, 0
     for batch in batches:
         pixels, labels = batch["pixel_values"], batch["labels"]
         if limit is not None and counted >= limit:
@@ -240,15 +240,17 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
             kept = answers.real(labels)  # images skipped as unreadable are not counted, as in evaluate
             labelled += int(kept.sum())
             for name in answer:
-                correct[name] += int(answers.matches(answer[name][kept], labels[kept]).sum())
+                scored[name] += float(answers.scores(answer[name][kept], labels[kept]).double().sum())
     # top1_agreement keeps its name for a multi-label model, where it counts whole label sets (agreement_of says so)
     result = {"images": counted, "top1_agreement": agree / counted, "agreement_of": answers.kind,
               "float_images_per_s": round(counted / seconds["float"], 2),
               "int8_images_per_s": round(counted / seconds["int8"], 2),
               "speedup": round(seconds["float"] / seconds["int8"], 3)}
     if eval_set is not None and labelled:
-        result.update(float_accuracy=correct["float"] / labelled, int8_accuracy=correct["int8"] / labelled,
-                      accuracy_change=(correct["int8"] - correct["float"]) / labelled)
+        metric = answers.metric  # e.g. float_accuracy, int8_accuracy, accuracy_change; a regression's float_mae...
+        result.update({"metric": metric, f"float_{metric}": scored["float"] / labelled,
+                       f"int8_{metric}": scored["int8"] / labelled,
+                       f"{metric}_change": (scored["int8"] - scored["float"]) / labelled})
     return result
 
 
@@ -351,8 +353,9 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
         export_graph(model, image_size, staging / ONNX_FILE)
         float_runner = session(staging / ONNX_FILE)
         difference = logit_difference(model, float_runner, parity.pixels)
-        print(f"parity: max abs logit difference PyTorch vs ONNX Runtime = {difference:.3g} on {parity.source} "
-              f"(tolerance {tolerance:g})")
+        answers = answers_for(model.config)
+        print(f"parity: max abs logit difference PyTorch vs ONNX Runtime = {difference:.3g}"
+              f"{answers.in_own_terms(difference)} on {parity.source} (tolerance {tolerance:g})")
         if difference > tolerance:
             raise ExportError(f"the ONNX graph's logits differ from PyTorch's by {difference:.3g}, more than the "
                               f"tolerance {tolerance:g}; nothing was written to {target}. Report the model type "
@@ -365,11 +368,11 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
                   "versions": {package: metadata.version(package) for package in VERSIONED_PACKAGES}}
         if quantize_kind is not None:
             quantized = quantize(staging, quantize_kind)
-            figures = compare_runtimes(float_runner, session(quantized), answers_for(model.config), eval_set,
+            figures = compare_runtimes(float_runner, session(quantized), answers, eval_set,
                                        chosen.batch_size if chosen else PARITY_IMAGES, eval_limit, parity.pixels)
             report["quantized"] = {"kind": quantize_kind, "file": quantized.name, **figures,
                                    "measured_on": "the run's eval split" if eval_set is not None else parity.source}
-            print(quantization_summary(report["quantized"]))
+            print(quantization_summary(report["quantized"], answers))
         report["files"] = sorted({entry.name for entry in staging.iterdir()} | {EXPORT_REPORT_FILE})
         (staging / EXPORT_REPORT_FILE).write_text(json.dumps(report, indent=1))
         publish(staging, target, earlier)
@@ -392,11 +395,12 @@ def unwritable(target: Path, error: OSError) -> ExportError:
                        "export is as it was. Free disk space, or choose another --output")
 
 
-def quantization_summary(figures: dict) -> str:
-    accuracy = (f"accuracy {figures['float_accuracy']:.4f} -> {figures['int8_accuracy']:.4f} "
-                f"({figures['accuracy_change']:+.4f})" if "float_accuracy" in figures else "no labelled eval split")
+def quantization_summary(figures: dict, answers: Answers) -> str:
+    metric = answers.metric
+    quality = (f"{answers.metric_name} {figures[f'float_{metric}']:.4g} -> {figures[f'int8_{metric}']:.4g} "
+               f"({figures[f'{metric}_change']:+.4g})" if f"float_{metric}" in figures else "no labelled eval split")
     return (f"{figures['kind']}: {figures['speedup']:.2f}x the float graph's CPU speed "
-            f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {accuracy}, "
+            f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {quality}, "
             f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over "
             f"{figures['images']} images")
 

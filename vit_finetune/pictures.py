@@ -162,3 +162,47 @@ def draw_predicted_vs_true(predicted: np.ndarray, true: np.ndarray, names: list[
     figure.suptitle("Predicted against true value (eval images)")
     figure.tight_layout()
     save_figure(figure, path, dpi=80)
+
+
+# ---------------------------------------------------------------- explain's panel of what the model gives, per task
+
+
+def draw_probabilities(axis, shown: list[tuple[str, float]], score_format: str) -> None:
+    """A classifier's top labels as bars on a 0-1 probability axis, best at the top."""
+    labels, scores = zip(*reversed(shown))
+    drawn = axis.barh(range(len(labels)), scores, color="tab:blue")
+    axis.set(xlim=(0, 1), xlabel="probability", title="top predictions")
+    axis.bar_label(drawn, fmt=f"%{score_format}", padding=3)
+    axis.set_yticks(range(len(labels)), labels)
+
+
+def draw_label_scores(axis, shown: list[tuple[str, float]], given: list[tuple[str, float]],
+                      thresholds: dict[str, float], score_format: str) -> None:
+    """A multi-label model's top sigmoid scores on a 0-1 axis: the labels it gives (over their thresholds) stand out,
+    each threshold is a tick."""
+    labels, scores = zip(*reversed(shown))
+    chosen = {label for label, _ in given}
+    drawn = axis.barh(range(len(labels)), scores,
+                      color=["tab:blue" if label in chosen else "lightgrey" for label in labels])
+    axis.scatter([thresholds[label] for label in labels], range(len(labels)), marker="|", s=400, color="black",
+                 zorder=3)
+    axis.set(xlim=(0, 1), xlabel="sigmoid score (|: the label's threshold)",
+             title="given: " + (", ".join(label for label, _ in given)[:60] or "no label"))
+    axis.bar_label(drawn, fmt=f"%{score_format}", padding=3)
+    axis.set_yticks(range(len(labels)), labels)
+
+
+def draw_values(axis, shown: list[tuple[str, float]], total: int, score_format: str) -> None:
+    """A regression's values, each target by name in the targets' order, as bars from 0 on an axis that spans them
+    (negative values to the left), each bar labelled with its value; `total`: the model's number of targets."""
+    names, values = zip(*reversed(shown))
+    low, high = min(0.0, *values), max(0.0, *values)
+    span = (high - low) or 1.0
+    drawn = axis.barh(range(len(names)), values, color=["tab:blue" if value >= 0 else "tab:orange" for value in values])
+    axis.axvline(0, color="grey", linewidth=1)
+    # room beside the bars' ends for their labels
+    axis.set_xlim(low - 0.35 * span if low < 0 else -0.02 * span, high + 0.35 * span if high > 0 else 0.02 * span)
+    axis.set(xlabel="predicted value (each target in its own units)",
+             title="predicted values" + (f" (first {len(shown)} of {total} targets)" if total > len(shown) else ""))
+    axis.bar_label(drawn, fmt=f"%{score_format}", padding=3)
+    axis.set_yticks(range(len(names)), names)

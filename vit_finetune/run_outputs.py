@@ -28,6 +28,7 @@ from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTOR
 from .outputs import clear_claimed
 from .recipe import Recipe, write_recipe
 from .recipe.limits import REPO_ID_PATTERN
+from .text import printable
 
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
@@ -119,8 +120,9 @@ def usage_id(recipe: Recipe, output_dir: Path) -> str:
 
 
 def markdown_text(value: str) -> str:
-    """A label as inert Markdown text on one line: HTML and Markdown's marks escaped, line breaks made spaces."""
-    one_line = " ".join(str(value).split())
+    """A label as inert Markdown text on one line: HTML and Markdown's marks escaped, line breaks made spaces, and
+    controls and bidirectional overrides written as their escapes (text.printable), so none reorders the card."""
+    one_line = printable(" ".join(str(value).split()))
     return MARKDOWN_MARKS.sub(r"\\\g<0>", html.escape(one_line, quote=False))
 
 

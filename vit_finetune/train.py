@@ -30,7 +30,7 @@ from .errors import VitFinetuneError
 from .parts import Parts
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
                         refuse_a_lone_process, unshared_folder_refusal, watch_launcher)
-from .recipe import (Recipe, pixel_drawing_settings, step_only_settings, weight_selection_settings,
+from .recipe import (Recipe, probe_unused_settings, step_only_settings, weight_selection_settings,
                      without_pixel_draws, write_recipe)
 
 
@@ -355,10 +355,12 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
                                           None if task.probe_fits else task.name, averages)
         said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
-        unused = pixel_drawing_settings(recipe) if not methods.METHODS[method].fine_tunes else []
-        if unused:  # the probe reads each image once, as evaluation does: the recipe as run says so
-            said["train.method"] += f"\n  {', '.join(unused)} not used: a probe reads each image once, unaugmented"
-            recipe = without_pixel_draws(recipe)
+    unused = [] if methods.METHODS[recipe.train.method].fine_tunes else probe_unused_settings(recipe)
+    if unused:  # said once; the probe reads each image once, as evaluation does: the recipe as run says so
+        said["train.method"] = (said.get("train.method", f"train.method={recipe.train.method}")
+                                + f"\n  {', '.join(unused)} not used: the probe alone reads each image once, "
+                                "unaugmented, fits the head in one go and takes no optimiser step")
+        recipe = without_pixel_draws(recipe)
     if recipe.train.mixed_precision == "auto":  # make_accelerator chose it: the accelerator runs it
         why = precision.auto_mixed_precision(accelerator.device.type)[1]
         said["train.mixed_precision"] = (f"train.mixed_precision=auto -> {accelerator.mixed_precision}: {why}; set "

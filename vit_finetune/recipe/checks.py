@@ -147,8 +147,17 @@ def _method_problems(recipe: Recipe) -> list[str]:
     if METHODS[method].probes and recipe.data.streaming:
         problems.append(f"train.method={method} reads every training image once before training, which a stream is "
                         "not read as (data.streaming=true); use train.method=finetune, or data.streaming=false")
+    if METHODS[method].probes and not recipe.model.pretrained:
+        problems.append(f"train.method={method} fits the head on the frozen backbone's features, and "
+                        "model.pretrained=false makes them random: the probe would fit noise. Fix: "
+                        "model.pretrained=true, or train.method=finetune (auto chooses it for random weights)")
     if METHODS[method].fine_tunes:
         return problems
+    selecting = weight_selection_settings(recipe)
+    if selecting:
+        problems.append(f"train.method=linear_probe fits the head once, with no optimiser steps and no evaluations "
+                        f"during training to choose among or average, so {', '.join(selecting)} would never be used; "
+                        "remove them, or use train.method=lp_ft")
     if recipe.model.lora is not None:
         problems.append("train.method=linear_probe trains the head alone, so model.lora's adapters would never "
                         "train; set model.lora=null, or train.method=lp_ft to fine-tune the adapters after the probe")
@@ -168,6 +177,19 @@ def step_only_settings(recipe: Recipe) -> list[str]:
     leave them unused, and WiSE-FT's average has no counterpart for them in the probe's model."""
     return [key for key, value in (("model.lora", recipe.model.lora), ("train.distill", recipe.train.distill))
             if value is not None]
+
+
+def probe_unused_settings(recipe: Recipe) -> list[str]:
+    """`key=value` of this recipe's settings that the linear probe alone leaves unused: it reads each image once,
+    unaugmented, fits the head in one go and takes no optimiser step (the pixel draws, the weight selections,
+    train.max_steps, a train.wise_ft_alpha given as a number)."""
+    t = recipe.train
+    unused = pixel_drawing_settings(recipe) + weight_selection_settings(recipe)
+    if t.max_steps is not None:
+        unused.append(f"train.max_steps={t.max_steps}")
+    if t.wise_ft_alpha != "auto":
+        unused.append(f"train.wise_ft_alpha={t.wise_ft_alpha:g}")
+    return unused
 
 
 def weight_selection_settings(recipe: Recipe) -> list[str]:

@@ -29,6 +29,41 @@ MAX_RECIPE_BYTES = 1_000_000
 MAX_RECIPE_DEPTH = 32
 NAME_MAX = 255  # bytes in one file or folder name: ext4, XFS, APFS and NTFS allow no more
 SEED_MAX = 2**32 - 1  # NumPy's generators take no larger seed (nor a negative one)
+MAX_GRID_SIDE = 256  # patches per side: 4,096 px at patch 16 (DINOv2's grid is 37 a side)
+# Whole-number keys are bounded where no run means more: past these a value is a typo or years of compute, and a huge
+# one overflows a C integer inside torch, Accelerate or NumPy once data and model have loaded (train.grad_accum=1e20:
+# an OverflowError at the first backward). Each bound, key -> (largest value, why).
+WHOLE_NUMBER_LIMITS: dict[str, tuple[int, str]] = {
+    "model.image_size": (MAX_GRID_SIDE * 64, f"{MAX_GRID_SIDE} patches a side at the largest patch, 64 px"),
+    "model.window_size": (MAX_GRID_SIDE, f"a window spans at most the {MAX_GRID_SIDE}-patch grid"),
+    "model.lora.r": (4096, "a rank above the model's width adds nothing, and ViT-G is 1,664 wide"),
+    "data.num_workers": (256, "more decode processes than any machine has cores"),
+    "data.shuffle_buffer": (10_000_000, "rows each process holds in memory"),
+    "augment.randaugment_ops": (15, "kornia's RandAugment draws that many distinct operations from its 15"),
+    "augment.randaugment_magnitude": (29, "kornia's RandAugment takes 1 to 29"),
+    "augment.mix_off_epochs": (100_000, "as many as train.epochs may be"),
+    "train.epochs": (100_000, "years of compute on any real dataset; for a long run on few images use train.max_steps"),
+    "train.max_steps": (10_000_000, "weeks at 10 steps a second, more than any ViT fine-tune takes"),
+    "train.batch_size": (65_536, "images per device per forward pass, more than any device holds"),
+    "train.grad_accum": (65_536, "an effective batch beyond any published ViT recipe's"),
+    "train.warmup_steps": (10_000_000, "as many steps as train.max_steps may be"),
+    "train.log_every_steps": (10_000_000, "as many steps as train.max_steps may be"),
+    "train.eval_every_steps": (10_000_000, "as many steps as train.max_steps may be"),
+    "train.checkpoint_every_steps": (10_000_000, "as many steps as train.max_steps may be"),
+    "train.early_stopping_patience": (10_000_000, "as many steps as train.max_steps may be"),
+    "train.keep_checkpoints": (10_000, "each is a copy of the model and the optimiser on disk"),
+    "train.cpu_threads": (4096, "more threads than any machine has cores"),
+    "train.collective_timeout_s": (7 * 24 * 3600, "a week; a longer wait is a hang"),
+}
+# The whole-number keys left unbounded, and why no value of theirs can overflow or run for years.
+UNBOUNDED_WHOLE_NUMBERS = {
+    "train.seed": "checked against SEED_MAX",
+    "model.keep_blocks": "checked against the base's depth when its config is read",
+    "data.max_train_samples": "a subset larger than the split is the whole split",
+    "data.max_eval_samples": "a subset larger than the split is the whole split",
+    "data.min_image_side": "compared with each image's side in Python: too large, every image is named as too small",
+    "data.max_image_pixels": "compared with each image's pixel count in Python",
+}
 EXCERPT = reprlib.Repr()
 EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
 EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4

@@ -17,8 +17,8 @@ from pydantic_core import to_jsonable_python
 from ..errors import EXIT_USAGE, VitFinetuneError
 from ..layout import RECIPE_FILE
 from .checks import PROBLEMS_APART, as_yaml_value, flatten
-from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_file,
-                     count_values, deepest, excerpt)
+from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_dir,
+                     _is_file, count_values, deepest, excerpt)
 from .schema import Recipe
 
 
@@ -31,6 +31,39 @@ class RecipeError(VitFinetuneError):
         self.problems = problems
         source = source if len(source) <= 300 else excerpt(source)
         super().__init__(f"{source} has {len(problems)} problem(s):\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that gives one key twice: YAML forbids it, and PyYAML would keep the last value without a word."""
+
+    def __init__(self, key: Any, first_line: int, line: int):
+        where = f"on line {line}" if line == first_line else f"on lines {first_line} and {line}"
+        super().__init__(f"the key {excerpt(key)} is given twice, {where}; YAML would keep only the second, dropping "
+                         "the first's values without a word. Fix: merge them into one")
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (a recipe can never construct Python objects) that refuses a key given twice in one
+    mapping, at any level; a merge key (`<<: *defaults`) may still be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+            try:
+                if key in lines:
+                    raise DuplicateKey(key, lines[key], line)
+                lines[key] = line
+            except TypeError:  # a list or mapping as a key: the constructor refuses it below
+                continue
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml(text: str) -> Any:
+    """A recipe's YAML (a file, or an override's value) with RecipeLoader."""
+    return yaml.load(text, Loader=RecipeLoader)
 
 
 def available_recipes() -> dict[str, Path]:
@@ -50,13 +83,16 @@ def recipe_files(directory: Path) -> list[Path]:
 
 
 def find_recipe(name_or_path: str) -> Path:
-    """A recipe file from a shipped name (food101_384) or a path; unknown names list the shipped ones."""
+    """A recipe file from a shipped name (food101_384) or a path; unknown names list the shipped ones, a folder the
+    recipes it holds."""
     path = Path(name_or_path)
+    recipes = available_recipes()
+    if _is_dir(path) and name_or_path not in recipes:
+        raise RecipeError([folder_given(path)], "--recipe")
     if path.suffix in (".yaml", ".yml") or _is_file(path):
         if not _is_file(path):
             raise RecipeError([f"recipe file {name_or_path!r} does not exist"], "--recipe")
         return path
-    recipes = available_recipes()
     if name_or_path not in recipes:
         close = difflib.get_close_matches(name_or_path, recipes, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -67,12 +103,30 @@ def find_recipe(name_or_path: str) -> Path:
     return recipes[name_or_path]
 
 
+def folder_given(folder: Path, shown: int = 10) -> str:
+    """Why a folder given as --recipe is refused: the recipe files directly in it (not below: a folder such as the
+    home folder may hold a great many), or that it holds none."""
+    try:
+        inside = sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and _is_file(p))
+    except OSError:
+        inside = []
+    named = repr(str(folder)) if len(str(folder)) <= 300 else excerpt(str(folder))
+    if not inside:
+        return (f"{named} is a folder, not a recipe file, and holds no .yaml recipe. Fix: give a "
+                "recipe file (--recipe path/to/recipe.yaml) or a shipped name (--list-recipes lists them)")
+    listed = ", ".join(inside[:shown]) + (f", ... ({len(inside)} in all)" if len(inside) > shown else "")
+    return (f"{named} is a folder, not a recipe file; the recipes in it: {listed}. Fix: give one, "
+            f"e.g. --recipe {(folder / inside[0]).as_posix()}")
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     try:
         if path.stat().st_size > MAX_RECIPE_BYTES:
             raise RecipeError([f"{path} is {path.stat().st_size:,} bytes; a recipe is a few KB (limit "
                                f"{MAX_RECIPE_BYTES:,}). Is it the right file?"], str(path))
-        data = yaml.safe_load(path.read_text())  # safe loader: a recipe can never construct Python objects
+        data = parse_yaml(path.read_text())
+    except DuplicateKey as error:
+        raise RecipeError([f"{path}: {error}"], str(path)) from None
     except yaml.YAMLError as error:
         raise RecipeError([f"{path} is not valid YAML: {error}"], str(path)) from None
     except RecursionError:
@@ -100,7 +154,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             problems.append(f"override {excerpt(override)} must look like section.key=value, e.g. train.lr=0.01")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = parse_yaml(raw) if raw.strip() else None
+        except DuplicateKey as error:
+            problems.append(f"override {excerpt(override)}: {error}")
+            continue
         except yaml.YAMLError:
             value = raw  # let the schema decide whether a plain string is acceptable here
         except RecursionError:

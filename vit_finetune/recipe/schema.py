@@ -15,7 +15,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from ..methods import METHODS
 from .checks import check_data_section, check_recipe, check_train_section
-from .limits import REPO_ID_PATTERN, SEED_MAX, excerpt, names_fit
+from .limits import REPO_ID_PATTERN, SEED_MAX, WHOLE_NUMBER_LIMITS, excerpt, names_fit
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -34,6 +34,23 @@ def expand_home(value: str | None) -> str | None:
     if expanded.startswith("~"):
         raise ValueError(f"no home folder is known for {value.split('/')[0]!r}; give the full path")
     return expanded
+
+
+def at_most(key: str) -> AfterValidator:
+    """The bound WHOLE_NUMBER_LIMITS sets on `key`'s whole number (auto and null pass), refused with its reason."""
+    limit, why = WHOLE_NUMBER_LIMITS[key]
+
+    def check(value: Any) -> Any:
+        if isinstance(value, int) and value > limit:
+            raise ValueError(f"must be at most {limit:,} ({why}); give a smaller number")
+        return value
+
+    return AfterValidator(check)
+
+
+def Bounded(key: str, kind: Any = StrictInt) -> Any:
+    """A whole-number key (`kind`: the type as it may also be auto or null) within its WHOLE_NUMBER_LIMITS bound."""
+    return Annotated[kind, at_most(key)]
 
 
 ALPHA_COLOUR = re.compile(r"^(white|black|#[0-9a-fA-F]{6})$")
@@ -62,7 +79,7 @@ class Strict(BaseModel):
 
 
 class LoraSettings(Strict):
-    r: StrictInt = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
+    r: Bounded("model.lora.r") = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
     alpha: Float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
     dropout: Float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
@@ -74,7 +91,7 @@ class ModelSettings(Strict):
     base: HomePath = Field("google/vit-base-patch16-224", description=(
         "the pretrained ViT-family model (see docs/families.md): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
         "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
-    image_size: StrictInt = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
+    image_size: Bounded("model.image_size") = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
     lora: LoraSettings | None = Field(None,
         description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")
     head_init: Literal["zero", "random"] = Field(
@@ -85,7 +102,7 @@ class ModelSettings(Strict):
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
     compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
-    window_size: StrictInt | None = Field(None, gt=0, description=(
+    window_size: Bounded("model.window_size", StrictInt | None) = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
     drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
         "stochastic depth, e.g. 0.1; null = the base config's. Only families whose config has a drop-path rate "
@@ -152,7 +169,7 @@ class DataSettings(Strict):
     min_image_side: StrictInt = Field(2, gt=0, description="images with a smaller side (px) are treated as corrupt")
     max_image_pixels: StrictInt = Field(89_478_485, gt=0,
         description="larger images are refused (PIL's decompression-bomb limit)")
-    num_workers: StrictInt | None = Field(None, ge=0,
+    num_workers: Bounded("data.num_workers", StrictInt | None) = Field(None, ge=0,
         description="DataLoader decode processes; null = chosen from the CPU count and the device")
     class_balance: Literal["weights", "sampler"] | None = Field(None, description=(
         "skewed label counts: weights = each image's loss weighted by N / (classes x its class's count); "
@@ -177,7 +194,7 @@ class DataSettings(Strict):
         "data.task=regression with several targets: the columns holding them (null = data.label_column alone)"))
     label_separator: str = Field(";", description=(
         "label files: the character joining several labels in one cell, e.g. 'cat;dog'; '' = never split"))
-    shuffle_buffer: StrictInt = Field(1000, gt=0, description=(
+    shuffle_buffer: Bounded("data.shuffle_buffer") = Field(1000, gt=0, description=(
         "data.streaming: rows each process holds to shuffle its stream (shard order is shuffled too, per pass); "
         "more = better mixed, more memory (rows x encoded image size)"))
 
@@ -201,14 +218,17 @@ class AugmentSettings(Strict):
     """DeiT's batch augmentations, run on the device on whole batches (vit_finetune.augment); all off by default."""
 
     policy: Literal["none", "randaugment", "trivialaugment"] = Field("none", description="kornia's automatic augmentation policies")
-    randaugment_ops: StrictInt = Field(2, gt=0, description="RandAugment: operations per image")
-    randaugment_magnitude: StrictInt = Field(9, ge=0, le=30, description="RandAugment: strength of every operation, 0-30")
+    randaugment_ops: Bounded("augment.randaugment_ops") = Field(2, gt=0, description=(
+        "RandAugment: operations per image, 1-15 (distinct ones, drawn from kornia's 15)"))
+    # kornia refuses 0 and 30, and only when the augmenter is built, after data and model load
+    randaugment_magnitude: Bounded("augment.randaugment_magnitude") = Field(9, gt=0, description=(
+        "RandAugment: strength of every operation, 1-29"))
     erasing_prob: Float = Field(0.0, ge=0, le=1, description="random erasing: chance per image that a rectangle is blanked")
     mixup: bool = Field(False, description="blend pairs of images and their labels (soft-target loss)")
     cutmix: bool = Field(False, description="paste a box of another image; its label weighs the pasted area")
     mix_prob: Float = Field(1.0, ge=0, le=1, description="chance that a batch is mixed at all, with mixup or cutmix on")
     mix_switch_prob: Float = Field(0.5, ge=0, le=1, description="both on: chance that a mixed batch uses CutMix, not Mixup")
-    mix_off_epochs: StrictInt = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
+    mix_off_epochs: Bounded("augment.mix_off_epochs") = Field(0, ge=0, description="no mixing in the last N epochs (train on clean images at the end)")
 
 
 
@@ -235,10 +255,10 @@ class DistillSettings(Strict):
 
 
 class TrainSettings(Strict):
-    epochs: StrictInt = Field(1, gt=0, description="passes over the training split")
-    max_steps: StrictInt | None = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
-    batch_size: StrictInt = Field(32, gt=0, description="images per device per forward pass")
-    grad_accum: StrictInt = Field(1, gt=0,
+    epochs: Bounded("train.epochs") = Field(1, gt=0, description="passes over the training split")
+    max_steps: Bounded("train.max_steps", StrictInt | None) = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
+    batch_size: Bounded("train.batch_size") = Field(32, gt=0, description="images per device per forward pass")
+    grad_accum: Bounded("train.grad_accum") = Field(1, gt=0,
         description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
     lr: Float | Literal["auto"] = Field("auto", description=(
@@ -247,7 +267,7 @@ class TrainSettings(Strict):
     momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
     weight_decay: Float = Field(0.0, ge=0,
         description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
-    warmup_steps: StrictInt | Literal["auto"] = Field("auto", description=(
+    warmup_steps: Bounded("train.warmup_steps", StrictInt | Literal["auto"]) = Field("auto", description=(
         "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
         "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
@@ -257,22 +277,22 @@ class TrainSettings(Strict):
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
     seed: StrictInt = Field(0, description=(
         "seeds weights of the head, data order, augmentation and the carved eval split; 0 to 4294967295"))
-    cpu_threads: StrictInt | None = Field(None, gt=0, description=(
+    cpu_threads: Bounded("train.cpu_threads", StrictInt | None) = Field(None, gt=0, description=(
         "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
         "the same figures on every machine; null = torch's default (one per core)"))
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
         "no, bf16 or fp16 autocast; weights stay float32; auto: bf16 where the device computes bfloat16 natively "
         "(a CUDA GPU that has it, a CPU with AVX512-BF16 or AMX), else no (precision.auto_mixed_precision), printed"))
-    log_every_steps: StrictInt = Field(10, gt=0,
+    log_every_steps: Bounded("train.log_every_steps") = Field(10, gt=0,
         description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
-    eval_every_steps: StrictInt | Literal["auto"] | None = Field("auto", description=(
+    eval_every_steps: Bounded("train.eval_every_steps", StrictInt | Literal["auto"] | None) = Field("auto", description=(
         "evaluate during training every this many steps; null = at the end of every epoch; auto: every epoch when "
         "that costs little, else every few epochs or only at the end, so evaluations take at most about 10% of the "
         "training (evaluation.auto_eval_every_steps; every epoch with keep_best, early stopping or an EMA), "
         "printed. The final evaluation is always on the whole eval split"))
-    checkpoint_every_steps: StrictInt | None = Field(None, gt=0,
+    checkpoint_every_steps: Bounded("train.checkpoint_every_steps", StrictInt | None) = Field(None, gt=0,
         description="save a resumable checkpoint every this many steps; null = none")
-    keep_checkpoints: StrictInt = Field(2, gt=0, description="how many of the newest checkpoints to keep")
+    keep_checkpoints: Bounded("train.keep_checkpoints") = Field(2, gt=0, description="how many of the newest checkpoints to keep")
     resume: HomePath | None = Field(None,
         description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
     resume_ignore_changes: list[str] = Field(
@@ -280,7 +300,7 @@ class TrainSettings(Strict):
     report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
         [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
                         "(files in output_dir/runs); each needs its package installed")
-    collective_timeout_s: StrictInt = Field(
+    collective_timeout_s: Bounded("train.collective_timeout_s") = Field(
         600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
                                "stops with the stuck rank named (a frozen process would hang the rest forever)")
     ema_decay: Float | None = Field(None, gt=0, lt=1, description=(
@@ -289,7 +309,7 @@ class TrainSettings(Strict):
     keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
         "save the weights of the best evaluation by this metric (eval_accuracy, eval_loss, eval_macro_f1, "
         "eval_top5_accuracy) instead of the last; null = the last"))
-    early_stopping_patience: StrictInt | None = Field(None, gt=0, description=(
+    early_stopping_patience: Bounded("train.early_stopping_patience", StrictInt | None) = Field(None, gt=0, description=(
         "stop after this many evaluations without gain in train.keep_best; null = never"))
     layer_decay: Float | None = Field(None, gt=0, le=1, description=(
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "

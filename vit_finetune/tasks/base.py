@@ -9,19 +9,30 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import balance
+from .. import balance, pictures
 from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
 from ..evaluation import SplitPredictions
 
 
 @dataclass
 class Answers:
-    """How logits become the model's answer, and which answers count as right (export's int8 scoring): single-label,
-    the top class; multi-label, the labels over their thresholds; regression, the values within a tolerance."""
+    """How logits become the model's answer, which answers count as the same (export's float against int8 graph), and
+    how they are scored against the labels: single-label, the top class and accuracy; multi-label, the labels over
+    their thresholds and exact-match accuracy; regression, the values (the same within a tolerance) and their MAE."""
     kind: str  # what the agreement counts, in words
     decide: Callable[[torch.Tensor], torch.Tensor]
     matches: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     real: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
+    metric: str = "accuracy"  # what `score` measures, as metrics.json names it
+    metric_name: str = "accuracy"  # ... and as the console writes it
+    # (answers, labels) -> each image's score; None: 1 where the answer matches the label, else 0
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # a max abs logit difference (export's parity check) in the task's own terms, "" where the logits are its terms
+    in_own_terms: Callable[[float], str] = lambda difference: ""
+
+    def scores(self, answers: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Each image's score under `metric`."""
+        return self.score(answers, labels) if self.score else self.matches(answers, labels).float()
 
 
 class Task:
@@ -140,6 +151,26 @@ class Task:
     @classmethod
     def use_text(cls, load_from: str) -> str:
         """The card's note after its pipeline() snippet (nothing by default)."""
+        return ""
+
+    # ------------------------------------------------------------ showing an answer (explain's picture, the page)
+
+    model_noun: ClassVar[str] = "classifier"  # what the page calls the model
+    output_noun: ClassVar[str] = "labels"  # what it calls the model's outputs
+    score_format: ClassVar[str] = ".2f"  # how explain and the page write a score
+    confidences: ClassVar[bool] = True  # its scores are probabilities in [0, 1]: the page shows them as bars
+
+    def shown(self, scores: torch.Tensor, labels: list[str], top_k: int) -> list[tuple[str, float]]:
+        """What explain draws beside its map: the top_k outputs by score, best first."""
+        values, indices = scores.topk(min(top_k, scores.numel()))
+        return [(labels[index], value) for value, index in zip(values.tolist(), indices.tolist())]
+
+    def draw_shown(self, axis, shown: list[tuple[str, float]], given: list[tuple[str, float]]) -> None:
+        """explain's panel of `shown` on a matplotlib axis: probabilities as bars on a 0-1 axis."""
+        pictures.draw_probabilities(axis, shown, self.score_format)
+
+    def page_note(self, shown: list[tuple[str, float]], given: list[tuple[str, float]], top_k: int) -> str:
+        """The page's line under what the model gives, as HTML whose every label is escaped ('' for none)."""
         return ""
 
     label_sets: ClassVar[bool] = False  # each row's label is a list of labels

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .. import multilabel
+from .. import multilabel, pictures
 from ..data import DataError
 from ..layout import PRECISION_RECALL_FILE
+from ..text import printable
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 
@@ -109,6 +111,21 @@ class MultiLabel(Task):
     def saved_thresholds(self):
         return dict(zip(self.labels, self.thresholds))
 
+    def draw_shown(self, axis, shown, given):
+        pictures.draw_label_scores(axis, shown, given, self.saved_thresholds(), self.score_format)
+
+    def page_note(self, shown, given, top_k):
+        """Which labels pass their thresholds, and the best of those that do not."""
+        thresholds, chosen = self.saved_thresholds(), {label for label, _ in given}
+
+        def written(label: str, score: float) -> str:
+            return f"{html.escape(printable(label))} {score:.2f} (threshold {thresholds[label]:.2f})"
+
+        passing = ", ".join(f"<b>{written(label, score)}</b>" for label, score in given[:top_k])
+        below = ", ".join(written(label, score) for label, score in shown if label not in chosen)
+        return (f"<p>Labels given (score at or over the label's threshold): {passing or 'none'}."
+                + (f" Below their thresholds: {below}." if below else "") + "</p>")
+
     def finish_config(self, config, metrics: dict) -> None:
         """The thresholds chosen on the eval split travel with the model (predict reads them)."""
         setattr(config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
@@ -133,4 +150,4 @@ class MultiLabel(Task):
     def answers(self, config):
         thresholds = torch.tensor(np.asarray(self.thresholds, dtype=np.float32))
         return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds,
-                       lambda a, b: (a == b.bool()).all(-1), self.real)
+                       lambda a, b: (a == b.bool()).all(-1), self.real, metric_name="exact-match accuracy")

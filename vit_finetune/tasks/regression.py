@@ -10,12 +10,14 @@ standard deviation). Metrics are in the targets' own units: MAE, RMSE and R² pe
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import layout, pictures
+from ..text import printable
 from .base import Answers, SplitPredictions, Task
 
 PROBLEM_TYPE = "regression"
@@ -136,6 +138,25 @@ class Regression(Task):
         """Every target's value, in the targets' order (there is nothing to rank)."""
         return list(zip(labels, scores))
 
+    model_noun = "regression model"
+    output_noun = "targets"
+    score_format = ".4g"  # a value in its target's units: 59.94, -2.41, 0.0031
+    confidences = False
+
+    def shown(self, scores, labels, top_k):
+        """The first top_k targets' values, in the targets' order (there is nothing to rank)."""
+        return [(label, value) for label, value in zip(labels, scores.tolist()[:top_k])]
+
+    def draw_shown(self, axis, shown, given):
+        pictures.draw_values(axis, shown, len(given), self.score_format)
+
+    def page_note(self, shown, given, top_k):
+        """The values as a table of numbers in the targets' own units (not as confidences)."""
+        rows = "".join(f"<tr><td>{html.escape(printable(name))}</td><td>{value:{self.score_format}}</td></tr>"
+                       for name, value in given[:top_k])
+        more = f" The first {top_k} of {len(given)} targets; predict lists them all." if len(given) > top_k else ""
+        return f"<p>Predicted values, each in its target's own units:{more}</p><table>{rows}</table>"
+
     def write_csv(self, rows, path, top_k, open_writer):
         """One column per target, holding its predicted value."""
         count, header = 0, None
@@ -167,9 +188,15 @@ class Regression(Task):
         return RAW_VALUE_SNIPPET.format(model=load_from)
 
     def answers(self, config):
+        """Values agree within a share of each target's std; they are scored by their MAE, the mean over the targets
+        of the absolute error in each target's units (metrics.json's `mae`)."""
         tolerance = AGREEMENT_SHARE_OF_STD * self.std
+        largest_std = float(self.std.max()) if len(self.std) else 1.0
         return Answers(f"values within {AGREEMENT_SHARE_OF_STD:.0%} of each target's std",
-                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1), self.real)
+                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1), self.real,
+                       metric="mae", metric_name="MAE", score=lambda a, b: (a - b.float()).abs().mean(-1),
+                       in_own_terms=lambda difference: (f", at most {difference * largest_std:.3g} in the targets' "
+                                                        "units (x target_std)"))
 
 
 # pipeline("image-classification") applies a softmax (one target) or a sigmoid to the head's output and ranks it:
