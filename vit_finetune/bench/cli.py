@@ -20,7 +20,7 @@ from .flops import MODELS
 from .levers import DEFAULTS, LEVERS, parse_levers
 from .ours import run_our_loader, run_ours
 from .peer import run_peer, run_peer_loader
-from .report import TITLES, build_report, format_table
+from .report import TITLES, build_report, format_table, markdown_rows
 from .workload import DEVICE_DEFAULTS, Setup, ensure_base_model, ensure_jpeg_folder
 
 CONFIGS = ("model_step", "end_to_end", "lora", "peer", "data_ours", "data_peer")
@@ -61,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, help="where the JPEGs and the base model are written once "
                         "(default: $VIT_FINETUNE_CACHE/bench or ~/.cache/vit_finetune/bench)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"), help="the JSON report")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the figures as rows of docs/performance.md's table (card, date, command)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="also write a torch.profiler table of each measured window to DIR (perturbs timings)")
     args = parser.parse_args(argv)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 return run()
             except Exception as error:  # one broken configuration must not lose the others' figures
                 traceback.print_exc()
-                return {"error": f"{type(error).__name__}: {error}"}
+                return {"error": " ".join(f"{type(error).__name__}: {error}".split())}  # one line, for the table
             finally:
                 # Once the configuration's objects are out of scope (and, after a failure, its traceback's frames are
                 # gone too): free them before the next one measures its peak.
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                     lever.title, lambda: run_ours("model_step", setup, peak, memory, variant, f"lever_{name}"))}
                 report = write()
     print(format_table(report))
+    if args.markdown:
+        print("\n".join(["", "rows for docs/performance.md:", *markdown_rows(report)]))
     print(f"wrote {args.out}")
     failed = [*results.values(), *levers.values()]
     return 1 if any("error" in result for result in failed) else 0

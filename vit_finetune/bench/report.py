@@ -136,3 +136,21 @@ def format_table(report: dict) -> str:
     if report["ratios"]:
         lines.append("ratios: " + ", ".join(f"{key} {value:.3f}" for key, value in report["ratios"].items()))
     return "\n".join(lines)
+
+
+def markdown_rows(report: dict) -> list[str]:
+    """The report as rows of docs/performance.md's table: card, date, configuration, images/s, MFU, peak memory and
+    the command, one row per configuration and lever measured."""
+    card, date = report["device"]["name"], report["date"][:10]
+    measured = {**{TITLES[name]: result for name, result in report["configs"].items()},
+                **{("defaults (model step)" if name == "defaults" else LEVER_TITLES[name]): result
+                   for name, result in report.get("levers", {}).items()}}
+    rows = []
+    for title, result in measured.items():
+        if "error" in result:
+            rows.append(f"| {card} | {date} | {title} | failed: {result['error'][:80]} | | | `{report['command']}` |")
+            continue
+        mfu = "" if result["mfu"] is None else f"{100 * result['mfu']:.1f} %"
+        rows.append(f"| {card} | {date} | {title} | {result['images_per_s']:,.0f} | {mfu} | "
+                    f"{result['peak_memory_gib']:.1f} GiB | `{report['command']}` |")
+    return rows
