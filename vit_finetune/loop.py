@@ -1,9 +1,10 @@
 """The training loop: optimiser steps over the batches, epoch after epoch, and what happens after each step.
 
-`train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then check that nothing
-became NaN/Inf, log, evaluate, checkpoint, stop (the last step, early stopping, or SIGINT/SIGTERM, which with
-train.grad_accum > 1 is also heard between two forward passes). Everything a step does not need to know (data,
-model, export) is train.py's; callbacks observe each event (callbacks.py).
+`train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then note whether it stayed
+finite (read back, and a NaN/Inf stops the run, only before a log, an evaluation, a checkpoint or the end: the host
+never waits for the device inside a step), log, evaluate, checkpoint, stop (the last step, early stopping, or
+SIGINT/SIGTERM, which with train.grad_accum > 1 is also heard between two forward passes). Everything a step does
+not need to know (data, model, export) is train.py's; callbacks observe each event (callbacks.py).
 """
 
 from __future__ import annotations
