@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
+import yaml
 
 from runs import assert_bit_identical, completed, exists, history, launch_and_kill, losses, train
 from tiny import TINY_FAMILIES, tiny_family_config
@@ -296,11 +298,22 @@ def test_adamw_is_fused_on_cpu_and_cuda_and_steps_as_the_per_tensor_loop_does(ba
     assert 0 < worst < 1e-6  # not the same code path (0 would mean fused was not used), the same update
 
 
-def test_a_cpu_run_steps_the_fused_adamw(args, tmp_path):
-    seen = Observe()
-    assert train([*args, "train.max_steps=1", f"output_dir={tmp_path / 'out'}"], callbacks=[seen]) == 0
+def test_a_default_cpu_run_steps_the_fused_adamw_uncompiled_and_says_why(args, tmp_path, capsys):
+    seen, out = Observe(), tmp_path / "out"
+    assert train([*args, "train.max_steps=1", f"output_dir={out}"], callbacks=[seen]) == 0
     assert isinstance(seen.optimizer, torch.optim.AdamW) and seen.optimizer.defaults["fused"]
     assert seen.linear_dtypes == {torch.float32}  # train.mixed_precision=no: no autocast
+    # model.compile=auto: off on a CPU, as measured; the reason printed, the choice saved as the run made it.
+    assert not isinstance(seen.model, torch._dynamo.eval_frame.OptimizedModule)
+    assert "model.compile=auto -> false: on a CPU the demo recipe trained" in capsys.readouterr().out
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["compile"] is False
+
+
+def test_model_compile_null_reads_as_auto_as_earlier_versions_wrote_it():
+    from vit_finetune.recipe import load_recipe
+
+    assert load_recipe("demo", ["model.compile=null"]).model.compile == "auto"
+    assert load_recipe("demo", []).model.compile == "auto"
 
 
 @pytest.mark.gpu
