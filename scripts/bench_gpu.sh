@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# The GPU benchmark (python -m vit_finetune.bench), in two halves, for a GPU machine that reaches no package index.
+# The GPU measurements, in two halves, for a GPU machine that reaches no package index.
 #
 # 1. Here, on a machine that reaches PyPI, from the repository root:
 #        bash scripts/bench_gpu.sh fetch
 #    downloads into .whl/ (git-ignored) the wheels the GPU image lacks, pinned to the versions installed here.
 # 2. On the GPU machine, with .whl/ copied beside the repository and $OUT naming a folder for the results:
+#        bash scripts/bench_gpu.sh all                     # everything below, in under 8 minutes on an H100/H200
 #        bash scripts/bench_gpu.sh run                     # every configuration, CUDA defaults
 #        bash scripts/bench_gpu.sh run --configs end_to_end --steps 20 --profile "$OUT"   # profiler tables
-#        bash scripts/bench_gpu.sh test                    # the CUDA smoke test in tests/test_bench.py
+#        bash scripts/bench_gpu.sh test                    # the CUDA tests (pytest -m gpu)
+#    `all` writes into $OUT: all.log (everything printed, nvidia-smi and versions first), bench.json (the bench with
+#    the defaults and each lever changed alone), profile_model_step.txt and profile_lever_compile.txt (profiler
+#    tables of the default step and of the compiled one), precision.json (200 steps in fp16 and in bf16: both loss
+#    curves, the skipped steps, metrics.json); it prints the rows for docs/performance.md's table at the end.
 #    `run` writes bench.json, bench.log and nvidia-smi.txt into $OUT; arguments after `run` go to the bench.
+#    On a machine without CUDA, `all` runs the same steps on the CPU (tiny model, few steps, no fp16): a dry run.
+#    DEADLINE_S (450) bounds `all`: each step gets at most what is left of it, the rest is skipped and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Missing from the GPU image: datasets and evaluate with their needs (dill, multiprocess; fsspec and pyarrow in
-# the versions datasets accepts) and pydantic, which the recipe schema uses (with the typing-extensions its core
-# imports Sentinel from). The image's Python is 3.12.
-PACKAGES=(datasets evaluate dill multiprocess fsspec pyarrow pydantic pydantic-core annotated-types typing-inspection
-          typing-extensions)
+# Missing from the GPU image (torch, transformers, accelerate, peft, huggingface_hub 1.x, pyarrow, torchvision, timm,
+# pandas, requests): datasets and evaluate with their needs (dill, multiprocess, xxhash; fsspec in the versions
+# datasets accepts), kornia with its Rust core, pydantic with its core (and the typing-extensions that core imports
+# Sentinel from), and httpx2 with what it brings (for huggingface_hub 2.x's client). The image's Python is 3.12.
+PACKAGES=(datasets evaluate dill multiprocess xxhash fsspec kornia kornia-rs pydantic pydantic-core annotated-types
+          typing-inspection typing-extensions httpx2 httpcore2 truststore)
+PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # of the GPU image; another only to try the wheels on another Python
 
 fetch() {
     local pins=() name version
@@ -26,7 +35,7 @@ fetch() {
         pins+=("$name==$version")
     done
     rm -rf .whl && mkdir -p .whl
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    python3 -m pip download --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${pins[@]}"
     du -ch .whl/*.whl | tail -1
@@ -37,18 +46,101 @@ install_wheels() {
     ls .whl/*.whl >/dev/null 2>&1 || {
         echo "bench_gpu.sh: no wheels in .whl/; run 'bash scripts/bench_gpu.sh fetch' here and carry .whl" >&2; exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    # Everything is local: a random-weight ViT and generated JPEGs; nothing may reach for the Hub.
+    export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    # Everything is local: a random-weight ViT, generated JPEGs and shapes; nothing may reach for the Hub.
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     export VIT_FINETUNE_CACHE=${VIT_FINETUNE_CACHE:-/tmp/vit_finetune_cache}
     python3 -c "import importlib.metadata as m
-for n in ('torch', 'transformers', 'accelerate', 'peft', 'torchvision', 'datasets', 'evaluate', 'pyarrow', 'pydantic'):
-    print(n, m.version(n))"
+for n in ('torch', 'transformers', 'accelerate', 'peft', 'huggingface_hub', 'torchvision', 'datasets', 'evaluate',
+          'kornia', 'pyarrow', 'pydantic'):
+    try:
+        print(n, m.version(n))
+    except m.PackageNotFoundError:
+        print(n, 'not installed')"
+    # Fail now, naming the module, rather than minutes into the measurements.
+    python3 -c "import vit_finetune.train, vit_finetune.bench, kornia.augmentation" || {
+        echo "bench_gpu.sh: the package does not import here (above: the missing module); add it to PACKAGES" >&2
+        exit 1; }
+}
+
+# ------------------------------------------------------------------ all: every measurement, one command
+
+DEADLINE_S=${DEADLINE_S:-450}  # 7.5 minutes from the start; each step gets at most what is left of it
+
+step() {  # step SECONDS TITLE COMMAND...: run COMMAND for at most SECONDS (less if the deadline is nearer)
+    local cap=$1 title=$2 left status=0
+    shift 2
+    left=$((DEADLINE_S - SECONDS))
+    if ((left < cap)); then cap=$left; fi
+    if ((cap < 10)); then
+        echo "=== $title: skipped, the ${DEADLINE_S} s budget is spent"
+        return 0
+    fi
+    echo "=== $title (at most ${cap} s; $SECONDS s so far): $*"
+    # SIGINT first: the training loop stops cleanly on it; a measurement cut short keeps what its JSON already holds.
+    timeout --signal=INT --kill-after=15 "$cap" "$@" || status=$?
+    echo "=== $title: exit status $status after $SECONDS s in all"
+}
+
+precision_summary() {  # summary WORK OUT: both runs' loss curves, skipped steps and metrics.json, as one file
+    python3 - "$1" "$2" <<'PYTHON'
+import json, pathlib, sys
+work, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+summary = {}
+for folder in sorted(work.glob("precision-*")):
+    read = lambda name: json.loads((folder / name).read_text()) if (folder / name).exists() else None
+    metrics, history = read("metrics.json"), read("history.json") or []
+    losses = [[entry["step"], entry["loss"]] for entry in history if "loss" in entry]
+    skipped = {key: value for key, value in (metrics or {}).items() if "skip" in key and "image" not in key}
+    summary[folder.name.removeprefix("precision-")] = {"finished": metrics is not None, "losses": losses,
+                                                       "skipped": skipped, "metrics": metrics}
+    ends = f"loss {losses[0][1]:.4f} at step {losses[0][0]} -> {losses[-1][1]:.4f} at step {losses[-1][0]}" if losses else "no loss logged"
+    print(f"{folder.name}: finished {metrics is not None}; {ends}; skipped steps {skipped}")
+out.write_text(json.dumps(summary, indent=1))
+PYTHON
+}
+
+all() {
+    local work precision
+    nvidia-smi || true
+    install_wheels
+    work=$(mktemp -d /tmp/vit-gpu-all.XXXX)
+    # The bench's defaults on CUDA: ViT-B/16 at 384 px, batch 128, bf16. The precision runs: that random-weight ViT-B
+    # (which the bench writes) at 224 px on the demo's shapes, 200 optimiser steps, evaluated once at the end.
+    local bench=(--warmup 3 --steps 25) profile=(--warmup 3 --steps 8) precisions=(fp16 bf16)
+    local model=(model.base="$VIT_FINETUNE_CACHE/bench/base-vit-b16-384-101-v1" model.image_size=224)
+    local steps=200 batch=32 workers=8 warmup=20
+    if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+        echo "bench_gpu.sh: no CUDA device: a dry run of every step on the CPU (tiny model, few steps, no fp16)"
+        bench=(--warmup 1 --steps 2 --batch-size 4) profile=(--warmup 1 --steps 2 --batch-size 4) precisions=(bf16)
+        model=(model.base="$VIT_FINETUNE_CACHE/bench/base-tiny-4-v1" model.image_size=64) steps=4 batch=8 workers=0 warmup=1
+    fi
+    step 240 "bench: the configurations, then each lever changed alone" \
+        python3 -m vit_finetune.bench "${bench[@]}" --levers all --markdown --out "$OUT/bench.json"
+    step 120 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
+    step 90 "profiler tables: the default step and the compiled one" \
+        python3 -m vit_finetune.bench --configs model_step --levers compile "${profile[@]}" --profile "$OUT" \
+        --out "$work/profiled.json"
+    for precision in "${precisions[@]}"; do
+        step 60 "$steps steps in $precision" python3 -m vit_finetune "${model[@]}" model.pretrained=false \
+            data.dataset=builtin:shapes data.num_workers="$workers" train.method=finetune train.max_steps="$steps" \
+            train.batch_size="$batch" train.lr=1e-4 train.warmup_steps="$warmup" train.log_every_steps=10 \
+            train.eval_every_steps="$steps" train.mixed_precision="$precision" pictures=false \
+            output_dir="$work/precision-$precision"
+    done
+    precision_summary "$work" "$OUT/precision.json"
+    echo "=== done in $SECONDS s; in $OUT:"
+    ls -la "$OUT"
 }
 
 case "${1:-run}" in
     fetch)
         fetch
+        ;;
+    all)
+        : "${OUT:?OUT is unset: set OUT to the folder for the results}"
+        mkdir -p "$OUT"
+        all 2>&1 | tee "$OUT/all.log"
         ;;
     run)
         shift || true
@@ -60,10 +152,10 @@ case "${1:-run}" in
     test)
         shift || true
         install_wheels
-        python3 -m pytest -q -p no:cacheprovider tests/test_bench.py "$@"
+        python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py) "$@"
         ;;
     *)
-        echo "usage: bash scripts/bench_gpu.sh fetch | run [bench arguments] | test [pytest arguments]" >&2
+        echo "usage: bash scripts/bench_gpu.sh fetch | all | run [bench arguments] | test [pytest arguments]" >&2
         exit 2
         ;;
 esac

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from tiny import REPO
+from tiny import REPO, python_path
 
 from vit_finetune.bench import CONFIGS, MODELS, training_flops_per_image, vit_macs
 from vit_finetune.recipe import LoraSettings
@@ -40,7 +40,7 @@ def test_lora_flops_sit_between_forward_and_backward_costs():
 
 def run_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run(
         [sys.executable, "-m", "vit_finetune.bench", "--warmup", "1", "--steps", "3", "--batch-size", "8",
          "--cache", str(tmp_path / "cache"), "--out", str(out), *args],
@@ -99,10 +99,41 @@ def test_bench_command_on_cuda_turns_the_gpu_levers_on(tmp_path):
     check_report(report, "cuda")
     assert report["memory_measure"] == "torch.cuda.max_memory_allocated"
     assert report["setup"]["precision"] == "bf16"
-    for name in ("model_step", "end_to_end", "lora"):
+    for name in ("model_step", "end_to_end", "lora"):  # model.compile=auto: off, as measured on an H200
         settings = report["configs"][name]["settings"]
-        assert settings["torch_compile"] and settings["non_blocking_copies"] and settings["pin_memory"]
+        assert not settings["torch_compile"] and settings["non_blocking_copies"] and settings["pin_memory"]
         assert "fused=True" in settings["optimizer"]
     loader = report["configs"]["data_ours"]["settings"]
     assert loader["pin_memory"] and loader["non_blocking_copies"] and loader["num_workers"] == 2
     assert report["configs"]["peer"]["settings"]["precision"] == "bf16"
+
+
+@pytest.mark.slow
+def test_each_lever_changes_one_setting_of_the_defaults_step(tmp_path, monkeypatch, capsys):
+    """--levers: the defaults' model step, then one per lever, each differing from the defaults in the setting it
+    names, read off the objects the step trained with. In this process, with a compile backend that skips inductor's
+    code generation (its C++ build would be most of the test's time)."""
+    from vit_finetune import compiling
+    from vit_finetune.bench import main
+
+    monkeypatch.setattr(compiling, "BACKEND", "aot_eager_decomp_partition")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # main sets it for --device cpu; restored after the test
+    out = tmp_path / "bench.json"
+    assert main(["--device", "cpu", "--configs", "model_step", "--levers", "all", "--warmup", "1", "--steps", "2",
+                 "--batch-size", "4", "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    levers = report["levers"]
+    assert list(levers) == ["defaults", "compile", "fused_adamw", "host_sync", "batch"]
+    assert levers["defaults"] == report["configs"]["model_step"]  # the same measurement, not a second one
+    defaults = levers["defaults"]["settings"]
+    changed = {name: {key for key, value in figures["settings"].items() if defaults[key] != value}
+               for name, figures in levers.items() if name != "defaults"}
+    assert changed == {"compile": {"torch_compile", "attention"}, "fused_adamw": {"optimizer"},
+                       "host_sync": {"finite_check"}, "batch": {"batch_size"}}
+    assert (defaults["torch_compile"], levers["compile"]["settings"]["attention"]) == (False, compiling.EAGER_SDPA)
+    assert levers["batch"]["measured_images"] == 2 * defaults["batch_size"] * 2
+    assert set(report["lever_ratios"]) == set(changed)
+    assert all(ratio["images/s"] > 0 for ratio in report["lever_ratios"].values())
+    table = capsys.readouterr().out
+    assert all(f"lever: {title}" in table for title in ("model.compile flipped", "AdamW not fused",
+                                                       "NaN check every step", "twice the batch"))

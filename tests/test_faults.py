@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from torch.overrides import TorchFunctionMode
 
 import recorder
 from runs import RECIPE, before_batch, killed_after_a_checkpoint, train, weights
@@ -47,8 +48,9 @@ def all_finite(path: Path) -> bool:
 # ---------------------------------------------------------------- 7. non-finite loss
 
 
-def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(args, tmp_path, capsys, hub, hub_repo_id,
-                                                                              monkeypatch):
+def test_a_nan_loss_stops_at_the_next_checkpoint_naming_its_step_and_leaves_the_last_good_one(args, tmp_path, capsys,
+                                                                                              hub, hub_repo_id,
+                                                                                              monkeypatch):
     from conftest import HUB_TOKEN
 
     monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
@@ -65,17 +67,53 @@ def test_a_nan_loss_stops_within_one_step_and_leaves_the_last_good_checkpoint(ar
         loss = cross_entropy(logits, labels, **kwargs)
         return loss * float("nan") if len(steps) == 5 and "label_smoothing" in kwargs else loss
 
-    code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "hub.push=true",
-                  f"hub.repo_id={hub_repo_id}"],
+    # Logged every 4 steps: step 6's checkpoint is the first point after step 5 where the loop reads the check back.
+    code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "train.log_every_steps=4",
+                  "hub.push=true", f"hub.repo_id={hub_repo_id}"],
                  callbacks=[before_batch(count_steps)], patches=[(torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
     assert code == 3  # loop.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
-    assert len(steps) == 6  # the NaN of step 5 is read one step late, never later
+    assert len(steps) == 6  # stopped before step 6 was saved, the step where the NaN began named
     assert "NaN/Inf at optimiser step 5" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert snapshot(out / "checkpoints" / "step-00000004") == good
     assert all_finite(out / "checkpoints" / "step-00000004" / "model.safetensors")
     assert not (out / "metrics.json").exists() and not (out / "model.safetensors").exists()
     assert not hub.repo_exists(hub_repo_id)  # nothing pushed
+
+
+class HostReads(TorchFunctionMode):
+    """Records each call that, on a tensor in GPU memory, makes the host wait for the device to finish its queued work
+    (a CPU has no such wait: on this machine the calls are what is counted, wherever their tensor lives)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__,
+             torch.Tensor.__index__, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu, torch.Tensor.nonzero,
+             torch.nonzero, torch.Tensor.any, torch.Tensor.all}
+
+    def __init__(self):
+        super().__init__()
+        self.counting, self.calls = False, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.counting and func in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_steps_between_logs_never_wait_for_the_device(args, tmp_path):
+    """The NaN/Inf check of each step stays on the device until the next log, evaluation or checkpoint: reading it
+    back after every step (as the loop once did) made the host wait for each step's end before it queued the next."""
+    from vit_finetune.callbacks import Callback
+
+    reads = HostReads()
+
+    class CountBetweenSteps(Callback):
+        def on_step_end(self, run):  # from the end of step 1 to the end of step 4: steps 2-4 and what follows each
+            reads.counting = run.state.step in (1, 2, 3)
+
+    run = [*args, "train.max_steps=5", "train.log_every_steps=5", f"output_dir={tmp_path / 'out'}"]
+    with reads:
+        assert train(run, callbacks=[CountBetweenSteps()]) == 0
+    assert reads.calls == []
 
 
 @pytest.mark.parametrize("lr", ["1e6"])  # the largest the recipe accepts (inf and nan are refused at validation)

@@ -57,9 +57,16 @@ def write_colour_folder(root: Path, classes: int = 3, train: int = 16, validatio
     return Path(root)
 
 
+def python_path(*first: Path) -> str:
+    """A subprocess's PYTHONPATH: `first` (this checkout, by default) ahead of the one this process has, which may be
+    how the libraries themselves are found (wheels unpacked into a folder, on a machine with no installer)."""
+    kept = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join([str(path) for path in (first or (REPO,))] + ([kept] if kept else []))
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real entry point in a fresh interpreter, as a user runs it."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": python_path(), "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "vit_finetune", *args], capture_output=True, text=True,
                           timeout=timeout, env=full_env, cwd=cwd or REPO)
 

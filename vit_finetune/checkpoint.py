@@ -186,6 +186,8 @@ def read_saved_state(checkpoint: Path) -> tuple[dict, dict]:
 def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
     saved = flatten(read_saved_state(checkpoint)[0])
+    if "model.compile" in saved and saved["model.compile"] is None:  # auto, as earlier versions spelled it
+        saved["model.compile"] = "auto"
     # A checkpoint written before the recipe expanded `~` kept it: compare the folders, not their spellings.
     saved.update({key: os.path.expanduser(saved[key]) for key in HOME_PATH_KEYS if isinstance(saved.get(key), str)})
     current = flatten(recipe.model_dump(mode="json"))

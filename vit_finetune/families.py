@@ -148,6 +148,9 @@ class Family:
     # One stack of blocks of the same width, numbered 0..N-1: a shallower model can keep any of them
     # (model.keep_blocks). Swin's blocks sit in stages that change width and resolution: no such cut.
     one_block_stack: bool = True
+    # Why a compiled model cannot keep this family's attention out of the graph (compiling.py); None: its attention
+    # goes through transformers' attention interface, which can.
+    own_attention: str | None = None
 
     def new_modules(self) -> tuple[str, ...]:
         """Name prefixes of what may be newly initialised: the head, and what the family adds with it."""
@@ -201,7 +204,8 @@ FAMILIES: dict[str, Family] = {
                    fresh_with_head=("beit.pooler",)),
     "data2vec-vision": Family("Data2Vec-vision", "Data2VecVisionForImageClassification", "data2vec_vision",
                               _BEIT_POSITION, _BEIT_RESIZED, roles=LEGACY_ROLES,
-                              fresh_with_head=("data2vec_vision.pooler",)),
+                              fresh_with_head=("data2vec_vision.pooler",),
+                              own_attention="calls PyTorch's attention itself, not through transformers' interface"),
     "dinov2": Family("DINOv2", "Dinov2ForImageClassification", "dinov2",
                      (AbsoluteTable("embeddings.position_embeddings", 1, antialias="never"),),
                      _DINOV2_RESIZED.format("bicubic, no antialias")),

@@ -1,9 +1,10 @@
 """The training loop: optimiser steps over the batches, epoch after epoch, and what happens after each step.
 
-`train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then check that nothing
-became NaN/Inf, log, evaluate, checkpoint, stop (the last step, early stopping, or SIGINT/SIGTERM, which with
-train.grad_accum > 1 is also heard between two forward passes). Everything a step does not need to know (data,
-model, export) is train.py's; callbacks observe each event (callbacks.py).
+`train_loop` reads top to bottom: each optimiser step (forward, backward, clip, step), then note whether it stayed
+finite (read back, and a NaN/Inf stops the run, only before a log, an evaluation, a checkpoint or the end: the host
+never waits for the device inside a step), log, evaluate, checkpoint, stop (the last step, early stopping, or
+SIGINT/SIGTERM, which with train.grad_accum > 1 is also heard between two forward passes). Everything a step does
+not need to know (data, model, export) is train.py's; callbacks observe each event (callbacks.py).
 """
 
 from __future__ import annotations
@@ -214,13 +215,49 @@ class TrainLog:
         state.skipped_images = self.skipped_before + sum_over_processes(self.accelerator, self.skipped_here)
 
 
-def train_loop(run: TrainingRun, callbacks: Callback = Callback()) -> None:
-    """Optimiser steps until the run's last one, or until interrupted; SIGINT/SIGTERM checkpoint first."""
+class NonFiniteWatch:
+    """The first optimiser step whose loss or gradient norm was NaN/Inf, kept on the device. Noting a step's flag
+    queues two tiny kernels and never waits for the device; `check` reads the step back (a collective) where the
+    loop logs, evaluates, checkpoints or ends, so nothing non-finite is ever evaluated or saved, and the error names
+    the step where it began. Read after every step instead, the host would wait each step for the previous one's
+    end, leaving the GPU idle while the next step is queued (`every_step`: how the bench measures that cost)."""
+
+    NONE = torch.iinfo(torch.int64).max
+
+    def __init__(self, device: torch.device, every_step: bool = False):
+        self.first = torch.full((), self.NONE, dtype=torch.int64, device=device)
+        self.every_step = every_step
+
+    def note(self, finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
+        self.first = torch.where(finite, self.first, self.first.clamp(max=step))
+        if self.every_step:
+            self.check(accelerator, step)
+
+    def check(self, accelerator: Accelerator, step: int, model: torch.nn.Module | None = None) -> None:
+        """Raise NonFiniteLoss if a step so far was not finite, or, given the `model`, if its weights are not (a
+        finite loss and gradient can still step them to Inf): on every process, if on any (a collective)."""
+        first = self.first if model is None else torch.where(_weights_finite(model), self.first,
+                                                             self.first.clamp(max=step))
+        if accelerator.num_processes > 1:
+            first = accelerator.gather(first.reshape(1)).min()
+        bad_step = int(first.item())
+        if bad_step != self.NONE:
+            raise NonFiniteLoss(
+                f"the loss, a gradient or the weights became NaN/Inf at optimiser step {bad_step}; training stopped, "
+                "no checkpoint was written from then on and nothing was saved as the final model. "
+                "Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
+            )
+
+
+def train_loop(run: TrainingRun, callbacks: Callback = Callback(), finite_check_every_step: bool = False) -> None:
+    """Optimiser steps until the run's last one, or until interrupted; SIGINT/SIGTERM checkpoint first.
+    `finite_check_every_step`: read the NaN/Inf check back after every step (NonFiniteWatch), for the bench."""
     interrupt = InterruptFlag()
     log = TrainLog(run.accelerator, run.state, run.parts.total_steps)
+    watch = NonFiniteWatch(run.accelerator.device, every_step=finite_check_every_step)
     callbacks.on_train_start(run)
     try:
-        _optimise(run, interrupt, log, callbacks)
+        _optimise(run, interrupt, log, watch, callbacks)
     except RuntimeError as error:
         if run.accelerator.num_processes > 1 and "timed out" in str(error).lower():
             raise StuckProcess(_collective_timeout_message(run.accelerator, run.recipe, run.state)) from None
@@ -230,21 +267,21 @@ def train_loop(run: TrainingRun, callbacks: Callback = Callback()) -> None:
         interrupt.restore()
 
 
-def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbacks: Callback) -> None:
-    """After each optimiser step: check, log, evaluate, checkpoint, stop."""
+def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, watch: NonFiniteWatch,
+              callbacks: Callback) -> None:
+    """After each optimiser step: note whether it was finite, log, evaluate, checkpoint, stop."""
     state, t, last = run.state, run.recipe.train, run.parts.total_steps
-    pending_finite = None  # the previous step's flag: read one step late so the device is never idle waiting
-    for finite in _optimiser_steps(run, log, callbacks, interrupt):
-        if pending_finite is not None:
-            _stop_if_non_finite(pending_finite, state.step - 1, run.accelerator)
-        pending_finite = finite
+    accelerator = run.accelerator
+    for finite in _optimiser_steps(run, log, watch, callbacks, interrupt):
+        watch.note(finite, state.step, accelerator)
         callbacks.on_step_end(run)
         if _due(state.step, t.log_every_steps) or state.step == last:
+            watch.check(accelerator, state.step)  # the log reads the loss back here anyway
             callbacks.on_log(run, log.write(state))
         if _due(state.step, eval_every_steps(run)) and state.step < last:  # run() evaluates the last step's weights
-            _evaluate_during_training(run, callbacks)
-        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, run.accelerator)
-        _checkpoint_if_due(run, finite, log, interrupt.raised, callbacks)
+            _evaluate_during_training(run, callbacks, watch)
+        stop = state.step >= last or state.stopped_early or _interrupted(interrupt, accelerator)
+        _checkpoint_if_due(run, watch, log, interrupt.raised, callbacks)
         if interrupt.raised:
             raise Interrupted(_interrupt_message(run.recipe, state))
         if stop:
@@ -253,17 +290,16 @@ def _optimise(run: TrainingRun, interrupt: InterruptFlag, log: TrainLog, callbac
         latest = checkpoint.latest_checkpoint(Path(run.recipe.output_dir))
         # Not again for a step already saved (the one resumed from, say): its folder would be replaced for nothing.
         if state.step > 0 and (latest is None or latest.name != layout.checkpoint_name(state.step)):
-            finite = pending_finite if pending_finite is not None else torch.ones((), dtype=torch.bool)
-            _checkpoint_if_due(run, finite.to(run.accelerator.device), log, True, callbacks)
+            _checkpoint_if_due(run, watch, log, True, callbacks)
         raise Interrupted(_interrupt_message(run.recipe, state))
     if state.batches_done:  # the run ended inside an epoch
-        _report_skipped(run.accelerator, run.recipe, state.epoch, log)
+        _report_skipped(accelerator, run.recipe, state.epoch, log)
     log.count_skipped_into(state)
-    if pending_finite is not None:
-        _stop_if_non_finite(pending_finite & _weights_finite(run.parts.model), state.step, run.accelerator)
+    if state.step > 0:
+        watch.check(accelerator, state.step, run.parts.model)
 
 
-def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback,
+def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, callbacks: Callback,
                      interrupt: InterruptFlag) -> Iterator[torch.Tensor]:
     """Forward and backward over the batches, epoch after epoch; yields each optimiser step's finite flag once
     the step is done. An epoch that runs to its end is evaluated, unless train.eval_every_steps is set.
@@ -293,7 +329,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, callbacks: Callback,
         state.epoch += 1
         state.batches_done = 0
         if not eval_every_steps(run) and state.step < parts.total_steps:
-            _evaluate_during_training(run, callbacks)
+            _evaluate_during_training(run, callbacks, watch)
 
 
 def eval_every_steps(run: TrainingRun) -> int | None:
@@ -326,14 +362,14 @@ def _due(step: int, every: int | None) -> bool:
     return bool(every) and step % every == 0
 
 
-def _checkpoint_if_due(run: TrainingRun, finite: torch.Tensor, log: TrainLog, interrupted: bool,
+def _checkpoint_if_due(run: TrainingRun, watch: NonFiniteWatch, log: TrainLog, interrupted: bool,
                        callbacks: Callback) -> None:
     """Every train.checkpoint_every_steps, and at once when interrupted (if checkpoints are on at all); never
-    from non-finite weights."""
+    after a non-finite step or from non-finite weights."""
     every = run.recipe.train.checkpoint_every_steps
     if not every or not (_due(run.state.step, every) or interrupted):
         return
-    _stop_if_non_finite(finite & _weights_finite(run.parts.model), run.state.step, run.accelerator)
+    watch.check(run.accelerator, run.state.step, run.parts.model)
     log.count_skipped_into(run.state)
     path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
                                       run.recipe.train.keep_checkpoints,
@@ -383,18 +419,9 @@ def _interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
 
 def _weights_finite(model: torch.nn.Module) -> torch.Tensor:
     """Checked before anything is saved: a finite loss and gradient can still step the weights to Inf."""
-    # Sharded (FSDP2), a parameter is a DTensor: each process checks its own shard, _stop_if_non_finite asks all.
+    # Sharded (FSDP2), a parameter is a DTensor: each process checks its own shard, NonFiniteWatch.check asks all.
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
     return torch.stack([torch.isfinite(p).all() for p in local]).all()
-
-
-def _stop_if_non_finite(finite: torch.Tensor, step: int, accelerator: Accelerator) -> None:
-    if any_process(accelerator, ~finite):
-        raise NonFiniteLoss(
-            f"the loss, a gradient or the weights became NaN/Inf at optimiser step {step}; training stopped, no "
-            "checkpoint was written from then on and nothing was saved as the final model. "
-            "Lower train.lr, keep train.max_grad_norm set, or use bf16 instead of fp16"
-        )
 
 
 def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
@@ -417,7 +444,8 @@ def evaluate(run: TrainingRun, callbacks: Callback) -> tuple[dict, evaluation.Sp
     return metrics, predictions
 
 
-def _evaluate_during_training(run: TrainingRun, callbacks: Callback) -> None:
+def _evaluate_during_training(run: TrainingRun, callbacks: Callback, watch: NonFiniteWatch) -> None:
+    watch.check(run.accelerator, run.state.step)  # keep_best and early stopping must never see NaN weights' metrics
     metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
         display.say(f"step {run.state.step}: eval {run.parts.task.headline(metrics)}")

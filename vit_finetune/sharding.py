@@ -56,10 +56,10 @@ def refuse_unsupported(recipe: Recipe, engine: str | None) -> None:
             f"{' and '.join(copies)} keep a full copy of the weights on every process, which {engine} shards to save "
             "that very memory; they are not supported with sharding. Fix: drop them (train.ema_decay=null "
             f"train.keep_best=null), or launch with {DDP_CONFIG} if the model fits one device")
-    if recipe.model.compile:
+    if recipe.model.compile is True:
         raise ShardingError(
             f"model.compile=true with {engine}: the model must be compiled after it is sharded, which Accelerate does. "
-            "Fix: set model.compile=null and add `dynamo_config: {dynamo_backend: INDUCTOR}` to the Accelerate "
+            "Fix: set model.compile=auto and add `dynamo_config: {dynamo_backend: INDUCTOR}` to the Accelerate "
             "config file")
 
 

@@ -22,7 +22,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, checkpoint, data, evaluation, hub, loop, memory, model as vit, optim, outputs
+from . import augment, checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
 from . import layout, publish, run_outputs, student, tracking, wise_ft
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
@@ -367,6 +367,10 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
                                          "train.mixed_precision to choose")
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(
             update={"mixed_precision": accelerator.mixed_precision})})
+    if recipe.model.compile == "auto":
+        compiles, why = compiling.auto_compile(accelerator.device.type, sharding.is_sharded(accelerator))
+        said["model.compile"] = f"model.compile=auto -> {str(compiles).lower()}: {why}; set model.compile to choose"
+        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"compile": compiles})})
     if recipe.data.crop_scale == "auto":
         crop_scale, why = data.auto_crop_scale(size.images_seen)
         # One short sentence, the reason on a line of its own.
@@ -429,10 +433,15 @@ def weight_selection(recipe: Recipe) -> str | None:
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
-    """Hand model, optimiser and loaders to Accelerate (DDP wrapping is a collective: all processes at once)."""
+    """Compile the model if model.compile says so (as resolved), then hand model, optimiser and loaders to Accelerate
+    (DDP wrapping is a collective: all processes at once)."""
     model = parts.model
-    if _compiles(recipe, accelerator):
-        model = torch.compile(model)
+    # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
+    # sharded model itself, after sharding, when its config file has a dynamo_config.
+    if parts.recipe_as_run.model.compile and not sharding.is_sharded(accelerator):
+        model, where_attention_runs = compiling.compile_for_training(model)
+        if accelerator.is_main_process:
+            display.say(f"model.compile: {where_attention_runs}")
     # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
     # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
     if recipe.data.streaming:  # each process already reads only its share: Accelerate must not deal it out again
@@ -440,14 +449,6 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
         return
     parts.model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler = accelerator.prepare(
         model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
-
-
-def _compiles(recipe: Recipe, accelerator: Accelerator) -> bool:
-    """model.compile, or by default on CUDA; never before sharding (run() refused model.compile=true there):
-    Accelerate compiles a sharded model itself, after sharding, when its config file has a dynamo_config."""
-    if sharding.is_sharded(accelerator):
-        return False
-    return recipe.model.compile if recipe.model.compile is not None else accelerator.device.type == "cuda"
 
 
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:

@@ -17,9 +17,10 @@ from .. import data
 from ..processes import reset_accelerate_state
 from .device import PeakMemory, device_peak, release_memory
 from .flops import MODELS
+from .levers import DEFAULTS, LEVERS, parse_levers
 from .ours import run_our_loader, run_ours
 from .peer import run_peer, run_peer_loader
-from .report import TITLES, build_report, format_table
+from .report import TITLES, build_report, format_table, markdown_rows
 from .workload import DEVICE_DEFAULTS, Setup, ensure_base_model, ensure_jpeg_folder
 
 CONFIGS = ("model_step", "end_to_end", "lora", "peer", "data_ours", "data_peer")
@@ -52,11 +53,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="data loader workers for ours and the peer; default: data.default_num_workers")
     parser.add_argument("--precision", choices=("bf16", "no"), help="default: bf16 on CUDA, no (float32) on CPU")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="model.compile for our configurations; auto = the recipe default (on for CUDA)")
+                        help="model.compile for our configurations; auto = the recipe default (compiling.auto_compile)")
+    parser.add_argument("--levers", metavar="all|" + ",".join(LEVERS),
+                        help="after the configurations, our model step with the defaults and then with each of these "
+                             "levers changed alone (see vit_finetune/bench/levers.py)")
     parser.add_argument("--images", type=int, help="training JPEGs to write; default: one epoch covers warm-up + steps")
     parser.add_argument("--cache", type=Path, help="where the JPEGs and the base model are written once "
                         "(default: $VIT_FINETUNE_CACHE/bench or ~/.cache/vit_finetune/bench)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/bench.json"), help="the JSON report")
+    parser.add_argument("--markdown", action="store_true",
+                        help="also print the figures as rows of docs/performance.md's table (card, date, command)")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="also write a torch.profiler table of each measured window to DIR (perturbs timings)")
     args = parser.parse_args(argv)
@@ -67,6 +73,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):
             parser.error(f"--{name.replace('_', '-')}={value} must be {'>= 0' if name == 'warmup' else '> 0'}")
+    if args.levers is not None:
+        try:
+            args.levers = parse_levers(args.levers)
+        except ValueError as error:
+            parser.error(str(error))
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
                      "use --device cpu")
@@ -94,7 +105,7 @@ def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
     setup = Setup(
         device=torch.device(device_type), model_name=model_name, spec=spec, batch_size=batch_size, warmup=warmup,
         steps=steps, workers=workers, precision=args.precision or defaults["precision"],
-        compile={"auto": None, "on": True, "off": False}[args.compile], jpegs=jpegs, base=base, work_dir=work_dir,
+        compile={"auto": "auto", "on": True, "off": False}[args.compile], jpegs=jpegs, base=base, work_dir=work_dir,
         profile_dir=args.profile,
     )
     return setup, jpeg_stats
@@ -123,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     quiet_libraries()
     results: dict[str, dict] = {}
+    levers: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="vit-bench-") as work:
         setup, jpeg_stats = make_setup(args, Path(work))
         if setup.device.type == "cpu":
@@ -131,20 +143,41 @@ def main(argv: list[str] | None = None) -> int:
         peak = device_peak(setup.device)
         memory = PeakMemory(setup.device)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        for config in args.configs.split(","):
-            print(f"vit_finetune bench: {TITLES[config]} ...", flush=True)
+
+        def measure(title: str, run) -> dict:
+            print(f"vit_finetune bench: {title} ...", flush=True)
             try:
-                results[config] = RUNNERS[config](setup, peak, memory)
+                return run()
             except Exception as error:  # one broken configuration must not lose the others' figures
                 traceback.print_exc()
-                results[config] = {"error": f"{type(error).__name__}: {error}"}
-            # Here, once the configuration's objects are out of scope (and, after a failure, outside the except
-            # block, so the traceback's frames are gone too): free them before the next one measures its peak.
-            reset_accelerate_state()
-            release_memory(setup.device)
-            report = build_report(argv, setup, jpeg_stats, peak, memory, results)
+                return {"error": " ".join(f"{type(error).__name__}: {error}".split())}  # one line, for the table
+            finally:
+                # Once the configuration's objects are out of scope (and, after a failure, its traceback's frames are
+                # gone too): free them before the next one measures its peak.
+                reset_accelerate_state()
+                release_memory(setup.device)
+
+        def write() -> dict:
+            report = build_report(argv, setup, jpeg_stats, peak, memory, results, levers)
             write_atomically(args.out, json.dumps(report, indent=2) + "\n")
+            return report
+
+        for config in args.configs.split(","):
+            results[config] = measure(TITLES[config], lambda: RUNNERS[config](setup, peak, memory))
+            report = write()
+        if args.levers:
+            levers["defaults"] = results.get("model_step") or measure(
+                "model step, defaults", lambda: run_ours("model_step", setup, peak, memory))
+            for name in args.levers:
+                lever = LEVERS[name]
+                variant = lever.flip(DEFAULTS, setup.device.type)
+                levers[name] = {"change": lever.change(setup.device.type), **measure(
+                    lever.title, lambda: run_ours("model_step", setup, peak, memory, variant, f"lever_{name}"))}
+                report = write()
     print(format_table(report))
+    if args.markdown:
+        print("\n".join(["", "rows for docs/performance.md:", *markdown_rows(report)]))
     print(f"wrote {args.out}")
-    return 1 if any("error" in result for result in results.values()) else 0
+    failed = [*results.values(), *levers.values()]
+    return 1 if any("error" in result for result in failed) else 0
 

@@ -9,27 +9,30 @@ from ..callbacks import TrainingRun
 from ..recipe import validate
 from .device import PeakMemory
 from .flops import training_flops_per_image
+from .levers import DEFAULTS, Variant, unfused_adamw
 from .timing import TimedBatches, device_batches, measured
 from .workload import Setup
 
 
-def bench_recipe(setup: Setup, lora: bool):
-    """The recipe our configurations train with, validated by the same schema as any run."""
+def bench_recipe(setup: Setup, lora: bool, variant: Variant = DEFAULTS):
+    """The recipe our configurations train with, validated by the same schema as any run. Fine-tuning from the first
+    step: train.method=auto would first fit a linear probe on the bench's random-weight base (seconds, unmeasured)."""
     return validate({
-        "model": {"base": str(setup.base), "image_size": setup.spec.image_size, "compile": setup.compile,
+        "model": {"base": str(setup.base), "image_size": setup.spec.image_size,
+                  "compile": setup.compile if variant.compile == "auto" else variant.compile,
                   "lora": {} if lora else None},
         "data": {"dataset": str(setup.jpegs), "num_workers": setup.workers},
-        "train": {"batch_size": setup.batch_size, "max_steps": setup.warmup + setup.steps,
-                  "mixed_precision": setup.precision, "scheduler": "constant"},
+        "train": {"batch_size": setup.batch_size * variant.batch_scale, "max_steps": setup.warmup + setup.steps,
+                  "mixed_precision": setup.precision, "scheduler": "constant", "method": "finetune"},
         "output_dir": str(setup.work_dir / "outputs"),
     }, "bench recipe")
 
 
-def build(setup: Setup, lora: bool):
+def build(setup: Setup, lora: bool, variant: Variant = DEFAULTS):
     """Recipe, accelerator and unprepared parts, seeded as a run would be."""
     from accelerate.utils import set_seed
 
-    recipe = bench_recipe(setup, lora)
+    recipe = bench_recipe(setup, lora, variant)
     accelerator = train.make_accelerator(recipe)
     set_seed(recipe.train.seed)
     return recipe, accelerator, train.build_parts(recipe, accelerator)
@@ -42,20 +45,26 @@ def check_one_epoch_covers(setup: Setup, loader) -> None:
                            f"warm-up + steps = {setup.warmup + setup.steps}; pass a larger --images")
 
 
-def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory) -> dict:
-    """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed."""
+def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory, variant: Variant = DEFAULTS,
+             label: str | None = None) -> dict:
+    """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed; `variant`: the
+    levers' settings (levers.py); `label`: the measurement's name (its profile's file), `config` unless given."""
     memory.reset()
-    recipe, accelerator, parts = build(setup, lora=config == "lora")
+    recipe, accelerator, parts = build(setup, config == "lora", variant)
+    if not variant.fused_adamw:
+        parts.optimizer = unfused_adamw(parts.optimizer)
+        parts.scheduler = train.build_scheduler(parts.optimizer, parts.recipe_as_run, parts.total_steps)
     train.prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
-    clock = setup.clock(config)
+    clock = setup.clock(label or config)
     if config == "model_step":
-        source = device_batches(setup.spec, setup.batch_size, accelerator.device)
+        source = device_batches(setup.spec, recipe.train.batch_size, accelerator.device)
     else:
         check_one_epoch_covers(setup, parts.train_loader)
         source = parts.train_loader
-    settings = our_settings(accelerator, parts, recipe)
+    settings = our_settings(accelerator, parts, parts.recipe_as_run, variant)
     timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
-    loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()))
+    loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()),
+                    finite_check_every_step=variant.finite_check_every_step)
     clock.close()
     flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
     return measured(clock, flops, peak, memory, settings)
@@ -73,15 +82,17 @@ def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     return measured(clock, None, peak, memory, loader_settings(accelerator, loader))
 
 
-def our_settings(accelerator, parts, recipe) -> dict:
-    """The levers in effect, read off the built objects rather than assumed."""
+def our_settings(accelerator, parts, recipe, variant: Variant) -> dict:
+    """The levers in effect, read off the built objects rather than assumed (`recipe`: as the run resolved it)."""
     optimizer = getattr(parts.optimizer, "optimizer", parts.optimizer)
     model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
     return {
         "precision": recipe.train.mixed_precision,
+        "batch_size": recipe.train.batch_size,
         "torch_compile": hasattr(parts.model, "_orig_mod") or type(parts.model).__name__ == "OptimizedModule",
         "attention": getattr(model.config, "_attn_implementation", None),
         "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
+        "finite_check": "after every step" if variant.finite_check_every_step else "at logs, evaluations, checkpoints",
         **loader_settings(accelerator, parts.train_loader),
         "lora": recipe.model.lora.model_dump() if recipe.model.lora else None,
     }

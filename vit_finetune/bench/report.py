@@ -10,9 +10,11 @@ from datetime import datetime, timezone
 from ..model import describe
 from .device import PeakMemory, device_info
 from .flops import vit_macs
+from .levers import LEVERS
 from .workload import Setup
 
 SCHEMA = "vit_finetune.bench/1"
+LEVER_TITLES = {name: lever.title for name, lever in LEVERS.items()}
 TITLES = {
     "model_step": "model step (batches on device)",
     "end_to_end": "end to end (JPEG -> train)",
@@ -53,9 +55,20 @@ def ratios(results: dict) -> dict[str, float]:
     return found
 
 
+def lever_ratios(levers: dict) -> dict[str, dict[str, float]]:
+    """Each lever's images/s and peak memory over the defaults' (the model step of the same run)."""
+    defaults = levers.get("defaults", {})
+    if "error" in defaults or not defaults:
+        return {}
+    return {name: {"images/s": figures["images_per_s"] / defaults["images_per_s"],
+                   "peak memory": figures["peak_memory_gib"] / defaults["peak_memory_gib"]}
+            for name, figures in levers.items() if name != "defaults" and "error" not in figures}
+
+
 def build_report(argv: list[str], setup: Setup, jpeg_stats: dict, peak: dict, memory: PeakMemory,
-                 results: dict) -> dict:
+                 results: dict, levers: dict | None = None) -> dict:
     config = setup.spec.vit_config()
+    levers = levers or {}
     return {
         "schema": SCHEMA,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -78,7 +91,17 @@ def build_report(argv: list[str], setup: Setup, jpeg_stats: dict, peak: dict, me
         },
         "configs": results,
         "ratios": ratios(results),
+        # Present when --levers was given: "defaults" (our model step as a run gets it) and each lever changed alone.
+        **({"levers": levers, "lever_ratios": lever_ratios(levers)} if levers else {}),
     }
+
+
+def _row(title: str, result: dict) -> str:
+    if "error" in result:
+        return f"{title:32s} failed: {result['error'][:200]}"
+    mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.2f}%"
+    return (f"{title:32s} {result['images_per_s']:10,.1f} {mfu:>8s} {result['peak_memory_gib']:8.2f} GiB "
+            f"{100 * result['data_wait_share']:9.1f}%")
 
 
 def format_table(report: dict) -> str:
@@ -91,13 +114,14 @@ def format_table(report: dict) -> str:
         "",
         f"{'configuration':32s} {'images/s':>10s} {'MFU':>8s} {'peak memory':>12s} {'data wait':>10s}",
     ]
-    for name, result in report["configs"].items():
-        if "error" in result:
-            lines.append(f"{TITLES[name]:32s} failed: {result['error'][:200]}")
-            continue
-        mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.2f}%"
-        lines.append(f"{TITLES[name]:32s} {result['images_per_s']:10,.1f} {mfu:>8s} "
-                     f"{result['peak_memory_gib']:8.2f} GiB {100 * result['data_wait_share']:9.1f}%")
+    lines += [_row(TITLES[name], result) for name, result in report["configs"].items()]
+    levers = report.get("levers", {})
+    if levers:
+        lines += ["", "levers: our model step with the defaults, then each lever changed alone"]
+        lines += [_row("defaults" if name == "defaults" else LEVER_TITLES[name], result)
+                  for name, result in levers.items()]
+        lines += [f"  {LEVER_TITLES[name]}: {levers[name]['change']}; images/s x{ratio['images/s']:.3f}, "
+                  f"peak memory x{ratio['peak memory']:.3f}" for name, ratio in report["lever_ratios"].items()]
     flops = ", ".join(f"{name} {result['flops_per_image'] / 1e9:,.4g} GFLOP"
                       for name, result in report["configs"].items()
                       if "error" not in result and result["flops_per_image"] is not None)
@@ -112,3 +136,21 @@ def format_table(report: dict) -> str:
     if report["ratios"]:
         lines.append("ratios: " + ", ".join(f"{key} {value:.3f}" for key, value in report["ratios"].items()))
     return "\n".join(lines)
+
+
+def markdown_rows(report: dict) -> list[str]:
+    """The report as rows of docs/performance.md's table: card, date, configuration, images/s, MFU, peak memory and
+    the command, one row per configuration and lever measured."""
+    card, date = report["device"]["name"], report["date"][:10]
+    measured = {**{TITLES[name]: result for name, result in report["configs"].items()},
+                **{("defaults (model step)" if name == "defaults" else LEVER_TITLES[name]): result
+                   for name, result in report.get("levers", {}).items()}}
+    rows = []
+    for title, result in measured.items():
+        if "error" in result:
+            rows.append(f"| {card} | {date} | {title} | failed: {result['error'][:80]} | | | `{report['command']}` |")
+            continue
+        mfu = "" if result["mfu"] is None else f"{100 * result['mfu']:.1f} %"
+        rows.append(f"| {card} | {date} | {title} | {result['images_per_s']:,.0f} | {mfu} | "
+                    f"{result['peak_memory_gib']:.1f} GiB | `{report['command']}` |")
+    return rows

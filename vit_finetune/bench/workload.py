@@ -10,6 +10,7 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ class Setup:
     steps: int
     workers: int
     precision: str
-    compile: bool | None
+    compile: bool | Literal["auto"]
     jpegs: Path
     base: Path
     work_dir: Path

@@ -101,7 +101,10 @@ class ModelSettings(Strict):
     revision: str | None = Field(None, description="Hub branch, tag or commit of model.base; null = main")
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
-    compile: bool | None = Field(None, description="torch.compile the model; null = on for CUDA, off on CPU")
+    compile: bool | Literal["auto"] = Field("auto", description=(
+        "torch.compile the model, its attention kept out of the compiled graph on the fused kernels (compiling.py); "
+        "auto: compiling.auto_compile, on only where compiling was measured faster (so far nowhere: off), printed "
+        "and saved resolved in the output's recipe.yaml"))
     window_size: Bounded("model.window_size", StrictInt | None) = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
     drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
@@ -112,6 +115,12 @@ class ModelSettings(Strict):
         "the teacher's output_dir): N keeps the first N blocks (measured better than every other one), a list "
         "keeps those blocks (0-based), e.g. [0, 2, 4, 7, 9, 11]. Embeddings, position table, final norm and, when its "
         "labels are the dataset's, the head come with them; null = every block"))
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _null_is_auto(cls, value: Any) -> Any:
+        """Earlier versions spelled auto as null: their recipes and checkpoints still read the same."""
+        return "auto" if value is None else value
 
     @field_validator("keep_blocks", mode="before")
     @classmethod
