@@ -1,8 +1,11 @@
-"""train.mixed_precision=auto: bf16 autocast where the hardware multiplies bfloat16 natively, else float32.
+"""train.mixed_precision=auto: bf16 autocast where the hardware multiplies bfloat16 natively; fp16 with a loss scaler
+on a CUDA GPU without it (T4, V100); else float32.
 
 Under bf16 autocast the matrix products run in bfloat16 and the weights, the optimiser and the loss stay float32
 (Accelerate's mixed precision). Where bfloat16 is native that is about twice as fast as float32 for a whole
-training step; where it is emulated it is slower, so auto keeps float32 there.
+training step; where it is emulated it is slower, so auto keeps float32 on such a CPU. A GPU older than Ampere has
+tensor cores for float16 only: there fp16 autocast runs the matrix products on them, and its loss scaler skips the
+steps whose gradients overflow float16 (loss_scale.py).
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ def resolved(setting: str, device_type: str) -> str:
 def auto_mixed_precision(device_type: str) -> tuple[str, str]:
     """The precision train.mixed_precision=auto stands for on `device_type` ("cuda", "cpu", ...), and why."""
     if device_type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        # Not counting emulation: torch says yes to bfloat16 on a T4 or V100, which only emulate it.
+        if torch.cuda.is_bf16_supported(including_emulation=False):
             return "bf16", "this GPU computes bfloat16 natively; the weights stay float32"
-        return "no", "this GPU has no native bfloat16, and fp16 would need a loss scaler"
+        return "fp16", ("this GPU has no native bfloat16 (older than Ampere: T4, V100) but float16 tensor cores; a "
+                        "loss scaler skips the steps whose gradients overflow float16 (counted: skipped_steps); the "
+                        "weights stay float32")
     if device_type == "cpu":
         if native_bf16_cpu():
             return "bf16", ("this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX): a ViT's training step took "
