@@ -95,11 +95,14 @@ def test_auto_is_the_default_and_resolves_per_device():
     assert precision.auto_mixed_precision("mps")[0] == "no"  # not measured there: float32
 
 
-@pytest.mark.parametrize("gpu, native, expected", [("A100 or newer", True, "bf16"), ("T4 or V100", False, "fp16")])
-def test_auto_on_a_cuda_gpu_picks_bf16_where_native_else_fp16_with_a_loss_scaler(monkeypatch, gpu, native, expected):
-    """No GPU here: torch's answer is given as it is on each kind of card. On a T4 or V100 torch says yes to bfloat16
-    unless emulation is left out (it emulates it there, slowly); only native bfloat16 counts."""
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+@pytest.mark.parametrize("gpu, capability, expected", [("A100", (8, 0), "bf16"), ("T4", (7, 5), "fp16"),
+                                                      ("V100", (7, 0), "fp16"), ("P100", (6, 0), "no")])
+def test_auto_on_a_cuda_gpu_picks_bf16_where_native_else_fp16_on_tensor_cores(monkeypatch, gpu, capability, expected):
+    """No GPU here: torch's answers are given as they are on each card. Before Ampere (8.0) torch says yes to bfloat16
+    unless emulation is left out (it emulates it there, slowly): only native bfloat16 counts."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: capability >= (8, 0) or including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     chosen, why = precision.auto_mixed_precision("cuda")
     assert chosen == expected, gpu
     assert ("loss scaler" in why) == (expected == "fp16")
