@@ -52,8 +52,36 @@ def floors(pyproject: Path = REPO / "pyproject.toml") -> dict[str, Version]:
 
 
 def run(command: list[str], check: bool = True, **kwargs) -> subprocess.CompletedProcess:
-    print("+", " ".join(command), flush=True)
+    print("+", " ".join(command).replace("\n", "; "), flush=True)
     return subprocess.run(command, check=check, **kwargs)
+
+
+def install_floors(python: Path, lowest: dict[str, Version]) -> None:
+    """pip-install every dependency but torch at its floor into the environment of `python`; check what it holds."""
+    # Wheels only: a floor with no wheel for this Python would otherwise be built from source, slowly. pip's
+    # complaints about packages of this Python that need newer versions are no concern here: shown on failure.
+    pins = [f"{name}=={floor}" for name, floor in lowest.items() if name not in NOT_INSTALLED]
+    pip = run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--only-binary", ":all:",
+               *pins], check=False, capture_output=True, text=True)
+    if pip.returncode:
+        raise SystemExit(f"pip could not install the floors:\n{pip.stdout}{pip.stderr}")
+    listing = run([str(python), "-c", "import sys\nfrom importlib.metadata import version\n"
+                   "print('\\n'.join(f'{name} {version(name)}' for name in sys.argv[1:]))", *lowest],
+                  capture_output=True, text=True).stdout
+    print(listing, end="")
+    installed = dict(line.split() for line in listing.splitlines())
+    wrong = {name: found for name, found in installed.items()
+             if name not in NOT_INSTALLED and Version(found) != lowest[name]}
+    if wrong:
+        raise SystemExit(f"not at their floors: {wrong}")
+
+
+def run_tests(python: Path) -> int:
+    """The TESTS in the environment of `python`, against this checkout; pytest's exit code."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    chosen = " or ".join(f"({name} and ({pick}))" if pick else name for name, pick in TESTS.items())
+    return subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *(f"tests/{name}.py" for name in TESTS), "-k", chosen], cwd=REPO, env=env).returncode
 
 
 def main() -> int:
@@ -67,35 +95,17 @@ def main() -> int:
         if installed < lowest[name]:
             raise SystemExit(f"{name} {installed} is installed, below pyproject.toml's floor {lowest[name]}")
         print(f"{name}: the installed {installed} is used (floor {lowest[name]}; not installable here at the floor)")
-    pins = [f"{name}=={floor}" for name, floor in lowest.items() if name not in NOT_INSTALLED]
     with tempfile.TemporaryDirectory(prefix="floors-") as scratch:
-        venv = args.venv or Path(scratch) / "venv"
-        python = venv / "bin" / "python"
+        python = (args.venv or Path(scratch) / "venv") / "bin" / "python"
         started = time.perf_counter()
         if not python.exists():
-            run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
-        # Wheels only: a floor with no wheel for this Python would otherwise be built from source, slowly. pip's
-        # complaints about packages of this Python that need newer versions are no concern here: shown on failure.
-        pip = run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--only-binary",
-                   ":all:", *pins], check=False, capture_output=True, text=True)
-        if pip.returncode:
-            raise SystemExit(f"pip could not install the floors:\n{pip.stdout}{pip.stderr}")
+            run([sys.executable, "-m", "venv", "--system-site-packages", str(python.parent.parent)])
+        install_floors(python, lowest)
         installed = time.perf_counter()
-        listing = run([str(python), "-c", "import sys\nfrom importlib.metadata import version\n"
-                       "print('\\n'.join(f'{name} {version(name)}' for name in sys.argv[1:]))", *lowest],
-                      capture_output=True, text=True).stdout
-        print(listing, end="")
-        wrong = [line for line in listing.splitlines()
-                 if line.split()[0] not in NOT_INSTALLED and Version(line.split()[1]) != lowest[line.split()[0]]]
-        if wrong:
-            raise SystemExit(f"not at their floors: {wrong}")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        chosen = " or ".join(f"({name} and ({pick}))" if pick else name for name, pick in TESTS.items())
-        tests = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                *(f"tests/{name}.py" for name in TESTS), "-k", chosen], cwd=REPO, env=env)
+        code = run_tests(python)
         print(f"lowest versions: installed in {installed - started:.0f} s, tests in "
-              f"{time.perf_counter() - installed:.0f} s; exit code {tests.returncode}", flush=True)
-        return tests.returncode
+              f"{time.perf_counter() - installed:.0f} s; exit code {code}", flush=True)
+        return code
 
 
 if __name__ == "__main__":
