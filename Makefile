@@ -6,7 +6,7 @@ ARGS ?=
 RECIPES := $(filter-out demo,$(basename $(notdir $(wildcard recipes/*.yaml))))  # demo has its own target
 STAMP := .cache/installed
 
-.PHONY: help install demo test test-fast train bench list $(RECIPES)
+.PHONY: help install demo test test-fast test-floors train bench list $(RECIPES)
 .DEFAULT_GOAL := help
 
 help:  ## list the targets (this text)
@@ -37,6 +37,9 @@ test: $(STAMP)  ## the whole test suite, one worker per core
 
 test-fast: $(STAMP)  ## the tests not marked slow
 	$(PYTHON) -m pytest -q -m "not slow" $(PYTEST_PARALLEL) $(ARGS)
+
+test-floors: $(STAMP)  ## the tests that train, push and load back, each dependency at its lowest allowed version
+	$(PYTHON) scripts/check_lowest_versions.py $(ARGS)
 
 train: $(STAMP)  ## train RECIPE with accelerate launch, e.g. make train RECIPE=food101_384 ARGS="train.epochs=1"
 	$(LAUNCH) -m vit_finetune --recipe $(RECIPE) $(ARGS)

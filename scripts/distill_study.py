@@ -7,7 +7,7 @@
     python scripts/distill_study.py --augment strong --arms none,match --steps 500   # both arms augmented alike
     python scripts/distill_study.py --table   # the table from every result recorded so far
 
-Needs `pip install -e ".[study,real_base]"` and Debian's `dataset-fashion-mnist` (apt-get install
+Needs `pip install -e ".[study,realbase]"` and Debian's `dataset-fashion-mnist` (apt-get install
 dataset-fashion-mnist: the IDX files land in /usr/share/datasets/fashion-mnist/).
 
 Data: Fashion-MNIST (Debian's train file), 10 classes, 100 train / 50 eval images per class (seeded, stratified;

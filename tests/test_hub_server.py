@@ -260,14 +260,15 @@ def test_faults_on_commit_endpoint(hub, hub_repo_id, tmp_path):
 
 
 def test_a_reset_fault_drops_the_connection_and_commits_nothing(hub, hub_repo_id):
-    import httpx2
     from huggingface_hub import CommitOperationAdd
+
+    from vit_finetune.hub import http_library
 
     api = _api()
     api.create_repo(hub_repo_id)
     head = hub.head(hub_repo_id)
     rule = hub.inject_faults(status=None, reset=True, times=1, path_regex=r"/commit/main$", method="POST")
-    with pytest.raises(httpx2.TransportError):  # no HTTP status at all: the connection is gone
+    with pytest.raises(http_library().TransportError):  # no HTTP status at all: the connection is gone
         api.create_commit(hub_repo_id, [CommitOperationAdd("a.txt", b"payload")], commit_message="add a")
     assert rule.exhausted and hub.head(hub_repo_id) == head
     api.create_commit(hub_repo_id, [CommitOperationAdd("a.txt", b"payload")], commit_message="add a")

@@ -1,5 +1,5 @@
-"""train.mixed_precision=auto: bf16 autocast where the device computes bfloat16 natively, float32 elsewhere; a value
-the recipe sets is kept. Which CPU runs the suite cannot be chosen, so the one check of it
+"""train.mixed_precision=auto: bf16 autocast where the device computes bfloat16 natively, fp16 on a CUDA GPU without
+it, float32 elsewhere; a value the recipe sets is kept. Which CPU runs the suite cannot be chosen, so the one check of it
 (precision.native_bf16_cpu) is replaced for a run; the training, its autocast and its files are real."""
 
 from __future__ import annotations
@@ -93,3 +93,16 @@ def test_auto_is_the_default_and_resolves_per_device():
 
     assert load_recipe(None, []).train.mixed_precision == "auto"
     assert precision.auto_mixed_precision("mps")[0] == "no"  # not measured there: float32
+
+
+@pytest.mark.parametrize("gpu, capability, expected", [("A100", (8, 0), "bf16"), ("T4", (7, 5), "fp16"),
+                                                      ("V100", (7, 0), "fp16"), ("P100", (6, 0), "no")])
+def test_auto_on_a_cuda_gpu_picks_bf16_where_native_else_fp16_on_tensor_cores(monkeypatch, gpu, capability, expected):
+    """No GPU here: torch's answers are given as they are on each card. Before Ampere (8.0) torch says yes to bfloat16
+    unless emulation is left out (it emulates it there, slowly): only native bfloat16 counts."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: capability >= (8, 0) or including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    chosen, why = precision.auto_mixed_precision("cuda")
+    assert chosen == expected, gpu
+    assert ("loss scaler" in why) == (expected == "fp16")

@@ -11,8 +11,14 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import sys
 from dataclasses import dataclass
+from importlib.metadata import packages_distributions
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import vit_finetune
 from vit_finetune import layout
@@ -246,3 +252,37 @@ def test_the_readme_picture_of_the_package_holds():
                      if target in short and short[target] != short[importer]
                      and row_of[short[target]] <= row_of[short[importer]]})
     assert not upward, "README's picture: " + "; ".join(upward)
+
+
+# Libraries the package imports without declaring them, and why that is right.
+UNDECLARED = {"torchvision": "the benchmark's peer uses its transforms where installed, else the same steps of its own "
+                             "(vit_finetune/bench/peer.py)"}
+
+
+def libraries_imported(package: Path) -> dict[str, str]:
+    """Each library outside the standard library that the package's source imports (top-level name), with a file
+    that imports it."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name:
+                    found.setdefault(top, str(path.relative_to(package.parent)))
+    return found
+
+
+def test_every_library_the_package_imports_is_declared_in_pyproject():
+    """A library that only arrives with another dependency goes when that one stops bringing it (httpx2 did, with
+    huggingface_hub 1.x): each one imported is a dependency or an extra of pyproject.toml itself."""
+    tomllib = pytest.importorskip("tomllib", reason="the TOML reader of Python 3.11+")
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["project"]
+    requirements = [*project["dependencies"], *(line for extra in project["optional-dependencies"].values()
+                                                for line in extra)]
+    declared = {canonicalize_name(Requirement(line).name) for line in requirements}
+    distributions = packages_distributions()  # import name -> the distributions that install it
+    undeclared = {module: where for module, where in libraries_imported(PACKAGE).items() if module not in UNDECLARED
+                  and not {canonicalize_name(name) for name in distributions.get(module, [module])} & declared}
+    assert undeclared == {}

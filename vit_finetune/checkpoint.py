@@ -55,6 +55,7 @@ class TrainState:
     epoch: int = 0  # current epoch
     batches_done: int = 0  # batches of the current epoch already consumed
     skipped_images: int = 0
+    skipped_steps: int = 0  # fp16: optimiser steps its loss scaler skipped (loss_scale.py)
     history: list[dict] = field(default_factory=list)
     data: dict = field(default_factory=dict)  # the data trained on: labels and the splits' fingerprints
     # train.keep_best: the best evaluation so far ({step, value, weights: raw | ema}; its weights are under

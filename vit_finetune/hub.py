@@ -8,9 +8,11 @@ of the training stack: predict's check of a model that is not a folder answers w
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
+from types import ModuleType
 
-from huggingface_hub import get_token
+from huggingface_hub import get_session, get_token
 
 from .errors import VitFinetuneError, shortened
 from .layout import CARD_FILE, CONFIG_FILE
@@ -91,16 +93,20 @@ def request_timeout() -> float:
     return seconds
 
 
+def http_library() -> ModuleType:
+    """The HTTP library of huggingface_hub's own client (httpx under huggingface_hub 1.x, httpx2 under 2.x): its
+    timeout and error types are taken from there, so both major versions work and neither library is imported
+    by name (only huggingface_hub, which brings the right one, is a dependency)."""
+    return sys.modules[type(get_session()).__module__.partition(".")[0]]
+
+
 @contextmanager
 def requests_time_out(seconds: float):
     """Inside, every request huggingface_hub sends (its one shared client) gives up after `seconds` of silence:
     its default is to wait forever, so a stalled commit would block a push with no end."""
-    import httpx2
-    from huggingface_hub import get_session
-
     session = get_session()
     saved = session.timeout
-    session.timeout = httpx2.Timeout(seconds)
+    session.timeout = http_library().Timeout(seconds)
     try:
         yield
     finally:

@@ -22,7 +22,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import augment, checkpoint, data, distill, evaluation, layout, progress as display, streaming
+from . import augment, checkpoint, data, distill, evaluation, layout, loss_scale, progress as display, streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -106,8 +106,10 @@ def stops_between_passes(run: TrainingRun) -> bool:
             and run.accelerator.distributed_type != DistributedType.DEEPSPEED)
 
 
-def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward and backward on one batch; on accumulation boundaries, clip and step. Returns (loss, finite flag)."""
+def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Recipe,
+               skips: loss_scale.SkippedSteps | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward on one batch; on accumulation boundaries, clip and step, and move the lr schedule unless
+    fp16's loss scaler skipped the step (`skips`, loss_scale.py). Returns (loss, finite flag)."""
     with accelerator.accumulate(parts.model):
         loss = batch_loss(parts, batch, recipe)
         accelerator.backward(loss)
@@ -116,10 +118,12 @@ def train_step(accelerator: Accelerator, parts: Parts, batch: dict, recipe: Reci
             norm = accelerator.clip_grad_norm_(parts.model.parameters(), recipe.train.max_grad_norm)
             if isinstance(norm, DTensor):  # FSDP2's norm over all shards; a collective, as clipping is
                 norm = norm.full_tensor()
-            if norm is not None:  # DeepSpeed clips inside its own step and may not know the norm yet
+            # DeepSpeed clips inside its own step and may not know the norm yet. Under a loss scaler an overflowing
+            # gradient only skips its step: no failure.
+            if norm is not None and skips is None:
                 finite = finite & torch.isfinite(torch.as_tensor(norm, device=finite.device))
         parts.optimizer.step()
-        if accelerator.sync_gradients:
+        if accelerator.sync_gradients and not (skips is not None and skips.step_was_skipped()):
             parts.scheduler.step()
         parts.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), finite
@@ -197,10 +201,12 @@ class TrainLog:
         rate = self.images / (time.perf_counter() - self.clock)
         # No "loss" when no process trained on any image since the last entry (all were skipped as bad).
         trained = {} if mean_loss is None else {"loss": mean_loss}
-        entry = {"step": state.step, "epoch": state.epoch, **trained, "lr": lr, "images_per_s": rate}
+        # fp16: the steps its loss scaler skipped so far (loss_scale.py); no other precision skips any.
+        skipped = {} if self.accelerator.scaler is None else {"skipped_steps": state.skipped_steps}
+        entry = {"step": state.step, "epoch": state.epoch, **trained, "lr": lr, "images_per_s": rate, **skipped}
         state.history.append(entry)
         self.progress.set_postfix(loss="-" if mean_loss is None else f"{mean_loss:.4f}", lr=f"{lr:.2e}",
-                                  img_s=f"{rate:.0f}")
+                                  img_s=f"{rate:.0f}", **skipped)
         self._restart()
         return entry
 
@@ -306,6 +312,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, cal
     A stop heard between two forward passes of a step ends it early, the step's partial work dropped."""
     accelerator, parts, state = run.accelerator, run.parts, run.state
     boundary = StepBoundary(accelerator, state, log) if stops_between_passes(run) else None
+    skips = loss_scale.skipped_steps(accelerator, state)
     while state.step < parts.total_steps and not state.stopped_early:
         step_starts = True
         for batch in _epoch_batches(run):
@@ -314,7 +321,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, cal
             callbacks.on_batch(run, batch)
             batch["position"] = (state.epoch, state.batches_done)  # seeds the batch's augmentation on the device
             lr = _scheduled_lr(run)  # the lr this step trains at; the scheduler moves it once the step is taken
-            loss, finite = train_step(accelerator, parts, batch, run.recipe)
+            loss, finite = train_step(accelerator, parts, batch, run.recipe, skips)
             state.batches_done += 1
             log.add_batch(loss, batch)
             step_starts = accelerator.sync_gradients

@@ -15,14 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx2
 from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .errors import shortened
 from .run_outputs import card_loading_from
-from .hub import TIMEOUT_VARIABLE, PushError, request_timeout, requests_time_out, require_token
+from .hub import TIMEOUT_VARIABLE, PushError, http_library, request_timeout, requests_time_out, require_token
 from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR
 from .outputs import claimed
 
@@ -37,9 +36,10 @@ def is_retryable(error: Exception) -> bool:
 
 def failure_reason(error: Exception, timeout: float) -> str:
     """One line on what went wrong with a request."""
-    if isinstance(error, httpx2.TimeoutException):
+    http = http_library()
+    if isinstance(error, http.TimeoutException):
         return f"the Hub did not answer within {timeout:g} s ({TIMEOUT_VARIABLE}): timed out"
-    if isinstance(error, httpx2.TransportError):
+    if isinstance(error, http.TransportError):
         return f"connection error: {type(error).__name__}: {error}"
     return f"{type(error).__name__}: {error}"
 
@@ -87,6 +87,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     api = HfApi(token=require_token())
     attempts = 1 + len(RETRY_DELAYS)
     reason = ""
+    connection_error = http_library().TransportError  # timeouts included
     with requests_time_out(timeout):
         for attempt, delay in enumerate((0.0, *RETRY_DELAYS), start=1):  # read at each call: tests shorten it
             time.sleep(delay)
@@ -95,7 +96,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
                 commit = api.create_commit(repo_id, upload_operations(output_dir, names, repo_id),
                                            commit_message=f"Upload {output_dir.name} with vit_finetune")
                 return commit.commit_url
-            except (HfHubHTTPError, httpx2.TransportError, OSError) as error:
+            except (HfHubHTTPError, connection_error, OSError) as error:
                 reason = " ".join(failure_reason(error, timeout).split())[:300]
                 if not is_retryable(error):
                     break

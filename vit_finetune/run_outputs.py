@@ -202,10 +202,18 @@ classify("photo.jpg")
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr} (new head: {t.head_lr}), weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}
-- Precision: {t.mixed_precision}; gradient clipping: {t.max_grad_norm}; seed {t.seed}
+- Precision: {t.mixed_precision}{skipped_steps_text(metrics)}; gradient clipping: {t.max_grad_norm}; seed {t.seed}
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def skipped_steps_text(metrics: dict) -> str:
+    """fp16: the card's note of the optimiser steps its loss scaler skipped (loss_scale.py)."""
+    if "skipped_steps" not in metrics:
+        return ""
+    return (f" ({metrics['skipped_steps']} of {metrics['steps']} optimiser steps skipped by the loss scaler: their "
+            "gradients overflowed float16)")
 
 
 def distillation_text(metrics: dict) -> str:

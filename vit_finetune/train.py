@@ -24,7 +24,7 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
-from . import layout, publish, run_outputs, student, tracking, wise_ft
+from . import layout, loss_scale, publish, run_outputs, student, tracking, wise_ft
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -591,6 +591,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
                    **parts.data_facts)
+    if accelerator.scaler is not None:  # fp16: the steps its loss scaler skipped (loss_scale.py)
+        metrics["skipped_steps"] = state.skipped_steps
     if alpha is not None:
         metrics["wise_ft_alpha"] = alpha
     if state.probe is not None:
@@ -615,6 +617,8 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         keeper.remove_best_file()
         if "distillation" in metrics:
             display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
+        if "skipped_steps" in metrics:
+            display.say(loss_scale.describe(metrics["skipped_steps"], state.step))
         print(f"eval {parts.task.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
         if recipe.hub.push:
             url = publish.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)

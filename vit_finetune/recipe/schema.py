@@ -290,8 +290,10 @@ class TrainSettings(Strict):
         "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
         "the same figures on every machine; null = torch's default (one per core)"))
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
-        "no, bf16 or fp16 autocast; weights stay float32; auto: bf16 where the device computes bfloat16 natively "
-        "(a CUDA GPU that has it, a CPU with AVX512-BF16 or AMX), else no (precision.auto_mixed_precision), printed"))
+        "no, bf16 or fp16 autocast; weights stay float32; fp16 (CUDA only) has a loss scaler, whose skipped steps "
+        "are counted (skipped_steps); auto: bf16 where the device computes bfloat16 natively (a CUDA GPU that has "
+        "it, a CPU with AVX512-BF16 or AMX), fp16 on a CUDA GPU with tensor cores but no bfloat16 (V100, T4), else no "
+        "(precision.auto_mixed_precision), printed"))
     log_every_steps: Bounded("train.log_every_steps") = Field(10, gt=0,
         description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
     eval_every_steps: Bounded("train.eval_every_steps", StrictInt | Literal["auto"] | None) = Field("auto", description=(
