@@ -100,6 +100,7 @@ def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
     partial = target.with_name(f"{PARTIAL_PREFIX}{target.name}")
     try:
         write(partial)
+        give_usual_modes(partial)
         with open(partial, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(partial, target)
@@ -112,6 +113,7 @@ def replace_atomically(target: Path, write: Callable[[Path], None]) -> None:
 def rename_into_place(partial: Path, final: Path) -> None:
     """A folder written in full under `partial` becomes `final` in one rename, made durable first (its files) and
     after (the rename): a reader sees the whole folder or none of it. An earlier `final` is replaced."""
+    give_usual_modes(partial)
     fsync_tree(partial)
     if final.exists():
         shutil.rmtree(final)
@@ -122,11 +124,35 @@ def rename_into_place(partial: Path, final: Path) -> None:
 def move_into(staging: Path, target: Path, last: str) -> None:
     """Each entry of `staging` renamed into `target` (an entry there of the same name replaced), `last` after all
     the others, then `staging` removed: when `last` appears, everything written with it is in place."""
+    give_usual_modes(staging)
     for entry in sorted(staging.iterdir(), key=lambda path: path.name == last):
         if (target / entry.name).is_dir():
             shutil.rmtree(target / entry.name)
         os.replace(entry, target / entry.name)
     staging.rmdir()
+
+
+def usual_file_mode() -> int:
+    """The mode a new file gets from open(): 0666 less the umask (read off /proc where it can be: setting the umask
+    to read it is process-wide, and another thread could create a file in between)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return 0o666 & ~int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def give_usual_modes(path: Path) -> None:
+    """`path`, or every file under it, given the usual mode (usual_file_mode): safetensors writes its files 0600,
+    which a shared folder, a web server or another user's job could not read beside the 0644 of the rest."""
+    mode = usual_file_mode()
+    path = Path(path)
+    files = [path] if not path.is_dir() else [entry for entry in path.rglob("*") if entry.is_file()]
+    for file in files:
+        if not file.is_symlink() and file.stat().st_mode & 0o7777 != mode:
+            file.chmod(mode)
 
 
 def fsync_tree(folder: Path) -> None:

@@ -34,8 +34,8 @@ from .errors import VitFinetuneError, shortened
 from .families import FAMILIES
 from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
 from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
-                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, rename_into_place,
-                     replace_atomically)
+                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes,
+                     rename_into_place, replace_atomically)
 from .outputs import claim
 from .run_outputs import save_image_processor
 from .synthetic import generate_arrays
@@ -300,6 +300,7 @@ def publish(staging: Path, target: Path, earlier: set[str]) -> None:
     """Move the staged export into `target`, file by file, export.json last; remove the names the earlier export
     there claimed (`earlier`) that this one did not write. Nothing else in `target` is touched."""
     written = {entry.name for entry in staging.iterdir()}
+    give_usual_modes(staging)
     if not target.exists():
         rename_into_place(staging, target)
         return
