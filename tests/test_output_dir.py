@@ -71,9 +71,9 @@ def test_overwrite_only_ever_replaces_what_a_run_wrote(args, tmp_path):
     (out / "my-plots" / "a.png").write_bytes(b"mine")
     assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # beside the user's files
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
-    claimed = set(json.loads((out / MANIFEST).read_text())["written"])
-    assert {"model.safetensors", "metrics.json", "README.md", "checkpoints", "adapter"} <= claimed
-    assert not claimed & {"notes.txt", "my-plots"}
+    written = set(json.loads((out / MANIFEST).read_text())["written"])
+    assert {"model.safetensors", "metrics.json", "README.md", "recipe.yaml"} <= written
+    assert not written & {"notes.txt", "my-plots", "checkpoints", "adapter", "runs"}  # what it wrote, not what it could
     first = (out / "model.safetensors").read_bytes()
     assert train([*args, "train.max_steps=3", f"output_dir={out}", "overwrite=true"]) == 0  # replaces its own
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3 and (out / "model.safetensors").read_bytes() != first

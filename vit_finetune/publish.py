@@ -23,8 +23,7 @@ from huggingface_hub.utils import validate_repo_id
 from .errors import shortened
 from .run_outputs import card_loading_from
 from .hub import TIMEOUT_VARIABLE, PushError, request_timeout, requests_time_out, require_token
-from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR
-from .outputs import claimed
+from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR, written
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
@@ -45,10 +44,12 @@ def failure_reason(error: Exception, timeout: float) -> str:
 
 
 def published_files(output_dir: Path) -> list[str]:
-    """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
-    left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
-    names = sorted(name for name in claimed(output_dir)
-                   if not name.startswith(".") and name not in KEPT_FOR_THE_RUN and (output_dir / name).exists())
+    """The paths the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
+    left beside the run or in a folder it writes in (notes, a log in runs/) is not in the manifest, so it is never
+    uploaded."""
+    names = sorted(path for path in written(output_dir)
+                   if not path.startswith(".") and path.split("/")[0] not in KEPT_FOR_THE_RUN
+                   and (output_dir / path).exists())
     if not names:
         raise PushError(f"{output_dir} holds no {MANIFEST} listing what a run wrote there, so what to publish is unknown; "
                         "push a folder written by `python -m vit_finetune` (or upload your own files with `hf upload`)")
