@@ -74,8 +74,9 @@ def family_of(config: PretrainedConfig, base: str = "") -> Family:
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     """Fetch only config.json and check the base is a supported family the target size suits, before any weights move."""
     location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
-    if not Path(location).expanduser().is_dir() and REPO_ID_PATTERN.match(location):
-        problem = hub.unreachable_problem(location, "model", settings.revision)
+    if not Path(location).expanduser().exists():
+        could_be_hub_id = not location.startswith((".", "/", "~")) and bool(REPO_ID_PATTERN.match(location))
+        problem = hub.missing_source_problem(location, "model", could_be_hub_id, settings.revision)
         if problem:
             raise ModelError(f"model.base={settings.base!r}: {problem}")
     try:
