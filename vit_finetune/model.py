@@ -279,6 +279,13 @@ def build_model(settings: ModelSettings, labels: list[str],
     return model
 
 
+def keeps_base_head(settings: ModelSettings, labels: list[str]) -> bool:
+    """Whether build_model keeps the base's trained head: a student cut (model.keep_blocks) from a classifier of
+    exactly `labels` (student.same_labels). Read from the base's config alone."""
+    return (settings.keep_blocks is not None and settings.pretrained
+            and student.same_labels(load_base_config(settings), labels))
+
+
 def has_distillation_token(model: PreTrainedModel) -> bool:
     """DeiT: a second prefix token, trained (in a distilled DeiT) to predict the teacher."""
     return family_of(model.config).distilled_class is not None

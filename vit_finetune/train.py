@@ -203,7 +203,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
     eval_images = None if streamed else len(splits.eval)
     as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps), accelerator, task)
+                                          steps_per_epoch, total_steps), accelerator, task,
+                          head_kept=vit.keeps_base_head(recipe.model, splits.labels))
     method = methods.METHODS[as_run.train.method]
     if not method.fine_tunes:
         total_steps = 0  # the probe is the whole training
@@ -352,9 +353,11 @@ class RunSize:
         return self.images_seen / max(1, self.training_images)
 
 
-def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task) -> Recipe:
+def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task,
+                 head_kept: bool = False) -> Recipe:
     """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
-    the method: the others resolve, for recipe.yaml, but change nothing)."""
+    the method: the others resolve, for recipe.yaml, but change nothing); `head_kept`: a student keeps its base's
+    trained head."""
     said = {}
     unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
     if recipe.train.method == "auto":
@@ -387,11 +390,12 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
     if recipe.train.head_lr == "auto":
         head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
-                                          head_fitted=methods.fits_head_first(recipe.train.method))
+                                          head_fitted=methods.fits_head_first(recipe.train.method), head_kept=head_kept)
         said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
     if recipe.train.warmup_steps == "auto":
-        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps)
+        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps,
+                                              head_kept)
         said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
     if recipe.train.wise_ft_alpha == "auto":
