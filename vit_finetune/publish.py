@@ -10,6 +10,7 @@ token, the timeout, offline switches) is hub.py's.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import tempfile
 import time
@@ -28,9 +29,26 @@ from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITIO
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
 
-def is_retryable(error: Exception) -> bool:
-    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card) will not."""
+# hf_xet (huggingface_hub's Xet uploads, used whenever it is installed) turns an HTTP error answer into a Python
+# ConnectionError whose text holds the status: "... HTTP status client error (400 Bad Request), domain: URL". Read as
+# a connection error it was retried five times; it is an answer, and a 4xx will not pass on a retry.
+XET_ANSWER = re.compile(r"HTTP status (?:client|server) error \((\d{3})([^)]*)\), domain: (\S+)")
+XET_FIX = ("The server speaks no Xet, the upload protocol huggingface_hub uses when hf_xet is installed (a test or "
+           "private Hub, such as the test suite's loopback Hub): set HF_HUB_DISABLE_XET=1 to upload by the LFS "
+           "transfer instead. ")
+
+
+def answered_status(error: Exception) -> int | None:
+    """The HTTP status the Hub answered with, if it answered (from huggingface_hub's error or hf_xet's message)."""
     status = getattr(getattr(error, "response", None), "status_code", None)
+    if status is None and (match := XET_ANSWER.search(str(error))):
+        status = int(match.group(1))
+    return status
+
+
+def is_retryable(error: Exception) -> bool:
+    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card, no Xet) will not."""
+    status = answered_status(error)
     return status is None or status in (408, 429) or status >= 500
 
 
@@ -40,7 +58,16 @@ def failure_reason(error: Exception, timeout: float) -> str:
         return f"the Hub did not answer within {timeout:g} s ({TIMEOUT_VARIABLE}): timed out"
     if isinstance(error, httpx2.TransportError):
         return f"connection error: {type(error).__name__}: {error}"
+    xet = XET_ANSWER.search(str(error))
+    if xet:
+        return f"the Hub answered {xet.group(1)}{xet.group(2)} to hf_xet's request {xet.group(3)}"
     return f"{type(error).__name__}: {error}"
+
+
+def refuses_xet(error: Exception | None) -> bool:
+    """Whether the Hub answered hf_xet's request for an upload token with a 4xx: it has no Xet."""
+    xet = XET_ANSWER.search(str(error)) if error is not None else None
+    return bool(xet) and int(xet.group(1)) < 500 and "/xet-" in xet.group(3)
 
 
 def published_files(output_dir: Path) -> list[str]:
@@ -87,7 +114,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     timeout = request_timeout()
     api = HfApi(token=require_token())
     attempts = 1 + len(RETRY_DELAYS)
-    reason = ""
+    reason, failure = "", None
     with requests_time_out(timeout):
         for attempt, delay in enumerate((0.0, *RETRY_DELAYS), start=1):  # read at each call: tests shorten it
             time.sleep(delay)
@@ -97,7 +124,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
                                            commit_message=f"Upload {output_dir.name} with vit_finetune")
                 return commit.commit_url
             except (HfHubHTTPError, httpx2.TransportError, OSError) as error:
-                reason = " ".join(failure_reason(error, timeout).split())[:300]
+                reason, failure = " ".join(failure_reason(error, timeout).split())[:300], error
                 if not is_retryable(error):
                     break
                 if attempt < attempts:
@@ -106,6 +133,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     again = (f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}"
              f"{' --private' if private else ''}{' --space-app' if space_app else ''}")
     raise PushError(f"could not push {output_dir} to {repo_id} after {attempt} attempt(s) ({reason}). "
+                    f"{XET_FIX if refuses_xet(failure) else ''}"
                     f"The model is safe in {output_dir}: the local folder is intact. Push it again with: {again}")
 
 
