@@ -71,9 +71,9 @@ def test_overwrite_only_ever_replaces_what_a_run_wrote(args, tmp_path):
     (out / "my-plots" / "a.png").write_bytes(b"mine")
     assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # beside the user's files
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
-    claimed = set(json.loads((out / MANIFEST).read_text())["written"])
-    assert {"model.safetensors", "metrics.json", "README.md", "checkpoints", "adapter"} <= claimed
-    assert not claimed & {"notes.txt", "my-plots"}
+    written = set(json.loads((out / MANIFEST).read_text())["written"])
+    assert {"model.safetensors", "metrics.json", "README.md", "recipe.yaml"} <= written
+    assert not written & {"notes.txt", "my-plots", "checkpoints", "adapter", "runs"}  # what it wrote, not what it could
     first = (out / "model.safetensors").read_bytes()
     assert train([*args, "train.max_steps=3", f"output_dir={out}", "overwrite=true"]) == 0  # replaces its own
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3 and (out / "model.safetensors").read_bytes() != first
@@ -191,3 +191,22 @@ def test_a_tensorboard_folder_that_cannot_be_written_is_refused_on_resume_before
     assert f"train.report_to=['tensorboard'] writes into {output / 'runs'}, which cannot be written" in error
     assert batches == []  # refused before training
     assert (output / "runs").read_text() == "a file where TensorBoard's folder should be\n"
+
+
+# ---------------------------------------------------------------- file modes
+
+
+def test_every_file_a_run_writes_gets_the_usual_mode(args, tmp_path):
+    """safetensors writes its files 0600; beside the 0644 of the rest, a served or shared folder could not read the
+    model. Every file, checkpoints and the LoRA adapter included, gets 0666 less the umask (0002 here: 0664)."""
+    out = tmp_path / "run"
+    previous = os.umask(0o002)
+    try:
+        assert train([*args, *SHORT, f"output_dir={out}", "train.checkpoint_every_steps=1", "train.keep_checkpoints=2",
+                      "model.lora={r: 4, alpha: 8, dropout: 0.0}"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {str(path.relative_to(out)): oct(path.stat().st_mode & 0o777) for path in out.rglob("*") if path.is_file()}
+    assert {"model.safetensors", "adapter/adapter_model.safetensors",
+            "checkpoints/step-00000002/model.safetensors"} <= modes.keys()
+    assert {name: mode for name, mode in modes.items() if mode != "0o664"} == {}

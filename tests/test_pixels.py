@@ -7,6 +7,7 @@ compared with `pipeline("image-classification")` on the saved output folder give
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 
 from runs import train
+from tiny import write_label_sets
 from vit_finetune import data
 from vit_finetune.recipe import DataSettings
 
@@ -286,3 +288,55 @@ def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the
     processor = AutoImageProcessor.from_pretrained(out)
     parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))
     assert torch.equal(parity.pixels, processor(images=on_white[:1], return_tensors="pt")["pixel_values"])
+
+
+# ---------------------------------------------------------------- blank images the task expects
+
+
+def blank(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (40, 48), (0, 0, 0)).save(path)
+
+
+def add_rows(label_file: Path, rows: list[dict]) -> None:
+    with open(label_file, newline="") as file:
+        kept = list(csv.DictReader(file))
+    with open(label_file, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(kept[0]))
+        writer.writeheader()
+        writer.writerows(kept + rows)
+
+
+def test_blank_multi_label_negatives_are_not_called_flat_but_a_blank_with_labels_is(base, tmp_path, capsys):
+    """docs/multilabel.md: images with no label train as negatives; a blank one is a deliberate negative. A blank
+    image said to show a label is still named."""
+    label_file = write_label_sets(tmp_path / "sets", images=12, split_column=True)
+    for i in range(7):
+        blank(tmp_path / "sets" / "blank" / f"{i}.png")
+    add_rows(label_file, [{"file_name": f"blank/{i}.png", "labels": "red" if i == 0 else "", "split": "train"}
+                          for i in range(7)])
+    assert train([f"model.base={base}", f"data.dataset={label_file}", f"model.image_size={SIZE}", "train.max_steps=1",
+                  "train.batch_size=4", "data.num_workers=0", "pictures=false", "train.method=finetune",
+                  f"output_dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert "1 of the 15 training images checked decode to one flat colour" in out and "blank/0.png" in out
+
+
+def test_blank_images_with_a_regression_target_are_not_called_flat(base, tmp_path, capsys):
+    """A regression's blank image can have a value (an empty dish counts 0)."""
+    rng = np.random.default_rng(0)
+    rows = ["file_name,count,split"]
+    for i in range(12):
+        path = tmp_path / "dishes" / f"{i}.png"
+        if i % 2:
+            blank(path)
+            rows.append(f"{i}.png,0,{'validation' if i % 4 == 1 else 'train'}")
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(rng.integers(0, 255, (48, 40, 3), dtype=np.uint8)).save(path)
+            rows.append(f"{i}.png,{i},{'validation' if i % 4 == 0 else 'train'}")
+    (tmp_path / "dishes" / "counts.csv").write_text("\n".join(rows) + "\n")
+    assert train([f"model.base={base}", f"data.dataset={tmp_path / 'dishes' / 'counts.csv'}", "data.task=regression",
+                  "data.label_column=count", f"model.image_size={SIZE}", "train.max_steps=1", "train.batch_size=4",
+                  "data.num_workers=0", "pictures=false", f"output_dir={tmp_path / 'out'}"]) == 0
+    assert "flat colour" not in capsys.readouterr().out

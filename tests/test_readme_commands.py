@@ -97,3 +97,38 @@ def test_training_on_your_own_images_is_on_the_first_screen_and_leaves_your_imag
     for tokens in commands:
         assert main([*tokens[tokens.index("vit_finetune") + 1:], "--print"]) == 0
         assert re.search(r"^  horizontal_flip: false$", capsys.readouterr().out, re.M), tokens
+
+
+def readme_commands(heading: str) -> list[list[str]]:
+    """The commands of the README's code blocks under `heading` (up to the next heading), as argument lists after
+    `python -m vit_finetune`."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index(heading) + len(heading):].split("\n## ")[0]
+    blocks = section.split("```")[1::2]
+    tokens = [shlex.split(line, comments=True) for block in blocks for line in block.splitlines()[1:]]
+    return [line[line.index("vit_finetune") + 1:] for line in tokens if "vit_finetune" in line]
+
+
+@pytest.mark.slow
+def test_the_student_commands_run_as_written_on_the_teacher_they_name(tmp_path, monkeypatch, capsys):
+    """The student's block as written, on a small my_photos, after a shortened run of the own-images command that
+    writes the teacher its model.base names (one epoch, no pictures, as the front page's test shortens `make demo`)."""
+    from runs import train
+    from tiny import write_colour_folder
+    from vit_finetune.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("VIT_FINETUNE_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    write_colour_folder(tmp_path / "my_photos", classes=3, train=8, validation=3)
+    student, export, predict = readme_commands("## Smaller and faster")
+    teacher_folder = next(arg.split("=", 1)[1] for arg in student if arg.startswith("model.base="))
+    teacher = next(command for command in readme_commands("## Train on your own images")
+                   if f"output_dir={teacher_folder}" in command)
+    shortened = [*teacher, "train.epochs=1", "train.warmup_steps=0", "pictures=false"]
+    assert train(shortened) == 0, capsys.readouterr().err[-2000:]
+    capsys.readouterr()
+    assert train(student) == 0, capsys.readouterr().err[-2000:]
+    printed = capsys.readouterr().out
+    assert "its head kept" in printed and "new head" not in printed
+    assert main(export) == 0 and main(predict) == 0, capsys.readouterr().err[-2000:]

@@ -68,6 +68,18 @@ def test_all_errors_are_reported_at_once_with_keys_values_and_fixes():
     assert "'a/b/c' is not a valid Hub repo id" in text
 
 
+@pytest.mark.parametrize("typed, meant", [
+    ("train.learning_rate", "train.lr"),  # difflib alone: 'train.early_stopping_patience'
+    ("learning_rate", "train.lr"),  # no section: the synonym's own
+    ("model.model_name_or_path", "model.base"),  # transformers' examples' name
+    ("train.wd", "train.weight_decay"),
+])
+def test_an_unknown_key_gets_the_key_it_most_likely_means(typed, meant):
+    with pytest.raises(RecipeError) as caught:
+        load_recipe("demo", [f"{typed}=1"])
+    assert f"unknown key {typed!r}; did you mean {meant!r}?" in str(caught.value)
+
+
 def test_the_rules_between_keys_list_each_broken_one_apart_by_its_keys():
     """Within a section and across the whole recipe: one problem per broken rule, each naming its keys, never the
     section's values dumped in front of them."""

@@ -254,6 +254,52 @@ def test_a_run_with_a_malformed_timeout_stops_before_training(args, hub_repo_id,
     assert not (out / "model.safetensors").exists()
 
 
+def test_a_hub_that_speaks_no_xet_is_named_at_once_with_the_switch(trained, hub, hub_repo_id, fast_retries,
+                                                                    monkeypatch, capsys):
+    """With hf_xet installed and HF_HUB_DISABLE_XET unset, huggingface_hub asks the Hub for a Xet write token, which
+    the loopback Hub answers 400; hf_xet reports that as a ConnectionError, which was retried five times."""
+    import huggingface_hub.constants
+
+    pytest.importorskip("hf_xet", reason="without hf_xet, huggingface_hub never uploads through Xet")
+    # huggingface_hub reads HF_HUB_DISABLE_XET once, at import: what the variable's absence would have set.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", False)
+    assert main(["push", str(trained), "--repo-id", hub_repo_id]) == 1
+    captured = capsys.readouterr()
+    error = error_line(captured.err)
+    assert "after 1 attempt(s) (the Hub answered 400 Bad Request to hf_xet's request" in error, error
+    assert "xet-write-token" in error and "set HF_HUB_DISABLE_XET=1" in error
+    assert "push attempt" not in captured.out and "ConnectionError" not in error
+    assert len(hub.requests(path_regex=r"/xet-write-token/")) == 1
+
+
+@pytest.mark.slow
+def test_the_documented_offline_push_reaches_the_loopback_hub_started_on_its_own(trained, tmp_path):
+    """docs/hub.md's commands as written, the port aside (any free one): the server from `python -m hub_server`,
+    then a push with the variables the page exports."""
+    page = REPO / "docs" / "hub.md"
+    section = page.read_text().split("## Trying a push offline")[1]
+    commands = [line.split("#")[0].strip() for line in section.split("```")[1].splitlines()[1:] if line.strip()]
+    start, exported, push = commands[:3]
+    assert start.startswith("PYTHONPATH=tests python -m hub_server") and push.startswith("python -m vit_finetune push")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    server = subprocess.Popen([sys.executable, "-m", "hub_server", "--port", "0", "--storage", str(tmp_path / "hub")],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().split(" on ")[1].split(";")[0]
+        variables = dict(pair.split("=", 1) for pair in exported.removeprefix("export ").split())
+        assert variables.keys() == {"HF_ENDPOINT", "HF_TOKEN", "HF_HUB_DISABLE_XET"}
+        variables["HF_ENDPOINT"] = url
+        repo_id = push.split("--repo-id ")[1].split()[0]
+        pushed = subprocess.run([sys.executable, "-m", "vit_finetune", "push", str(trained), "--repo-id", repo_id],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **variables},
+                                capture_output=True, text=True, timeout=300)
+        assert pushed.returncode == 0, pushed.stderr[-2000:]
+        assert f"pushed to {url}/{repo_id}/commit/" in pushed.stdout
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 # ---------------------------------------------------------------- 4. output files: whole or not at all
 
 

@@ -220,3 +220,16 @@ def test_training_on_from_a_cut_student_without_a_cut_replaces_its_head_and_forg
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and student.STUDENT_KEY not in config
     assert saved(out)["classifier.weight"].abs().max() < 1e-6  # a new head, as for any base
+
+
+def test_auto_says_a_student_keeps_the_teachers_head_instead_of_calling_it_new(teacher, images, tmp_path, capsys):
+    """The log said '(... its head kept)' and then 'train.head_lr=auto -> 0.002: the new head starts from zero'."""
+    out = tmp_path / "student"
+    assert train([f"model.base={teacher}", "model.keep_blocks=2", f"data.dataset={images}", *RECIPE,
+                  "train.max_steps=1", "train.lr=auto", "train.head_lr=auto", "train.warmup_steps=auto",
+                  f"output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert "its head kept" in printed and "new head" not in printed
+    assert "train.head_lr=auto -> 0.002: the student keeps the teacher's trained head" in printed
+    assert "train.warmup_steps=auto -> 0: none, as every student of the student study" in printed
+    assert json.loads((out / "config.json").read_text())["student_of"]["head"] is True

@@ -4,6 +4,7 @@ a minute of the clients' retries ending in a fix that names the very id given.""
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,22 @@ def test_a_missing_repo_is_not_called_unreachable(hub, tmp_path, capsys):
     assert "Traceback" not in error
     assert "error: model.base='user/no-such-model': the Hub has no model 'user/no-such-model'" in error
     assert "unreachable" not in error
+
+
+def test_a_missing_local_folder_is_named_as_missing_with_the_path_looked_at(hub, tmp_path, monkeypatch, capsys):
+    """Run from the wrong folder, a path is reported missing where it was looked for, not blamed on the Hub (down
+    here, as offline); a bare name, which could be a folder or a Hub id, gets both."""
+    monkeypatch.chdir(tmp_path)
+    hub.inject_faults(status=503, times=None)
+    for key, value in (("data.dataset", "./my_photos"), ("model.base", "./typo"), ("model.base", "~/no/such/run")):
+        assert main(["--recipe", "demo", f"{key}={value}", f"output_dir={tmp_path / 'run'}"]) == 1
+        error = capsys.readouterr().err
+        looked_at = Path(value).expanduser().absolute()  # the recipe expands ~ itself
+        assert f"error: {key}={value.replace('~', str(Path.home()))!r}: there is no folder or file {str(looked_at)!r}" in error, error
+        assert "give its full path" in error and "Hub" not in error and "Traceback" not in error
+    assert hub.requests() == []  # a path is not asked of the Hub
+    assert main(["--recipe", "demo", "data.dataset=my_photos", f"output_dir={tmp_path / 'run'}"]) == 1
+    error = capsys.readouterr().err
+    assert f"there is no folder or file {str(tmp_path / 'my_photos')!r}" in error
+    assert "is unreachable" in error and OFFLINE_FIX in error
+    assert not (tmp_path / "run").exists()

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 
 from .errors import VitFinetuneError, shortened
 from .layout import (CHECKPOINTS, COMPLETE, DAMAGED_PREFIX, PARTIAL_PREFIX, RECIPE_FILE, STATE_FILE, checkpoint_name,
-                     describe_write_error, rename_into_place)
+                     describe_write_error, record, rename_into_place)
 from .processes import any_process
 from .recipe import HOME_PATH_KEYS, Recipe, default_values, flatten, write_recipe
 from .recipe.limits import excerpt
@@ -89,6 +89,7 @@ def save_checkpoint(accelerator, output_dir: Path, state: TrainState, recipe: Re
     final = root / checkpoint_name(state.step)
     partial = root / f"{PARTIAL_PREFIX}{final.name}"
     if accelerator.is_main_process:
+        record(output_dir, [f"{CHECKPOINTS}/{partial.name}", f"{CHECKPOINTS}/{final.name}"])
         root.mkdir(parents=True, exist_ok=True)
         for leftover in root.glob(f"{PARTIAL_PREFIX}*"):  # an earlier save that was killed half-way
             shutil.rmtree(leftover, ignore_errors=True)
@@ -164,6 +165,7 @@ def set_aside(checkpoint: Path, error: Exception, is_main_process: bool) -> None
         if not target.exists():
             break
         target = checkpoint.with_name(f"{DAMAGED_PREFIX}{checkpoint.name}-{attempt}")
+    record(checkpoint.parent.parent, [f"{CHECKPOINTS}/{target.name}"])
     os.rename(checkpoint, target)
     print(f"checkpoint {checkpoint} is damaged ({error}); moved to {target} for inspection. "
           "Looking for an older complete checkpoint", flush=True)

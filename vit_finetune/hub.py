@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from types import ModuleType
 
 from huggingface_hub import get_session, get_token
@@ -153,3 +154,24 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
                 f"Fix: {UNREACHABLE_FIX[repo_type]}")
     return None
 
+
+
+LOCAL_PATH_FIX = "run the command from the folder that holds it, or give its full path"
+
+
+def not_here(value: str) -> str:
+    """A local path that does not exist, in words: the absolute path looked at (a relative one is read from the
+    folder the command runs in, the usual culprit)."""
+    return f"there is no folder or file {str(Path(value).expanduser().absolute())!r}"
+
+
+def missing_source_problem(value: str, repo_type: str, could_be_hub_id: bool, revision: str | None = None) -> str | None:
+    """Why `value` (data.dataset, model.base), which names nothing on this disk, cannot be read; None if the Hub has
+    it. A path is named as missing, with the absolute path looked at. A bare name (`my_photos`) could be a folder
+    run from the wrong place as well as a Hub id: both are said. `namespace/name` is taken for a Hub id."""
+    if not could_be_hub_id:
+        return f"{not_here(value)}. Fix: {LOCAL_PATH_FIX}"
+    problem = unreachable_problem(value, repo_type, revision)
+    if problem is None or "/" in value:
+        return problem
+    return f"{not_here(value)} (if it is a folder of yours: {LOCAL_PATH_FIX}), and {problem}"

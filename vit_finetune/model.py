@@ -73,8 +73,9 @@ def family_of(config: PretrainedConfig, base: str = "") -> Family:
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
     """Fetch only config.json and check the base is a supported family the target size suits, before any weights move."""
     location = base_location(settings)  # a ModelError of its own for an unknown builtin: name
-    if not Path(location).expanduser().is_dir() and REPO_ID_PATTERN.match(location):
-        problem = hub.unreachable_problem(location, "model", settings.revision)
+    if not Path(location).expanduser().exists():
+        could_be_hub_id = not location.startswith((".", "/", "~")) and bool(REPO_ID_PATTERN.match(location))
+        problem = hub.missing_source_problem(location, "model", could_be_hub_id, settings.revision)
         if problem:
             raise ModelError(f"model.base={settings.base!r}: {problem}")
     try:
@@ -289,6 +290,13 @@ def build_model(settings: ModelSettings, labels: list[str],
         state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model
+
+
+def keeps_base_head(settings: ModelSettings, labels: list[str]) -> bool:
+    """Whether build_model keeps the base's trained head: a student cut (model.keep_blocks) from a classifier of
+    exactly `labels` (student.same_labels). Read from the base's config alone."""
+    return (settings.keep_blocks is not None and settings.pretrained
+            and student.same_labels(load_base_config(settings), labels))
 
 
 def has_distillation_token(model: PreTrainedModel) -> bool:

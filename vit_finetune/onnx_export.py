@@ -34,9 +34,8 @@ from .errors import VitFinetuneError, shortened
 from .families import FAMILIES
 from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
 from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
-                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, rename_into_place,
-                     replace_atomically)
-from .outputs import claim
+                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes, record,
+                     rename_into_place, replace_atomically)
 from .run_outputs import save_image_processor
 from .synthetic import generate_arrays
 from .tasks import Answers, of_config
@@ -302,6 +301,7 @@ def publish(staging: Path, target: Path, earlier: set[str]) -> None:
     """Move the staged export into `target`, file by file, export.json last; remove the names the earlier export
     there claimed (`earlier`) that this one did not write. Nothing else in `target` is touched."""
     written = {entry.name for entry in staging.iterdir()}
+    give_usual_modes(staging)
     if not target.exists():
         rename_into_place(staging, target)
         return
@@ -317,12 +317,13 @@ def publish(staging: Path, target: Path, earlier: set[str]) -> None:
     staging.rmdir()
 
 
-def claim_in_run_folder(location: str, target: Path) -> None:
-    """An export in a run's own onnx/ is named in the run's manifest, so a later run with overwrite=true removes
-    it with the weights it was made from instead of leaving a stale graph beside new weights."""
+def claim_in_run_folder(location: str, target: Path, files: list[str]) -> None:
+    """An export's `files` in a run's own onnx/ are recorded in the run's manifest before they are moved there, so a
+    later run with overwrite=true removes them with the weights they were made from instead of leaving a stale graph
+    beside new weights (a user's file in onnx/ stays)."""
     folder = Path(location)
     if target.resolve() == (folder / ONNX_DIR).resolve() and (folder / MANIFEST).is_file():
-        claim(folder, (ONNX_DIR,))
+        record(folder, [f"{ONNX_DIR}/{name}" for name in files])
 
 
 def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None = None,
@@ -375,6 +376,7 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
             print(quantization_summary(report["quantized"], answers))
         report["files"] = sorted({entry.name for entry in staging.iterdir()} | {EXPORT_REPORT_FILE})
         (staging / EXPORT_REPORT_FILE).write_text(json.dumps(report, indent=1))
+        claim_in_run_folder(location, target, report["files"])
         publish(staging, target, earlier)
     except OSError as error:  # a full disk while staging: the earlier export was not touched
         shutil.rmtree(staging, ignore_errors=True)
@@ -382,7 +384,6 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    claim_in_run_folder(location, target)
     return given
 
 

@@ -86,14 +86,18 @@ def auto_lr(lora: bool) -> tuple[float, str]:
 AUTO_HEAD_LR_ADAMW = 2e-3
 
 
-def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False) -> tuple[float, str]:
-    """The head's peak lr that train.head_lr=auto stands for, and why; `head_fitted`: a linear probe fitted it."""
+def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False, head_kept: bool = False) -> tuple[float, str]:
+    """The head's peak lr that train.head_lr=auto stands for, and why; `head_fitted`: a linear probe fitted it;
+    `head_kept`: a student cut from a classifier of the same labels (student.py) kept that classifier's head."""
     if head_fitted:
         return lr, "train.lr: the linear probe fitted the head, so it fine-tunes with the rest"
     if optimizer != "adamw":
         return lr, f"train.lr: a separate head lr is measured for AdamW only, not {optimizer}"
     if lr >= AUTO_HEAD_LR_ADAMW:
         return lr, f"train.lr, already at least {AUTO_HEAD_LR_ADAMW:g}"
+    if head_kept:
+        return AUTO_HEAD_LR_ADAMW, (f"the student keeps the teacher's trained head; {AUTO_HEAD_LR_ADAMW:g}, as every "
+                                    "student of the student study (docs/training.md) trained it")
     return AUTO_HEAD_LR_ADAMW, (f"the new head starts from zero and needs at least {AUTO_HEAD_LR_ADAMW:g} with AdamW, "
                                 f"more than train.lr={lr:g} gives the pretrained weights")
 
@@ -109,9 +113,12 @@ def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False) -> tuple[
 AUTO_WARMUP_SHARE_AFTER_PROBE = 0.1
 
 
-def auto_warmup_steps(head_fitted: bool, total_steps: int) -> tuple[int, str]:
-    """The warm-up steps train.warmup_steps=auto stands for, and why; `head_fitted`: a linear probe fitted the head."""
+def auto_warmup_steps(head_fitted: bool, total_steps: int, head_kept: bool = False) -> tuple[int, str]:
+    """The warm-up steps train.warmup_steps=auto stands for, and why; `head_fitted`: a linear probe fitted the head;
+    `head_kept`: a student kept its teacher's trained head."""
     if not head_fitted:
+        if head_kept:
+            return 0, "none, as every student of the student study (docs/training.md), each keeping its head, trained"
         return 0, "the new head starts at zero, so the first steps move the backbone little; none, as measured"
     steps = int(total_steps * AUTO_WARMUP_SHARE_AFTER_PROBE)
     return steps, (f"a tenth of the {total_steps:,} steps: the probe's head already fits, and AdamW's first full-size "

@@ -10,6 +10,7 @@ token, the timeout, offline switches) is hub.py's.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import tempfile
 import time
@@ -22,15 +23,31 @@ from huggingface_hub.utils import validate_repo_id
 from .errors import shortened
 from .run_outputs import card_loading_from
 from .hub import TIMEOUT_VARIABLE, PushError, http_library, request_timeout, requests_time_out, require_token
-from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR
-from .outputs import claimed
+from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR, written
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 
 
-def is_retryable(error: Exception) -> bool:
-    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card) will not."""
+# hf_xet (huggingface_hub's Xet uploads, used whenever it is installed) turns an HTTP error answer into a Python
+# ConnectionError whose text holds the status: "... HTTP status client error (400 Bad Request), domain: URL". Read as
+# a connection error it was retried five times; it is an answer, and a 4xx will not pass on a retry.
+XET_ANSWER = re.compile(r"HTTP status (?:client|server) error \((\d{3})([^)]*)\), domain: (\S+)")
+XET_FIX = ("The server speaks no Xet, the upload protocol huggingface_hub uses when hf_xet is installed (a test or "
+           "private Hub, such as the test suite's loopback Hub): set HF_HUB_DISABLE_XET=1 to upload by the LFS "
+           "transfer instead. ")
+
+
+def answered_status(error: Exception) -> int | None:
+    """The HTTP status the Hub answered with, if it answered (from huggingface_hub's error or hf_xet's message)."""
     status = getattr(getattr(error, "response", None), "status_code", None)
+    if status is None and (match := XET_ANSWER.search(str(error))):
+        status = int(match.group(1))
+    return status
+
+
+def is_retryable(error: Exception) -> bool:
+    """Connection errors, timeouts, 408, 429 and 5xx may pass; a 4xx (bad token, bad card, no Xet) will not."""
+    status = answered_status(error)
     return status is None or status in (408, 429) or status >= 500
 
 
@@ -41,14 +58,25 @@ def failure_reason(error: Exception, timeout: float) -> str:
         return f"the Hub did not answer within {timeout:g} s ({TIMEOUT_VARIABLE}): timed out"
     if isinstance(error, http.TransportError):
         return f"connection error: {type(error).__name__}: {error}"
+    xet = XET_ANSWER.search(str(error))
+    if xet:
+        return f"the Hub answered {xet.group(1)}{xet.group(2)} to hf_xet's request {xet.group(3)}"
     return f"{type(error).__name__}: {error}"
 
 
+def refuses_xet(error: Exception | None) -> bool:
+    """Whether the Hub answered hf_xet's request for an upload token with a 4xx: it has no Xet."""
+    xet = XET_ANSWER.search(str(error)) if error is not None else None
+    return bool(xet) and int(xet.group(1)) < 500 and "/xet-" in xet.group(3)
+
+
 def published_files(output_dir: Path) -> list[str]:
-    """The names the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
-    left beside the run (notes, a folder of their own) is not in the manifest, so it is never uploaded."""
-    names = sorted(name for name in claimed(output_dir)
-                   if not name.startswith(".") and name not in KEPT_FOR_THE_RUN and (output_dir / name).exists())
+    """The paths the run's manifest lists, less what a run keeps for itself: what a push publishes. A file a user
+    left beside the run or in a folder it writes in (notes, a log in runs/) is not in the manifest, so it is never
+    uploaded."""
+    names = sorted(path for path in written(output_dir)
+                   if not path.startswith(".") and path.split("/")[0] not in KEPT_FOR_THE_RUN
+                   and (output_dir / path).exists())
     if not names:
         raise PushError(f"{output_dir} holds no {MANIFEST} listing what a run wrote there, so what to publish is unknown; "
                         "push a folder written by `python -m vit_finetune` (or upload your own files with `hf upload`)")
@@ -86,7 +114,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     timeout = request_timeout()
     api = HfApi(token=require_token())
     attempts = 1 + len(RETRY_DELAYS)
-    reason = ""
+    reason, failure = "", None
     connection_error = http_library().TransportError  # timeouts included
     with requests_time_out(timeout):
         for attempt, delay in enumerate((0.0, *RETRY_DELAYS), start=1):  # read at each call: tests shorten it
@@ -97,7 +125,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
                                            commit_message=f"Upload {output_dir.name} with vit_finetune")
                 return commit.commit_url
             except (HfHubHTTPError, connection_error, OSError) as error:
-                reason = " ".join(failure_reason(error, timeout).split())[:300]
+                reason, failure = " ".join(failure_reason(error, timeout).split())[:300], error
                 if not is_retryable(error):
                     break
                 if attempt < attempts:
@@ -106,6 +134,7 @@ def push_folder(output_dir: Path, repo_id: str, private: bool = False, space_app
     again = (f"python -m vit_finetune push {shlex.quote(str(output_dir))} --repo-id {repo_id}"
              f"{' --private' if private else ''}{' --space-app' if space_app else ''}")
     raise PushError(f"could not push {output_dir} to {repo_id} after {attempt} attempt(s) ({reason}). "
+                    f"{XET_FIX if refuses_xet(failure) else ''}"
                     f"The model is safe in {output_dir}: the local folder is intact. Push it again with: {again}")
 
 

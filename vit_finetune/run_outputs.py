@@ -24,8 +24,8 @@ from .data import alpha_card_text
 from .families import FAMILIES
 from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTORY_FILE, METRICS_FILE, MISCLASSIFIED_FILE,
                      PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE, PROCESSOR_FILE,
-                     RECIPE_FILE, RUN_INFO_FILE, RUN_NAMES, STAGING, move_into)
-from .outputs import clear_claimed
+                     RECIPE_FILE, RUN_INFO_FILE, STAGING, move_into, record)
+from .outputs import OutputDirError, drop_previous_run, set_previous_run_aside, unwritable
 from .recipe import Recipe, write_recipe
 from .recipe.limits import REPO_ID_PATTERN
 from .text import printable
@@ -314,6 +314,7 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     """Stage every final file, then move them into output_dir with metrics.json last."""
     output_dir = Path(output_dir)
     staging = output_dir / STAGING
+    record(output_dir, [STAGING])
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     model.save_pretrained(staging, safe_serialization=True)
@@ -337,10 +338,22 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
                pictures, model.config.model_type).save(staging / CARD_FILE)
     (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
 
+    record(output_dir, [entry.name for entry in staging.iterdir()])
     move_into(staging, output_dir, last=METRICS_FILE)
+    drop_previous_run(output_dir)  # overwrite=true: the run these outputs replace goes only now
 
 
-def clear_previous_run(output_dir: Path) -> None:
-    """overwrite=true: remove what earlier runs of this toolkit wrote (their manifest says what), so their files
-    cannot mix with the new ones; a file or folder the toolkit did not write is never touched."""
-    clear_claimed(output_dir, RUN_NAMES)
+def begin_outputs(output_dir: Path, recipe: Recipe, overwrite: bool,
+                  draw_positions: Callable[[Path], None] | None = None) -> None:
+    """The run's first writes, once every check before training has passed: with overwrite=true the previous run
+    is set aside first (outputs.set_previous_run_aside), then recipe.yaml and the position-embedding picture."""
+    output_dir = Path(output_dir)
+    if overwrite:
+        set_previous_run_aside(output_dir)
+    try:
+        record(output_dir, [RECIPE_FILE] + ([POSITION_FILE] if draw_positions else []))
+        write_recipe(recipe, output_dir)
+    except OSError as error:
+        raise OutputDirError(unwritable(output_dir, error)) from None
+    if draw_positions is not None:
+        draw_positions(output_dir / POSITION_FILE)

@@ -13,6 +13,7 @@ metrics.json says which they are (`weights`, `best_step`, `best_metric`, `best_v
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -26,7 +27,8 @@ from .checkpoint import WRITE_ERRORS
 from .ema import WeightEMA, load_trainable_state, trainable_state
 from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
-from .layout import BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, describe_write_error, replace_atomically
+from .layout import (BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, PARTIAL_PREFIX, describe_write_error, record,
+                     replace_atomically)
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 from .tasks import TASKS, of_config
@@ -105,8 +107,9 @@ class WeightSelection(Callback):
         if self.ema is not None and (folder / CHECKPOINT_EMA).is_file():
             self.ema.load_state_dict(load_file(str(folder / CHECKPOINT_EMA)))
         if run.accelerator.is_main_process:
-            self.best_file.parent.mkdir(parents=True, exist_ok=True)
             if run.state.best is not None:
+                self._record_best_file()
+                self.best_file.parent.mkdir(parents=True, exist_ok=True)
                 replace_atomically(self.best_file, lambda partial: shutil.copyfile(folder / CHECKPOINT_BEST, partial))
             else:  # a best written after this checkpoint belongs to steps that will be trained again
                 self.best_file.unlink(missing_ok=True)
@@ -139,8 +142,16 @@ class WeightSelection(Callback):
         return {**metrics, **said}, predictions
 
     def remove_best_file(self) -> None:
-        """Once the output folder holds the chosen weights, the copy under best/ has done its job."""
-        shutil.rmtree(self.best_file.parent, ignore_errors=True)
+        """Once the output folder holds the chosen weights, the copy under best/ has done its job (the folder goes
+        too, unless it holds something else)."""
+        self.best_file.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            self.best_file.parent.rmdir()
+
+    def _record_best_file(self) -> None:
+        """best/weights.safetensors, and the name it is written under first, in the run's manifest."""
+        output_dir = self.best_file.parent.parent
+        record(output_dir, [f"{BEST_DIR}/{BEST_FILE}", f"{BEST_DIR}/{PARTIAL_PREFIX}{BEST_FILE}"])
 
     # ------------------------------------------------------------ keep-best
 
@@ -154,6 +165,7 @@ class WeightSelection(Callback):
         failure = None
         if run.accelerator.is_main_process:
             try:
+                self._record_best_file()
                 self.best_file.parent.mkdir(parents=True, exist_ok=True)
                 replace_atomically(self.best_file, lambda partial: save_file(_on_cpu(weights), str(partial)))
             except WRITE_ERRORS as error:

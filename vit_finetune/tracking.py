@@ -18,7 +18,7 @@ import numpy as np
 
 from .callbacks import Callback
 from .errors import VitFinetuneError
-from .layout import POSITION_FILE, TRACKER_DIR, describe_write_error
+from .layout import POSITION_FILE, TRACKER_DIR, describe_write_error, record
 from .pictures import draw_confusion_matrix
 from .recipe import flatten
 
@@ -60,14 +60,23 @@ def tracker_folder_refusal(output_dir: Path, names: list[str]) -> str | None:
     try:
         if folder.exists() and not folder.is_dir():
             raise NotADirectoryError(20, "it is a file, not a folder")
+        made = not folder.exists()
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
         probe.unlink()
+        if made:  # nothing is left of the probe: the run may yet be refused, and runs/ be taken for the user's
+            folder.rmdir()
     except OSError as error:
         return (f"train.report_to={writers} writes into {folder}, which cannot be written "
                 f"({describe_write_error(error, Path(output_dir))}). Fix: move or remove what stands there, free "
                 f"disk space or make it writable, or leave {writers} out of train.report_to")
     return None
+
+
+def tracker_log_folder(output_dir: Path | str) -> str:
+    """Where Accelerate's file-based trackers write, relative to output_dir: runs/<output folder's name>
+    (init_trackers is given that name as the project's)."""
+    return f"{TRACKER_DIR}/{Path(output_dir).name}"
 
 
 def callbacks_for(names: list[str]) -> list[Callback]:
@@ -96,6 +105,8 @@ class TrackingCallback(Callback):
 
     def on_train_start(self, run) -> None:
         recipe, accelerator = run.recipe, run.accelerator
+        if accelerator.is_main_process and any(TRACKERS[name].get("writes_in_output_dir") for name in self.names):
+            record(recipe.output_dir, [tracker_log_folder(recipe.output_dir)])  # Accelerate writes it in full
         accelerator.init_trackers(Path(recipe.output_dir).name, config=flat_hyperparameters(recipe))
         position = Path(recipe.output_dir) / POSITION_FILE
         if position.is_file():

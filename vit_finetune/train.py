@@ -8,6 +8,7 @@ keep (selection.py: EMA, best evaluation), export and push.
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import time
@@ -29,9 +30,9 @@ from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
-                        refuse_a_lone_process, unshared_folder_refusal, watch_launcher)
+                        refuse_a_lone_process, unshared_folder_refusal, watch_launcher, world_size)
 from .recipe import (Recipe, probe_unused_settings, step_only_settings, weight_selection_settings,
-                     without_pixel_draws, write_recipe)
+                     without_pixel_draws)
 
 
 class RunError(VitFinetuneError):
@@ -40,20 +41,28 @@ class RunError(VitFinetuneError):
 
 def check_output_dir(recipe: Recipe) -> None:
     """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
-    toolkit did not write, or to write into the dataset's folder."""
+    toolkit did not write, or to write into the dataset's folder. A previous run that a killed overwrite=true run set
+    aside is put back first (one process alone can do it here; a launch of several does it once it holds the lock),
+    and the checks are of the run the folder will then hold."""
     output_dir = Path(recipe.output_dir)
+    resuming = recipe.train.resume is not None
+    if world_size(os.environ) == 1:
+        said = outputs.recover_if_free(output_dir, resuming)
+        if said:
+            display.say(said)
     refused = outputs.refusal(recipe, layout.RUN_NAMES)
     if refused:
         raise RunError(refused)
-    if recipe.overwrite or recipe.train.resume is not None:
-        if recipe.train.resume is not None and run_outputs.is_finished(output_dir):
+    met = outputs.run_a_new_run_meets(output_dir, resuming)
+    if recipe.overwrite or resuming:
+        if resuming and run_outputs.is_finished(met):
             raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
                            "Use overwrite=true to train again, or another output_dir")
         return
-    if run_outputs.is_finished(output_dir):
+    if run_outputs.is_finished(met):
         raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({layout.METRICS_FILE}). "
                        "Fix: choose another output_dir, or pass overwrite=true to replace it")
-    if checkpoint.complete_checkpoints(output_dir):
+    if checkpoint.complete_checkpoints(met):
         raise RunError(f"output_dir={str(output_dir)!r} holds checkpoints of an unfinished run. "
                        "Fix: resume it with train.resume=auto, or pass overwrite=true to start again")
 
@@ -178,10 +187,10 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
-    data_facts = check_training_data(splits, recipe, accelerator)
+    task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
+    data_facts = check_training_data(splits, recipe, accelerator, task)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
-    task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
     teacher = None
     if recipe.train.distill is not None:  # its labels are checked before the student is built
         if not task.distills:
@@ -194,7 +203,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
     eval_images = None if streamed else len(splits.eval)
     as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps), accelerator, task)
+                                          steps_per_epoch, total_steps), accelerator, task,
+                          head_kept=vit.keeps_base_head(recipe.model, splits.labels))
     method = methods.METHODS[as_run.train.method]
     if not method.fine_tunes:
         total_steps = 0  # the probe is the whole training
@@ -286,15 +296,16 @@ def freeze_all_but_heads(model) -> None:
 
 
 def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
-                        accelerator: Accelerator) -> dict:
+                        accelerator: Accelerator, task: tasks.Task) -> dict:
     """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
-    no label) and refuse training images that are mostly one flat colour; returns what metrics.json records of the
-    training split. A stream is not read ahead of training: only what its metadata says is known."""
+    no label) and refuse training images that are mostly one flat colour where the task finds that suspect; returns
+    what metrics.json records of the training split. A stream is not read ahead of training: only what its metadata
+    says is known."""
     notes = list(getattr(splits, "notes", []))
     facts = {} if recipe.data.streaming else data.training_facts(splits)
     if not recipe.data.streaming:
         notes += data.training_facts_notes(facts, len(splits.train))
-        flat = data.flat_images(splits, recipe.data, recipe.train.seed)
+        flat = data.flat_images(splits, recipe.data, recipe.train.seed, task.flat_image_suspect)
         if flat.refuses(recipe.data):
             raise RunError(f"{flat.problem(recipe.data)}; or set data.allow_flat_images=true to train anyway")
         notes += [flat.problem(recipe.data)] if flat.flat else []
@@ -342,9 +353,11 @@ class RunSize:
         return self.images_seen / max(1, self.training_images)
 
 
-def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task) -> Recipe:
+def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task,
+                 head_kept: bool = False) -> Recipe:
     """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
-    the method: the others resolve, for recipe.yaml, but change nothing)."""
+    the method: the others resolve, for recipe.yaml, but change nothing); `head_kept`: a student keeps its base's
+    trained head."""
     said = {}
     unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
     if recipe.train.method == "auto":
@@ -383,11 +396,12 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
     if recipe.train.head_lr == "auto":
         head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
-                                          head_fitted=methods.fits_head_first(recipe.train.method))
+                                          head_fitted=methods.fits_head_first(recipe.train.method), head_kept=head_kept)
         said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
     if recipe.train.warmup_steps == "auto":
-        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps)
+        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps,
+                                              head_kept)
         said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
     if recipe.train.wise_ft_alpha == "auto":
@@ -474,6 +488,11 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
         try:
             return _run(recipe, callbacks, accelerator)
+        except Exception:
+            said = outputs.after_a_failed_run(Path(recipe.output_dir)) if accelerator.is_main_process else None
+            if said:
+                display.say(said)
+            raise
         finally:
             lock.release()
 
@@ -526,9 +545,12 @@ def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
     if refused:
         return refused
     try:
-        outputs.claim(output_dir, layout.RUN_NAMES)
-    except OSError as error:
-        refused = outputs.unwritable(output_dir, error)
+        said = outputs.recover_interrupted_overwrite(output_dir, recipe.train.resume is not None)
+        if said:
+            display.say(said)
+        outputs.claim(output_dir)
+    except outputs.OutputDirError as error:
+        refused = str(error)
     refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
     if refused:
         lock.release()
@@ -541,8 +563,6 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     def load_data_and_model() -> tuple[Path | None, Parts]:
         with hub.offline_unless(accelerator.is_local_main_process):
             set_seed(recipe.train.seed)
-            if accelerator.is_main_process and recipe.overwrite:
-                run_outputs.clear_previous_run(output_dir)
             resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
                 checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
@@ -560,21 +580,22 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if resume_from:
         reapply_hyperparameters(parts, recipe)
     cache_teacher_logits(parts, recipe, accelerator)
+    training = TrainingRun(recipe, accelerator, parts, state)
+    keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
+                                       parts.labels, measure=lambda: loop.measure(training))  # may refuse the recipe
     if accelerator.is_main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        write_recipe(parts.recipe_as_run, output_dir)
+        draw = None
+        if parts.position_tables and recipe.pictures:
+            draw = partial(pictures.draw_position_similarity, parts.position_tables["before"],
+                           parts.position_tables["after"])
+        # Every check before training has passed: overwrite=true sets the previous run aside here, not before.
+        run_outputs.begin_outputs(output_dir, parts.recipe_as_run, recipe.overwrite, draw)
         trainable, total = vit.count_parameters(parts.model)
         display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
                     f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
                     + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
-        if parts.position_tables and recipe.pictures:
-            pictures.draw_position_similarity(parts.position_tables["before"], parts.position_tables["after"],
-                                              output_dir / layout.POSITION_FILE)
 
-    training = TrainingRun(recipe, accelerator, parts, state)
-    keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
-                                       parts.labels, measure=lambda: loop.measure(training))
     stream_positions = [streaming.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
     hooks = CallbackList([keeper, *stream_positions, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to),
                           *callbacks])

@@ -40,6 +40,7 @@ The modules, lowest first:
 * upload_endpoints.py  preupload, the LFS batch call and PUT, the commit, the card check
 * routes.py            which endpoint answers a method and path
 * server.py            HubServer: the thread serving it, and the test's direct access (seeding, reading back)
+* __main__.py          the server on its own, for a user to try a push offline: PYTHONPATH=tests python -m hub_server
 """
 
 from .cards import validate_card_metadata

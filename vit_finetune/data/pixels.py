@@ -9,6 +9,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -185,14 +186,18 @@ class FlatImages:
         return len(self.flat) * 2 > self.checked and not settings.allow_flat_images
 
 
-def flat_images(splits: Splits, settings: DataSettings, seed: int) -> FlatImages:
-    """Decode up to FLAT_CHECKED training images (a seeded sample) as training does; find the flat ones."""
+def flat_images(splits: Splits, settings: DataSettings, seed: int,
+                suspect: Callable[[Any], bool] = lambda label: True) -> FlatImages:
+    """Decode up to FLAT_CHECKED training images (a seeded sample) as training does; find the flat ones that are
+    suspect: those holding a drawing in their alpha channel, and those whose label `suspect` says a flat image should
+    not have (the task decides: a blank multi-label negative or a regression's blank image is data, not a fault)."""
     table, count = splits.train, len(splits.train)
     chosen = range(count) if count <= FLAT_CHECKED else sorted(random.Random(seed).sample(range(count), FLAT_CHECKED))
     checked, flat, drawn = 0, [], []
     on = {name: settings.model_copy(update={"alpha_background": name}) for name in ALPHA_BACKGROUNDS}
     for index in chosen:
-        cell = table[index][splits.image_column]
+        row = table[index]
+        cell = row[splits.image_column]
         try:
             image = decode_image(cell, index, settings, splits.image_folders)
         except BadImageError:  # reported, or skipped and counted, where training decodes it
@@ -200,9 +205,12 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int) -> FlatImages
         checked += 1
         if not is_flat(image):
             continue
+        in_alpha = settings.alpha_background is None and any(
+            not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values())
+        if not (in_alpha or suspect(row[splits.label_column])):
+            continue
         flat.append(sample_name(cell, index))
-        if settings.alpha_background is None and any(
-                not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values()):
+        if in_alpha:
             drawn.append(sample_name(cell, index))
     return FlatImages(checked, flat, drawn)
 

@@ -48,11 +48,13 @@ def cache_dir() -> Path:
 
 
 def refuse_unreachable(settings: DataSettings) -> None:
-    """A Hub dataset that cannot be fetched stops here, asked once, with the offline fix (a folder is not asked)."""
+    """A dataset that is neither on this disk nor fetchable from the Hub stops here, the Hub asked once, with the
+    absolute path looked at and the offline fix (an existing folder or file is not asked)."""
     name = settings.dataset
-    if name.startswith((BUILTIN_SHAPES, ".", "/", "~")) or Path(name).expanduser().exists():
+    if name.startswith(BUILTIN_SHAPES) or Path(name).expanduser().exists():
         return
-    problem = REPO_ID_PATTERN.match(name) and hub.unreachable_problem(name, "dataset")
+    could_be_hub_id = not name.startswith((".", "/", "~")) and bool(REPO_ID_PATTERN.match(name))
+    problem = hub.missing_source_problem(name, "dataset", could_be_hub_id)
     if problem:
         raise DataError(f"data.dataset={name!r}: {problem}")
 

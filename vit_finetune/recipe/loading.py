@@ -175,6 +175,42 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+# What other tools (transformers' TrainingArguments, timm, the examples users copy) call a setting -> its name here.
+# Spelling alone would mislead: difflib finds 'train.early_stopping_patience' closest to 'train.learning_rate'.
+SYNONYMS = {
+    "learning_rate": "lr", "base_lr": "lr", "head_learning_rate": "head_lr",
+    "lr_scheduler": "scheduler", "lr_scheduler_type": "scheduler", "schedule": "scheduler", "sched": "scheduler",
+    "num_epochs": "epochs", "num_train_epochs": "epochs", "epoch": "epochs", "n_epochs": "epochs",
+    "per_device_train_batch_size": "batch_size", "train_batch_size": "batch_size", "bs": "batch_size",
+    "gradient_accumulation_steps": "grad_accum", "accumulation_steps": "grad_accum",
+    "warmup": "warmup_steps", "num_warmup_steps": "warmup_steps", "warmup_epochs": "warmup_steps",
+    "wd": "weight_decay", "optim": "optimizer", "opt": "optimizer",
+    "fp16": "mixed_precision", "bf16": "mixed_precision", "precision": "mixed_precision", "amp": "mixed_precision",
+    "clip_grad": "max_grad_norm", "clip_grad_norm": "max_grad_norm", "grad_clip": "max_grad_norm",
+    "save_steps": "checkpoint_every_steps", "eval_steps": "eval_every_steps", "logging_steps": "log_every_steps",
+    "resume_from_checkpoint": "resume", "patience": "early_stopping_patience",
+    "early_stopping": "early_stopping_patience", "smoothing": "label_smoothing", "drop_path": "drop_path_rate",
+    "model_name_or_path": "base", "model_name": "base", "pretrained_model": "base", "img_size": "image_size",
+    "input_size": "image_size", "resolution": "image_size", "dataset_name": "dataset", "workers": "num_workers",
+    "dataloader_num_workers": "num_workers", "push_to_hub": "push", "hub_model_id": "repo_id",
+}
+
+
+def closest_key(unknown: str) -> str | None:
+    """The valid key an unknown one most likely means: its synonym's key (in the same section if there is one),
+    else the closest spelling (difflib), else None."""
+    valid = _valid_keys(Recipe)
+    section, _, name = unknown.rpartition(".")
+    meant = SYNONYMS.get(name.lower())
+    if meant is not None:
+        same_name = [key for key in valid if key.rpartition(".")[2] == meant]
+        in_section = [key for key in same_name if key.rpartition(".")[0] == section]
+        if in_section or same_name:
+            return (in_section or same_name)[0]
+    close = difflib.get_close_matches(unknown, valid, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
@@ -238,8 +274,8 @@ def _describe(error: dict[str, Any]) -> list[str]:
     """The problems one pydantic error stands for: one, or each problem a section's or the recipe's rules found."""
     location = _location(error)
     if error["type"] == "extra_forbidden":
-        close = difflib.get_close_matches(location, _valid_keys(Recipe), n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]!r}?" if close else "; run with --print to see every valid key"
+        close = closest_key(location)
+        hint = f"; did you mean {close!r}?" if close else "; run with --print to see every valid key"
         return [f"unknown key {location!r}{hint}"]
     if error["type"] == "missing":  # its input is the section around it, which says nothing useful
         return [f"{location} is required and has no default; set it, e.g. {location}=VALUE"]

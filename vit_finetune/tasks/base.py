@@ -89,6 +89,11 @@ class Task:
         partner_weight[i]."""
         raise NotImplementedError(f"{self.name} targets are not mixed (the recipe refuses augment.mixup and cutmix)")
 
+    def flat_image_suspect(self, label) -> bool:
+        """Whether a training image that decodes to one flat colour, holding `label` (its row's label cell), is worth
+        a word: a flat image filed under a class is a broken file or a lost drawing (the default)."""
+        return True
+
     def balancing(self, kind: str | None, splits, seed: int) -> tuple:
         """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
         return balance.balancing(kind, splits, seed)

@@ -41,6 +41,10 @@ class MultiLabel(Task):
         """Blended 0/1 rows (multilabel.mixed_rows); the loss applies label smoothing to them as to unmixed rows."""
         return multilabel.mixed_rows(labels, own, partner, partner_weight)
 
+    def flat_image_suspect(self, label):
+        """A blank image with no label is a deliberate negative (docs/multilabel.md); one holding labels is not."""
+        return bool(label)
+
     def balancing(self, kind, splits, seed):
         """data.class_balance=weights weighs each class's positives by its negatives / positives (BCE's pos_weight)."""
         if kind is None:

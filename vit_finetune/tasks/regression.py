@@ -46,6 +46,10 @@ class Regression(Task):
         self.std = torch.tensor(std, dtype=torch.float32)
         self.loss_kind = loss_kind
 
+    def flat_image_suspect(self, label):
+        """Never on its own: a blank image can have a value (a count of 0, an empty dish)."""
+        return False
+
     @classmethod
     def from_targets(cls, values: np.ndarray, loss_kind: str) -> Regression:
         """Standardised by the training targets (N, T); a constant target keeps a scale of 1."""
