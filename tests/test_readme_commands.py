@@ -132,3 +132,52 @@ def test_the_student_commands_run_as_written_on_the_teacher_they_name(tmp_path, 
     printed = capsys.readouterr().out
     assert "its head kept" in printed and "new head" not in printed
     assert main(export) == 0 and main(predict) == 0, capsys.readouterr().err[-2000:]
+
+
+def own_images_block() -> list[str]:
+    """The commands of the front page's own-images section (the first block of commands after its heading)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Train on your own images"):]
+    blocks = section.split("```")[1::2]
+    commands = next(block for block in blocks if "vit_finetune" in block)
+    return [line.split("#")[0].strip() for line in commands.splitlines() if line.split("#")[0].strip()]
+
+
+def write_stand_in_real_base(folder) -> None:
+    """A random DINOv2 saved as scripts/make_real_base.py writes its folder (a Dinov2Model, DINOv2's processor), in
+    place of the real one, whose 97 MB wheel cannot be fetched here. It has over a million parameters, so auto's
+    choices take the branch they take for the real 22M-parameter base."""
+    import torch
+    from transformers import BitImageProcessorPil, Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    config = Dinov2Config(hidden_size=192, num_hidden_layers=3, num_attention_heads=3, mlp_ratio=4, patch_size=14,
+                          image_size=56, use_mask_token=False)
+    Dinov2Model(config).save_pretrained(folder)
+    BitImageProcessorPil(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224}, do_center_crop=True,
+                         image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225]).save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_the_own_images_commands_with_a_real_base_run_as_written(tmp_path, monkeypatch, capsys):
+    """make the base (a stand-in: see above), train the demo recipe on my_photos with it, predict: as the front page
+    says, from the folder a user stands in. The learning rate is the one measured for a base of its size, not the
+    tiny demo ViT's."""
+    from runs import train
+    from tiny import write_colour_folder
+    from vit_finetune.cli import main
+
+    make_base, fine_tune, predict, _ = own_images_block()
+    assert "scripts/make_real_base.py" in make_base
+    base = re.search(r"model\.base=(\S+)", fine_tune).group(1)
+    monkeypatch.chdir(tmp_path)
+    write_stand_in_real_base(tmp_path / base)
+    write_colour_folder(tmp_path / "my_photos", classes=2, train=12, splits=False, seed=1)
+    (tmp_path / "my_photos" / "cat").symlink_to(tmp_path / "my_photos" / "red")  # the command predicts my_photos/cat
+    arguments = shlex.split(fine_tune)[3:]
+    assert train([*arguments, "train.epochs=2", "data.num_workers=0"]) == 0, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr().out
+    assert re.search(r"train.lr=auto -> 2e-05: full fine-tuning of a base of 1\.\dM parameters", said)
+    assert "warning" not in said
+    assert main(shlex.split(predict)[3:]) == 0
+    assert "red" in capsys.readouterr().out

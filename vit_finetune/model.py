@@ -382,6 +382,19 @@ def load_image_processor(settings: ModelSettings, image_size: int):
     return processor
 
 
+def base_parameter_count(settings: ModelSettings) -> int:
+    """The parameters of the backbone the run fine-tunes (model.keep_blocks' cut, if any), its classifier left out (a
+    21k-class head would dwarf a small ViT): counted from the base's config on the meta device, which allocates
+    nothing."""
+    config = load_base_config(settings)
+    family = family_of(config)
+    if settings.keep_blocks is not None:
+        config = student.with_depth(config, family, len(student.chosen_blocks(settings.keep_blocks)))
+    with torch.device("meta"):
+        model = family.model_class()(config)
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(f"{family.head}."))
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())

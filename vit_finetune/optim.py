@@ -9,7 +9,7 @@ The new head may train at its own lr (train.head_lr): it starts from zero while 
 Each group carries its `lr_scale` (its lr over train.lr); the scheduler scales every group by the same factor, and
 the log reports train.lr's scheduled value (loop._scheduled_lr), whichever group comes first.
 
-The auto learning rates (train.lr, train.head_lr) are chosen here too, from the transfer study's measurements.
+The auto learning rates (train.lr, train.head_lr) and weight decay are chosen here too, from the measurements.
 """
 
 from __future__ import annotations
@@ -65,17 +65,58 @@ def parameter_groups(model: nn.Module, weight_decay: float, layer_decay: float |
     return [groups[key] for key in sorted(groups, key=lambda key: (not key[0], -key[1], not key[2]))]
 
 
-# train.lr=auto (AdamW). On a real DINOv2-S/14 fine-tuned on four small real sets, the backbone's lr 1e-4 (the
-# earlier default) lost most of what the pretraining knew within 48-80 steps, 2e-5 kept it (the Hugging Face example's
-# documented lr too), and LoRA's adapters, starting from zero, want 1e-3 (docs/training.md, "Transfer on a real base").
-AUTO_LR_ADAMW = {"full": 2e-5, "lora": 1e-3}
+# train.lr=auto (AdamW), by the size of the pretrained base (its parameters, the new head left out): the peak lr
+# measured best for full fine-tuning of a base of that size. On a real DINOv2-S/14 (22M parameters) fine-tuned on four
+# small real sets, 1e-4 (the earlier default) lost most of what the pretraining knew within 48-80 steps and 2e-5 kept it
+# (the Hugging Face example's documented lr too; docs/training.md, "Transfer on a real base"). The demo's tiny ViT
+# (0.46M parameters, pretrained on generated shapes) learns the demo's other shapes best at 2e-3 (docs/training.md,
+# "The learning rate by the base's size"). No base in between or above those was measured: every base from
+# SMALL_BASE_PARAMETERS on takes 2e-5, the smaller lr, which keeps what its pretrained weights know. LoRA's adapters,
+# starting from zero, want 1e-3 whatever the base.
+SMALL_BASE_PARAMETERS = 1_000_000
+AUTO_LR_ADAMW = {"small": 2e-3, "full": 2e-5, "lora": 1e-3}
+# A pinned AdamW lr this many times above or below what auto measured for a base of its size gets a warning line.
+FAR_FROM_MEASURED = 10
 
 
-def auto_lr(lora: bool) -> tuple[float, str]:
-    """The peak lr train.lr=auto stands for (AdamW; the recipe refuses auto with SGD), and why."""
+def parameters_in_words(count: int) -> str:
+    """22M, 0.46M, 21k: two significant digits."""
+    return f"{count / 1e6:.2g}M" if count >= 100_000 else f"{count / 1e3:.2g}k"
+
+
+def auto_lr(lora: bool, base_parameters: int) -> tuple[float, str]:
+    """The peak lr train.lr=auto stands for (AdamW; the recipe refuses auto with SGD) on a base of
+    `base_parameters` parameters (its head left out), and why."""
     if lora:
         return AUTO_LR_ADAMW["lora"], "LoRA: the adapters start from zero"
-    return AUTO_LR_ADAMW["full"], "full fine-tuning: a small lr keeps what the pretrained weights know"
+    size = parameters_in_words(base_parameters)
+    if base_parameters < SMALL_BASE_PARAMETERS:
+        return AUTO_LR_ADAMW["small"], (f"full fine-tuning of a base of {size} parameters: measured best on the demo's "
+                                        "0.46M-parameter ViT")
+    return AUTO_LR_ADAMW["full"], (f"full fine-tuning of a base of {size} parameters: a small lr keeps what the "
+                                   "pretrained weights know (measured on a 22M-parameter DINOv2-S)")
+
+
+def pinned_lr_warning(lr: float, lora: bool, base_parameters: int) -> str | None:
+    """One line when a pinned AdamW lr is far from what was measured for fine-tuning a base of this size, else None."""
+    measured = auto_lr(lora, base_parameters)[0]
+    ratio = lr / measured
+    if 1 / FAR_FROM_MEASURED < ratio < FAR_FROM_MEASURED:
+        return None
+    times = f"{ratio:.3g}x" if ratio > 1 else f"1/{1 / ratio:.3g} of"
+    tuning = "LoRA" if lora else f"full fine-tuning of a pretrained base of {parameters_in_words(base_parameters)} parameters"
+    return (f"warning: train.lr={lr:g} is {times} the lr measured for {tuning} ({measured:g}); a recipe's lr "
+            "chosen for another model can ruin this one. Set train.lr=auto to use the measured value")
+
+
+# train.weight_decay=auto: none. Every measurement behind the other auto values (the transfer study, the demo's lr)
+# trained without it, and none measured a gain from it.
+AUTO_WEIGHT_DECAY = 0.0
+
+
+def auto_weight_decay() -> tuple[float, str]:
+    """The decoupled weight decay train.weight_decay=auto stands for, and why."""
+    return AUTO_WEIGHT_DECAY, "every auto value was measured without weight decay"
 
 
 # train.head_lr=auto. The new head starts at zero (model.head_init) while the backbone starts from pretraining. At a

@@ -32,6 +32,7 @@ from .layout import (BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, PARTI
 from .processes import any_process
 from .recipe import KEEP_BEST_GOALS, Recipe
 from .tasks import TASKS, of_config
+from .wise_ft import interpolate, restore, snapshot
 
 
 
@@ -176,6 +177,37 @@ class WeightSelection(Callback):
                                  f"({reason}). Free disk space, then resume with train.resume=auto")
         state.best = {"step": state.step, "value": value, "weights": kind, **self.raw_and_ema}
         state.evaluations_without_gain = 0
+
+
+def average_if_no_worse(model: torch.nn.Module, start: dict[str, torch.Tensor], alpha: float, metric: str,
+                        fine_tuned: tuple[dict, object], measure: Callable[[], tuple[dict, object]]
+                        ) -> tuple[tuple[dict, object], dict]:
+    """WiSE-FT's average of `model`'s fine-tuned weights with `start` (the probe's model), kept only if its `metric`
+    on the eval split is no worse than the fine-tuned weights' (`fine_tuned`: their metrics and predictions), as
+    train.keep_best chooses among evaluations; otherwise the fine-tuned weights are put back. Returns the kept
+    weights' (metrics, predictions) and what metrics.json records of the choice."""
+    fine_tuned_weights = snapshot(model)
+    interpolate(model, start, alpha)
+    averaged = measure()
+    kept_average = not is_better(metric, metric_value(fine_tuned[0], metric), metric_value(averaged[0], metric))
+    if not kept_average:
+        restore(model, fine_tuned_weights)
+    scores = {kind: {name: metric_value(result[0], name) for name in dict.fromkeys((metric, "eval_loss"))}
+              for kind, result in (("fine_tuned", fine_tuned), ("average", averaged))}
+    report = {"alpha": alpha, "kept": "average" if kept_average else "fine_tuned",
+              "chosen_by": f"{metric} on the eval split (as train.keep_best chooses: the reported score is the better "
+                           "of the two)", **scores}
+    return (averaged if kept_average else fine_tuned), report
+
+
+def describe_average(report: dict) -> str:
+    """The console's line on WiSE-FT's choice: both scores and which weights are saved."""
+    metric = report["chosen_by"].split()[0]
+    alpha = report["alpha"]
+    scores = ", ".join(f"{kind.replace('_', '-')} {report[kind][metric]:.4f}" for kind in ("average", "fine_tuned"))
+    kept = (f"saved: {alpha:g} x the fine-tuned weights + {1 - alpha:g} x the probe's model"
+            if report["kept"] == "average" else "saved: the fine-tuned weights, as the average scored lower")
+    return f"WiSE-FT: {metric} on the eval split {scores}; {kept}"
 
 
 def _on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -104,29 +104,13 @@ def _accelerator(recipe: Recipe) -> Accelerator:
     )
 
 
-def learning_rates(recipe: Recipe) -> tuple[float, float]:
-    """(train.lr, train.head_lr) with `auto` resolved (resolve_auto prints why)."""
-    t = recipe.train
-    lr = optim.auto_lr(recipe.model.lora is not None)[0] if t.lr == "auto" else t.lr
-    if t.head_lr != "auto":
-        return lr, t.head_lr
-    return lr, optim.auto_head_lr(t.optimizer, lr, methods.fits_head_first(t.method))[0]
-
-
-def warmup_steps(recipe: Recipe, total_steps: int) -> int:
-    """train.warmup_steps with `auto` resolved (resolve_auto prints why)."""
-    t = recipe.train
-    if t.warmup_steps != "auto":
-        return t.warmup_steps
-    return optim.auto_warmup_steps(methods.fits_head_first(t.method), total_steps)[0]
-
-
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
+    """The optimiser of `recipe`, every `auto` of which resolve_auto resolved."""
     t = recipe.train
-    lr, head_lr = learning_rates(recipe)
+    lr, head_lr = t.lr, t.head_lr
     config, family = model.config, vit.family_of(model.config)
     block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
     heads = "|".join(re.escape(name) for name in vit.head_names(model))
@@ -144,7 +128,8 @@ def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) ->
 
 
 def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
-    t, warmup = recipe.train, warmup_steps(recipe, total_steps)
+    """The lr schedule of `recipe` (resolved: no `auto`) over `total_steps`."""
+    t, warmup = recipe.train, recipe.train.warmup_steps
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -159,15 +144,16 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
+def reapply_hyperparameters(parts: Parts) -> None:
     """After a resume: the loaded optimizer and scheduler states carry the lr, weight decay and momentum of
     the checkpoint. They equal the recipe's unless a change was accepted with train.resume_ignore_changes,
-    and then the recipe's values must apply from the resumed step on, not be silently replaced."""
-    t = recipe.train
+    and then the recipe's values (as this run resolved them) must apply from the resumed step on, not be silently
+    replaced."""
+    t = parts.recipe_as_run.train
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
     groups = parts.optimizer.param_groups
     # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
-    lr = learning_rates(recipe)[0]
+    lr = t.lr
     scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
     for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
         group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
@@ -203,8 +189,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
     eval_images = None if streamed else len(splits.eval)
     as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps), accelerator, task,
-                          head_kept=vit.keeps_base_head(recipe.model, splits.labels))
+                                          steps_per_epoch, total_steps, vit.base_parameter_count(recipe.model)),
+                          accelerator, task, head_kept=vit.keeps_base_head(recipe.model, splits.labels))
     method = methods.METHODS[as_run.train.method]
     if not method.fine_tunes:
         total_steps = 0  # the probe is the whole training
@@ -343,6 +329,7 @@ class RunSize:
     eval_images: int | None  # None: not known before it is read (a stream)
     steps_per_epoch: int
     total_steps: int
+    base_parameters: int  # the backbone's, its head left out: train.lr=auto follows the base's size
 
     @property
     def images_per_class(self) -> float:
@@ -391,9 +378,17 @@ def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: 
                                    f"high] to choose)\n  why: this run sees {size.images_seen:,} training images; {why}")
         recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
     if recipe.train.lr == "auto":
-        lr, why = optim.auto_lr(recipe.model.lora is not None)
+        lr, why = optim.auto_lr(recipe.model.lora is not None, size.base_parameters)
         said["train.lr"] = f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose"
         recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
+    elif recipe.train.optimizer == "adamw" and recipe.model.pretrained:
+        warning = optim.pinned_lr_warning(recipe.train.lr, recipe.model.lora is not None, size.base_parameters)
+        if warning:
+            said["train.lr"] = warning
+    if recipe.train.weight_decay == "auto":
+        decay, why = optim.auto_weight_decay()
+        said["train.weight_decay"] = f"train.weight_decay=auto -> {decay:g}: {why}; set train.weight_decay to choose"
+        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"weight_decay": decay})})
     if recipe.train.head_lr == "auto":
         head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
                                           head_fitted=methods.fits_head_first(recipe.train.method), head_kept=head_kept)
@@ -578,7 +573,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     if parts.probe is not None:  # a resumed run's comes from its checkpoint
         state.probe = parts.probe.as_metrics()
     if resume_from:
-        reapply_hyperparameters(parts, recipe)
+        reapply_hyperparameters(parts)
     cache_teacher_logits(parts, recipe, accelerator)
     training = TrainingRun(recipe, accelerator, parts, state)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
@@ -604,9 +599,9 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     started = time.perf_counter()
     loop.train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
-    alpha = average_with_probe(parts, accelerator)
     # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
     final = None if state.stopped_early else loop.evaluate(training, hooks)
+    final, average = average_with_probe(training, final)
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
@@ -614,8 +609,10 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
                    **parts.data_facts)
     if accelerator.scaler is not None:  # fp16: the steps its loss scaler skipped (loss_scale.py)
         metrics["skipped_steps"] = state.skipped_steps
-    if alpha is not None:
-        metrics["wise_ft_alpha"] = alpha
+    if average is not None:
+        metrics["wise_ft"] = average
+        if average["kept"] == "average":  # what the card and the method's line say of the saved weights
+            metrics["wise_ft_alpha"] = average["alpha"]
     if state.probe is not None:
         metrics["probe"] = state.probe
     if parts.teacher is not None:
@@ -650,17 +647,20 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     return metrics
 
 
-def average_with_probe(parts: Parts, accelerator: Accelerator) -> float | None:
-    """WiSE-FT: the fine-tuned weights moved toward the probe's model (wise_ft.py), before the final evaluation;
-    its alpha, or None where the run keeps its fine-tuned weights."""
+def average_with_probe(training: TrainingRun, final: tuple[dict, object]) -> tuple[tuple[dict, object], dict | None]:
+    """WiSE-FT: the fine-tuned weights moved toward the probe's model (wise_ft.py), kept only where that scores no
+    worse than the fine-tuned weights' final evaluation (`final`). Returns the kept weights' (metrics, predictions)
+    and the choice as metrics.json records it, or None where the run averages nothing."""
+    parts, accelerator = training.parts, training.accelerator
     if parts.wise_ft_start is None:
-        return None
-    alpha = parts.recipe_as_run.train.wise_ft_alpha
-    wise_ft.interpolate(accelerator.unwrap_model(parts.model, keep_torch_compile=False), parts.wise_ft_start, alpha)
+        return final, None
+    model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    kept, report = selection.average_if_no_worse(model, parts.wise_ft_start, parts.recipe_as_run.train.wise_ft_alpha,
+                                                 parts.task.selection_metric, final, lambda: loop.measure(training))
     parts.wise_ft_start = None  # the copy is spent
     if accelerator.is_main_process:
-        display.say(f"WiSE-FT: the saved weights are {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model")
-    return alpha
+        display.say(selection.describe_average(report))
+    return kept, report
 
 
 def device_name(device: torch.device) -> str:

@@ -8,7 +8,9 @@ with the probe's head), a classifier in its own right, and fine-tuning began the
 too. It costs no training: one copy of the weights, kept on the CPU, and one weighted sum at the end.
 
 train.wise_ft_alpha chooses alpha (1: the fine-tuned weights as they are). Evaluations during training and the
-checkpoints see the fine-tuned weights; the final evaluation, the saved model and its card see the average.
+checkpoints see the fine-tuned weights. At the end both the fine-tuned weights and the average are evaluated, and the
+average is saved only where it scores no worse on the eval split (selection.average_if_no_worse): an average that
+hurt would otherwise be saved with nobody told.
 """
 
 from __future__ import annotations
@@ -82,3 +84,11 @@ def interpolate(model: nn.Module, start: dict[str, torch.Tensor], alpha: float) 
     for name, begun in start.items():
         tensor = current[name]  # shares its storage with the parameter: changing it changes the model
         tensor.mul_(alpha).add_(begun.to(tensor.device, tensor.dtype), alpha=1 - alpha)
+
+
+@torch.no_grad()
+def restore(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """In place: every weight of `weights` (a snapshot) copied back into the model."""
+    current = model.state_dict()
+    for name, saved in weights.items():
+        current[name].copy_(saved)

@@ -271,11 +271,13 @@ class TrainSettings(Strict):
         description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
     optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
     lr: Float | Literal["auto"] = Field("auto", description=(
-        "peak learning rate, reached after the warm-up; auto (AdamW only): optim.auto_lr, 2e-5 for full fine-tuning "
-        "and 1e-3 for LoRA, printed"))
+        "peak learning rate, reached after the warm-up; auto (AdamW only): optim.auto_lr, by the base's size for full "
+        "fine-tuning (2e-5 from 1M parameters on, 2e-3 below) and 1e-3 for LoRA, printed; a pinned lr 10x away from "
+        "that gets a warning"))
     momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
-    weight_decay: Float = Field(0.0, ge=0,
-        description="decoupled weight decay; never on biases, norms, CLS or position embeddings")
+    weight_decay: Float | Literal["auto"] = Field("auto", description=(
+        "decoupled weight decay; never on biases, norms, CLS or position embeddings; auto: optim.auto_weight_decay, "
+        "none (every auto value was measured without it), printed"))
     warmup_steps: Bounded("train.warmup_steps", StrictInt | Literal["auto"]) = Field("auto", description=(
         "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
         "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
@@ -392,6 +394,21 @@ class TrainSettings(Strict):
         "multi-label: share of the eval split (seeded) on which the thresholds are chosen; the metrics are then "
         "measured on the rest. null = chosen on the same images they are scored on (optimistic; metrics.json "
         "says so)"))
+
+    @field_validator("weight_decay", mode="before")
+    @classmethod
+    def _decay_number_or_auto(cls, value):
+        """A number of 0 or more (a string of one too: YAML 1.1 reads 1e-4 as one) or auto, in one clear problem."""
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a number; give a number or auto, e.g. 0.05")
+        if isinstance(value, str) and value != "auto":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"must be a number, 0 or more, or auto, got {value!r}; e.g. 0.05") from None
+        if isinstance(value, (int, float)) and not value >= 0:
+            raise ValueError(f"must be a number, 0 or more, or auto, got {value}; e.g. 0.05")
+        return value
 
     @field_validator("warmup_steps")
     @classmethod
