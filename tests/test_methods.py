@@ -287,7 +287,7 @@ def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, caps
     alone; a setting it cannot use, chosen for another method, is named once."""
     recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=50", *overrides])
     size = RunSize(images_seen=800, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
-                   total_steps=50)
+                   total_steps=50, base_parameters=22_000_000)
     resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
     said = capsys.readouterr().out
     assert resolved.train.method == "linear_probe"
@@ -350,7 +350,7 @@ def test_auto_takes_lp_ft_under_an_epoch_of_many_images_only_where_it_averages_w
                                 *overrides])
     steps = recipe.train.max_steps
     size = RunSize(images_seen=steps * 16, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
-                   total_steps=steps)
+                   total_steps=steps, base_parameters=22_000_000)
     resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
     said = capsys.readouterr().out
     assert (resolved.train.method, resolved.train.wise_ft_alpha) == (method, alpha)
