@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)  ## install the package and its dev tools (pip install -e .[dev])
 
+# The demo's figure is the same on every x86-64 CPU: torch's own kernels, MKL's and oneDNN's take their AVX2 code
+# paths (AVX-512 ones sum in another order), with one thread (recipes/demo.yaml). Read before torch starts, so set here.
+DEMO_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+
 demo: $(STAMP)  ## offline demo: fine-tune the shipped tiny ViT at 64 px, print its accuracy (README: the figures)
-	$(PYTHON) -m vit_finetune --recipe demo overwrite=true $(ARGS)
+	$(DEMO_KERNELS) $(PYTHON) -m vit_finetune --recipe demo overwrite=true $(ARGS)
 
 # One pytest worker per core (pytest-xdist); each test file stays on one worker, so its module fixtures are built once;
 # files go out in collection order, longest first (tests/conftest.py), so both workers end at about the same time.

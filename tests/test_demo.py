@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import platform
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+from tiny import REPO
 
 from vit_finetune import synthetic
 from vit_finetune.model import ASSETS_DIR, base_location, load_base_config
@@ -70,3 +78,20 @@ def test_the_run_that_generates_the_demo_dataset_loads_it_as_later_runs_do(tmp_p
     first = loaded(settings)
     assert len(first["train"]) == sum(1 for _ in (tmp_path / "cache").rglob("train/*/*.png"))  # it generated them
     assert loaded(settings) == first
+
+
+def test_make_demo_runs_on_the_avx2_kernels_of_every_x86_cpu():
+    """`make demo` prints one figure on every x86-64 CPU only if torch, MKL and oneDNN take the same code paths: the
+    Makefile names them before Python starts (they are read once, at the first operation), and torch obeys."""
+
+    printed = subprocess.run(["make", "-n", "-o", ".cache/installed", "demo"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout
+    command = printed.strip().splitlines()[-1]
+    variables = dict(word.split("=", 1) for word in command.split() if re.fullmatch(r"[A-Z_]+=\S+", word))
+    assert variables == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert "-m vit_finetune --recipe demo" in command
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 code paths exist on x86-64 only")
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env={**os.environ, **variables}, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "AVX2"
