@@ -84,9 +84,11 @@ def test_make_demo_runs_on_the_avx2_kernels_of_every_x86_cpu():
     """`make demo` prints one figure on every x86-64 CPU only if torch, MKL and oneDNN take the same code paths: the
     Makefile names them before Python starts (they are read once, at the first operation), and torch obeys."""
 
-    printed = subprocess.run(["make", "-n", "-o", ".cache/installed", "demo"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout
-    command = printed.strip().splitlines()[-1]
+    # Run from `make test`, a sub-make inherits MAKELEVEL and prints "Entering/Leaving directory" lines: start afresh.
+    fresh = {name: value for name, value in os.environ.items() if name not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    printed = subprocess.run(["make", "-n", "-o", ".cache/installed", "demo"], cwd=REPO, env=fresh, capture_output=True,
+                             text=True, check=True).stdout
+    command = next(line for line in printed.splitlines() if "-m vit_finetune" in line)
     variables = dict(word.split("=", 1) for word in command.split() if re.fullmatch(r"[A-Z_]+=\S+", word))
     assert variables == {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert "-m vit_finetune --recipe demo" in command
