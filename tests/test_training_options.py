@@ -82,8 +82,8 @@ def test_a_resume_that_accepts_a_new_lr_reapplies_it_to_every_depth():
     resumed.load_state_dict(optimizer.state_dict())
     resumed_scheduler = train.build_scheduler(resumed, after, total_steps=10)
     resumed_scheduler.load_state_dict(scheduler.state_dict())
-    train.reapply_hyperparameters(SimpleNamespace(optimizer=resumed, scheduler=SimpleNamespace(scheduler=resumed_scheduler),
-                                                  recipe_as_run=after))
+    train.reapply_hyperparameters(SimpleNamespace(optimizer=resumed, scheduler=SimpleNamespace(scheduler=resumed_scheduler)),
+                                  after)
     factor = resumed_scheduler.lr_lambdas[0](3)
     lrs = lr_of_each_parameter(resumed, model)
     assert lrs == pytest.approx({n: 0.3 * 0.5 ** (LAYERS + 1 - expected_depth(n)) * factor for n in lrs}, rel=1e-12)

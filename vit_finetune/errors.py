@@ -17,6 +17,10 @@ class VitFinetuneError(Exception):
     said_elsewhere = False  # another process printed the message
 
 
+class RunError(VitFinetuneError):
+    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
+
+
 class StoppedByAnotherProcess(VitFinetuneError):
     """Another process of the launch met a user's error first and said it; this one stops with it, silently."""
 

@@ -341,7 +341,7 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, cal
 
 def eval_every_steps(run: TrainingRun) -> int | None:
     """train.eval_every_steps as this run resolved it (auto chooses from the data): steps, or None for every epoch."""
-    return run.parts.recipe_as_run.train.eval_every_steps
+    return run.recipe.train.eval_every_steps
 
 
 def _epoch_batches(run: TrainingRun) -> Iterable[dict]:
@@ -378,7 +378,7 @@ def _checkpoint_if_due(run: TrainingRun, watch: NonFiniteWatch, log: TrainLog, i
         return
     watch.check(run.accelerator, run.state.step, run.parts.model)
     log.count_skipped_into(run.state)
-    path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.recipe,
+    path = checkpoint.save_checkpoint(run.accelerator, Path(run.recipe.output_dir), run.state, run.asked,
                                       run.recipe.train.keep_checkpoints,
                                       write_extras=lambda folder: callbacks.on_save_checkpoint(run, folder))
     callbacks.on_checkpoint(run, path)

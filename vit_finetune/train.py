@@ -25,18 +25,14 @@ from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, Pr
 
 from . import augment, checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
 from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
-from . import layout, loss_scale, publish, run_outputs, student, tracking, wise_ft
+from . import layout, loss_scale, plan, publish, run_outputs, student, tracking, wise_ft
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
-from .errors import VitFinetuneError
+from .errors import RunError
 from .parts import Parts
 from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
                         refuse_a_lone_process, unshared_folder_refusal, watch_launcher, world_size)
 from .recipe import (Recipe, probe_unused_settings, step_only_settings, weight_selection_settings,
                      without_pixel_draws)
-
-
-class RunError(VitFinetuneError):
-    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
 
 
 def check_output_dir(recipe: Recipe) -> None:
@@ -92,7 +88,7 @@ def _accelerator(recipe: Recipe) -> Accelerator:
         # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
         # process believes it is the main one.
         cpu=on_cpu,
-        mixed_precision=precision.resolved(t.mixed_precision, device_type),  # resolve_auto prints auto's reason
+        mixed_precision=precision.resolved(t.mixed_precision, device_type),  # the plan (plan.py) says auto's reason
         gradient_accumulation_steps=t.grad_accum,
         # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
         dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
@@ -108,7 +104,7 @@ FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
-    """The optimiser of `recipe`, every `auto` of which resolve_auto resolved."""
+    """The optimiser of `recipe` as run (plan.py resolved every `auto`)."""
     t = recipe.train
     lr, head_lr = t.lr, t.head_lr
     config, family = model.config, vit.family_of(model.config)
@@ -144,12 +140,11 @@ def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def reapply_hyperparameters(parts: Parts) -> None:
+def reapply_hyperparameters(parts: Parts, recipe: Recipe) -> None:
     """After a resume: the loaded optimizer and scheduler states carry the lr, weight decay and momentum of
     the checkpoint. They equal the recipe's unless a change was accepted with train.resume_ignore_changes,
-    and then the recipe's values (as this run resolved them) must apply from the resumed step on, not be silently
-    replaced."""
-    t = parts.recipe_as_run.train
+    and then the recipe's values (`recipe`: as run) must apply from the resumed step on, not be silently replaced."""
+    t = recipe.train
     scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
     groups = parts.optimizer.param_groups
     # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
@@ -162,10 +157,10 @@ def reapply_hyperparameters(parts: Parts) -> None:
             group["momentum"] = t.momentum
 
 
-def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> Parts:
-    """Data, model (its head fitted by the linear probe first when the method says so, unless `resuming`: the
-    checkpoint holds the head then, and the probe runs again only for WiSE-FT), loaders, optimiser and schedule,
-    with every `auto` of the recipe resolved."""
+def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> tuple[Recipe, Parts]:
+    """The recipe as run (plan.py: every `auto` resolved) and what it trains with: data, model (its head fitted by
+    the linear probe first when the method says so, unless `resuming`: the checkpoint holds the head then, and the
+    probe runs again only for WiSE-FT), loaders, optimiser and schedule."""
     streamed = recipe.data.streaming
     if streamed:
         splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
@@ -183,19 +178,14 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
             raise RunError(f"train.distill works with single-label classification only, and data.dataset is "
                            f"{task.name.replace('_', '-')}; set train.distill=null")
         teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)
-    images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
-    steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
-                                / recipe.train.grad_accum)
-    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
-    eval_images = None if streamed else len(splits.eval)
-    as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps, vit.base_parameter_count(recipe.model)),
-                          accelerator, task, head_kept=vit.keeps_base_head(recipe.model, splits.labels))
-    method = methods.METHODS[as_run.train.method]
-    if not method.fine_tunes:
-        total_steps = 0  # the probe is the whole training
-    elif as_run.train.warmup_steps >= total_steps:
-        raise RunError(f"train.warmup_steps={as_run.train.warmup_steps} is not below the run's {total_steps} steps; "
+    size = plan.RunSize.of(recipe, rows, len(splits.labels), None if streamed else len(splits.eval),
+                           accelerator.num_processes, vit.base_parameter_count(recipe.model))
+    recipe = plan.plan_run(recipe, size, accelerator, task, head_kept=vit.keeps_base_head(recipe.model, splits.labels))
+    # From here on `recipe` is the recipe as run: nothing reads the one given.
+    method = methods.METHODS[recipe.train.method]
+    total_steps = size.total_steps if method.fine_tunes else 0  # the probe alone is the whole training
+    if method.fine_tunes and recipe.train.warmup_steps >= total_steps:
+        raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
                        "lower it or train longer")
     tables: dict = {}
     model = vit.build_model(recipe.model, splits.labels,
@@ -203,7 +193,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     task.configure(model.config)  # pipeline(), predict and evaluate read the task back from the config
     if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
         setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
-    size = recipe.model.image_size
+    size_px = recipe.model.image_size
     seed = recipe.train.seed
     workers = recipe.data.num_workers
     if workers is None:
@@ -213,7 +203,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     fitted = wise_ft_start = None
     # A resumed run fits the probe again only for WiSE-FT's average: its model is the start the average goes back to,
     # and the probe, deterministic, gives the same head as before the stop.
-    averages = method.probes and method.fine_tunes and as_run.train.wise_ft_alpha < 1
+    averages = method.probes and method.fine_tunes and recipe.train.wise_ft_alpha < 1
     if method.probes and (averages or not resuming):
         fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights,
                                    fine_tuned_after=method.fine_tunes)
@@ -229,31 +219,31 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     resample = data.resample_of(processor)  # training resizes as evaluation does
 
     def train_pixels(image, index, epoch):
-        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data, resample)
+        return data.train_transform(image, size_px, data.sample_rng(seed, epoch, index), recipe.data, resample)
 
     if streamed:  # data.class_balance is refused with streaming (the recipe says why)
         train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
-                                                           accelerator, train_pixels, processor, size)
+                                                           accelerator, train_pixels, processor, size_px)
     else:
-        train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
-        eval_set = data.eval_dataset(splits, recipe.data, processor, size)
+        train_set = data.train_dataset(splits, recipe.data, size_px, train_pixels)
+        eval_set = data.eval_dataset(splits, recipe.data, processor, size_px)
         train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
                                         distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
         eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
-    optimizer = build_optimizer(model, as_run, accelerator.device.type)
-    scheduler = build_scheduler(optimizer, as_run, total_steps)
+    optimizer = build_optimizer(model, recipe, accelerator.device.type)
+    scheduler = build_scheduler(optimizer, recipe, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
-                                             augment.total_epochs(total_steps, steps_per_epoch),
+                                             augment.total_epochs(total_steps, size.steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing, task=task)
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
-    return Parts(task=task, model=model, processor=processor, labels=splits.labels, train_loader=train_loader,
-                 eval_loader=eval_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
-                 augment=batch_augmenter, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                 recipe_as_run=as_run, eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
-                 class_weights=None if class_weights is None else class_weights.to(accelerator.device),
-                 teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start)
+    return recipe, Parts(task=task, model=model, processor=processor, labels=splits.labels, train_loader=train_loader,
+                         eval_loader=eval_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
+                         augment=batch_augmenter, steps_per_epoch=size.steps_per_epoch, total_steps=total_steps,
+                         eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
+                         class_weights=None if class_weights is None else class_weights.to(accelerator.device),
+                         teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start)
 
 
 def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
@@ -319,135 +309,13 @@ def cache_teacher_logits(parts: Parts, recipe: Recipe, accelerator: Accelerator)
                     f"{time.perf_counter() - started:.1f} s")
 
 
-@dataclass(frozen=True)
-class RunSize:
-    """What the `auto` choices are measured against: the training images the run will see, and the data's size."""
-
-    images_seen: int
-    training_images: int
-    classes: int
-    eval_images: int | None  # None: not known before it is read (a stream)
-    steps_per_epoch: int
-    total_steps: int
-    base_parameters: int  # the backbone's, its head left out: train.lr=auto follows the base's size
-
-    @property
-    def images_per_class(self) -> float:
-        return self.training_images / max(1, self.classes)
-
-    @property
-    def epochs(self) -> float:
-        return self.images_seen / max(1, self.training_images)
-
-
-def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task,
-                 head_kept: bool = False) -> Recipe:
-    """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
-    the method: the others resolve, for recipe.yaml, but change nothing); `head_kept`: a student keeps its base's
-    trained head."""
-    said = {}
-    unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
-    if recipe.train.method == "auto":
-        asked = recipe.train.wise_ft_alpha
-        averages = unaveraged is None if asked == "auto" else asked < 1
-        method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
-                                          recipe.data.streaming, needs_optimiser_steps(recipe),
-                                          None if task.probe_fits else task.name, averages)
-        said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
-    unused = [] if methods.METHODS[recipe.train.method].fine_tunes else probe_unused_settings(recipe)
-    if unused:  # said once; the probe reads each image once, as evaluation does: the recipe as run says so
-        said["train.method"] = (said.get("train.method", f"train.method={recipe.train.method}")
-                                + f"\n  {', '.join(unused)} not used: the probe alone reads each image once, "
-                                "unaugmented, fits the head in one go and takes no optimiser step")
-        recipe = without_pixel_draws(recipe)
-    if recipe.train.mixed_precision == "auto":  # make_accelerator chose it: the accelerator runs it
-        why = precision.auto_mixed_precision(accelerator.device.type)[1]
-        said["train.mixed_precision"] = (f"train.mixed_precision=auto -> {accelerator.mixed_precision}: {why}; set "
-                                         "train.mixed_precision to choose")
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(
-            update={"mixed_precision": accelerator.mixed_precision})})
-    if recipe.model.compile == "auto":
-        compiles, why = compiling.auto_compile(accelerator.device.type, sharding.is_sharded(accelerator))
-        said["model.compile"] = f"model.compile=auto -> {str(compiles).lower()}: {why}; set model.compile to choose"
-        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"compile": compiles})})
-    if recipe.data.crop_scale == "auto":
-        crop_scale, why = data.auto_crop_scale(size.images_seen)
-        # One short sentence, the reason on a line of its own.
-        said["data.crop_scale"] = (f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, "
-                                   f"high] to choose)\n  why: this run sees {size.images_seen:,} training images; {why}")
-        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
-    if recipe.train.lr == "auto":
-        lr, why = optim.auto_lr(recipe.model.lora is not None, size.base_parameters)
-        said["train.lr"] = f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
-    elif recipe.train.optimizer == "adamw" and recipe.model.pretrained:
-        warning = optim.pinned_lr_warning(recipe.train.lr, recipe.model.lora is not None, size.base_parameters)
-        if warning:
-            said["train.lr"] = warning
-    if recipe.train.weight_decay == "auto":
-        decay, why = optim.auto_weight_decay()
-        said["train.weight_decay"] = f"train.weight_decay=auto -> {decay:g}: {why}; set train.weight_decay to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"weight_decay": decay})})
-    if recipe.train.head_lr == "auto":
-        head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
-                                          head_fitted=methods.fits_head_first(recipe.train.method), head_kept=head_kept)
-        said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
-    if recipe.train.warmup_steps == "auto":
-        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps,
-                                              head_kept)
-        said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
-    if recipe.train.wise_ft_alpha == "auto":
-        alpha, why = wise_ft.auto_alpha(recipe.train.method, unaveraged, size.epochs)
-        said["train.wise_ft_alpha"] = f"train.wise_ft_alpha=auto -> {alpha:g}: {why}; set train.wise_ft_alpha to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"wise_ft_alpha": alpha})})
-    if recipe.train.eval_every_steps == "auto":
-        every, why = evaluation.auto_eval_every_steps(size.eval_images, size.training_images, size.steps_per_epoch,
-                                                      size.total_steps, weight_selection(recipe))
-        said["train.eval_every_steps"] = (f"train.eval_every_steps=auto -> {'null' if every is None else every}: "
-                                          f"evaluating {why}; set train.eval_every_steps to choose")
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"eval_every_steps": every})})
-    if not methods.METHODS[recipe.train.method].fine_tunes:
-        said = {key: line for key, line in said.items() if key in ("train.method", "train.mixed_precision")}
-    if accelerator.is_main_process:
-        for line in said.values():
-            display.say(line)
-    # After the lines above, which say what auto chose.
-    refused = wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharding.is_sharded(accelerator))
-    if refused:
-        raise RunError(refused)
-    return recipe
-
-
-def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Task) -> str | None:
-    """A setting of this run that WiSE-FT's average was not measured with (train.wise_ft_alpha=auto keeps 1), if any."""
-    if not task.wise_ft_measured:
-        return f"{task.name.replace('_', '-')} labels"
-    chosen = needs_optimiser_steps(recipe) or weight_selection(recipe)
-    if chosen:
-        return chosen
-    return "sharded weights" if sharding.is_sharded(accelerator) else None
-
-
-def needs_optimiser_steps(recipe: Recipe) -> str | None:
-    """A setting that only optimiser steps serve, if the recipe has one."""
-    return next(iter(step_only_settings(recipe)), None)
-
-
-def weight_selection(recipe: Recipe) -> str | None:
-    """The setting that chooses the saved weights among the evaluations during training, if any."""
-    return next(iter(weight_selection_settings(recipe)), None)
-
-
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
-    """Compile the model if model.compile says so (as resolved), then hand model, optimiser and loaders to Accelerate
+    """Compile the model if model.compile says so (`recipe`: as run), then hand model, optimiser and loaders to Accelerate
     (DDP wrapping is a collective: all processes at once)."""
     model = parts.model
     # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
     # sharded model itself, after sharding, when its config file has a dynamo_config.
-    if parts.recipe_as_run.model.compile and not sharding.is_sharded(accelerator):
+    if recipe.model.compile and not sharding.is_sharded(accelerator):
         model, where_attention_runs = compiling.compile_for_training(model)
         if accelerator.is_main_process:
             display.say(f"model.compile: {where_attention_runs}")
@@ -552,30 +420,33 @@ def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
     return refused
 
 
-def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
-    """run() once output_dir is held: data, model, the loop, evaluation, export and push."""
-    output_dir = Path(recipe.output_dir)
-    def load_data_and_model() -> tuple[Path | None, Parts]:
+def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
+    """run() once output_dir is held: data, the run's plan, model, the loop, evaluation, export and push. `asked`: the
+    recipe as given, which a resume compares with its checkpoint's and each checkpoint records; everything after
+    the plan reads the recipe as run."""
+    output_dir = Path(asked.output_dir)
+
+    def load_data_and_model() -> tuple[Path | None, Recipe, Parts]:
         with hub.offline_unless(accelerator.is_local_main_process):
-            set_seed(recipe.train.seed)
-            resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
+            set_seed(asked.train.seed)
+            resume_from = checkpoint.resolve_resume(asked.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
-                checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
-            return resume_from, build_parts(recipe, accelerator, resuming=resume_from is not None)
+                checkpoint.refuse_changed_recipe(resume_from, asked)  # before any data or weights are loaded
+            return resume_from, *build_parts(asked, accelerator, resuming=resume_from is not None)
 
     # As in run(): one process per machine downloads, the others then read its cache.
-    resume_from, parts = local_main_first(accelerator, load_data_and_model)
+    resume_from, recipe, parts = local_main_first(accelerator, load_data_and_model)
     prepare(accelerator, parts, recipe)
     state = checkpoint.TrainState()
     if resume_from:
-        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, recipe, parts.data_identity)
+        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, asked, parts.data_identity)
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if parts.probe is not None:  # a resumed run's comes from its checkpoint
         state.probe = parts.probe.as_metrics()
     if resume_from:
-        reapply_hyperparameters(parts)
+        reapply_hyperparameters(parts, recipe)
     cache_teacher_logits(parts, recipe, accelerator)
-    training = TrainingRun(recipe, accelerator, parts, state)
+    training = TrainingRun(recipe, accelerator, parts, state, asked)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
                                        parts.labels, measure=lambda: loop.measure(training))  # may refuse the recipe
     if accelerator.is_main_process:
@@ -584,7 +455,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
             draw = partial(pictures.draw_position_similarity, parts.position_tables["before"],
                            parts.position_tables["after"])
         # Every check before training has passed: overwrite=true sets the previous run aside here, not before.
-        run_outputs.begin_outputs(output_dir, parts.recipe_as_run, recipe.overwrite, draw)
+        run_outputs.begin_outputs(output_dir, recipe, recipe.overwrite, draw)
         trainable, total = vit.count_parameters(parts.model)
         display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
                     f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
@@ -605,7 +476,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
+    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=recipe.train.method,
                    **parts.data_facts)
     if accelerator.scaler is not None:  # fp16: the steps its loss scaler skipped (loss_scale.py)
         metrics["skipped_steps"] = state.skipped_steps
@@ -631,7 +502,7 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
         # The pictures show eval images by their place in the split, which a stream cannot look up.
         if recipe.pictures and not recipe.data.streaming:
             draw = partial(parts.task.draw, predictions, parts.eval_loader.dataset, parts.labels, metrics=metrics)
-        save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
+        save_final(accelerator, parts, recipe, metrics, state, info, draw, gathered)
         keeper.remove_best_file()
         if "distillation" in metrics:
             display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
@@ -655,7 +526,7 @@ def average_with_probe(training: TrainingRun, final: tuple[dict, object]) -> tup
     if parts.wise_ft_start is None:
         return final, None
     model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
-    kept, report = selection.average_if_no_worse(model, parts.wise_ft_start, parts.recipe_as_run.train.wise_ft_alpha,
+    kept, report = selection.average_if_no_worse(model, parts.wise_ft_start, training.recipe.train.wise_ft_alpha,
                                                  parts.task.selection_metric, final, lambda: loop.measure(training))
     parts.wise_ft_start = None  # the copy is spent
     if accelerator.is_main_process:
