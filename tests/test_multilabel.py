@@ -16,7 +16,7 @@ import torch
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune import multilabel
-from vit_finetune.augment import BatchAugmenter
+from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
 from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
@@ -56,7 +56,7 @@ def test_mixup_and_cutmix_blend_label_sets_by_the_partners_share_of_the_pixels(m
     seen_a_blend = False
     for batch in range(6):
         augmenter = BatchAugmenter(AugmentSettings(**{mix: True}), num_classes=4, seed=3, total_epochs=1,
-                                   task=MultiLabel())
+                                   mix_targets=MultiLabel().mixed_targets)
         mixed, targets = augmenter(pixels, rows, 0, batch)
         assert targets.shape == (4, 4) and (targets[3] == -1).all()  # a skipped image stays skipped
         for own in range(3):

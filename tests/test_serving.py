@@ -16,7 +16,7 @@ import pytest
 
 from runs import train
 from test_output_dir import error_line, snapshot, tmpfs  # noqa: F401 (tmpfs: a fixture)
-from vit_finetune import synthetic
+from vit_finetune.data import synthetic
 from vit_finetune.cli import main
 
 pytestmark = pytest.mark.slow  # a short demo run and three exports (~1-3 min on 2 shared cores)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import balance, ema, loop, model as vit, optim, train
+from vit_finetune import ema, loop, model as vit, optim, train
+from vit_finetune.data import balance
 from vit_finetune.families import FAMILIES
 from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
 from vit_finetune.tasks import SingleLabel

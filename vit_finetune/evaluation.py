@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import datasets
 import evaluate
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 
 from . import multilabel
 from .data import SKIPPED_LABEL, DataError
+from .processes import any_process
 
 TOP_K = 5
 # Up to this many labels metrics.json holds the whole confusion matrix (and confusion_matrix.png is drawn); beyond,
@@ -171,6 +173,38 @@ class SplitPredictions:
         if not kept.any():
             raise DataError("the eval split is empty (every image was skipped or the split has no rows)")
         return kept
+
+
+@torch.no_grad()
+def predict_stream(model, loader, accelerator, normalize: Callable, task, num_classes: int) -> SplitPredictions:
+    """predict_split for a stream (data.streaming.StreamLoader): each process predicts its own share (shares differ in
+    length: no padding), then the shares are gathered once, rank after rank, so each image counts exactly once."""
+    was_training = model.training
+    model.eval()
+    k = min(TOP_K, num_classes)
+    blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
+             "labels": torch.tensor([loader.dataset.target(SKIPPED_LABEL)], device=accelerator.device)}
+    batches = []
+    for batch in in_lockstep(loader.whole_split(), accelerator):
+        predicted = batch_predictions(model, blank if batch is None else batch, accelerator, normalize, task, k)
+        if batch is not None:
+            batches.append(tuple(part.cpu() for part in predicted))
+    model.train(was_training)
+    mine = task.joined(batches, k)
+    # joined() takes per-batch parts: the task says which part came first (ranked ids, or every output's score)
+    shares = gather_object([(task.first_part(mine), mine.references, mine.losses)])
+    return task.joined(shares, k)
+
+
+def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
+    """This process's batches, then None until every process has run out: a forward of a DDP or sharded (FSDP)
+    model is a collective, so all processes forward the same number of times; a None is a blank forward."""
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        if not any_process(accelerator, batch is not None):
+            return
+        yield batch
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import VitFinetuneError, shortened
-from .labels import LabelFileError, label_file_of
+from .data.labels import LabelFileError, label_file_of
 from .layout import (CONFIG_FILE, CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
                      describe_write_error, replace_atomically)
 from .progress import progress

@@ -9,6 +9,7 @@ not need to know (data, model, export) is train.py's; callbacks observe each eve
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -22,7 +23,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from . import augment, checkpoint, data, distill, evaluation, layout, loss_scale, progress as display, streaming
+from . import checkpoint, distill, evaluation, layout, loss_scale, progress as display
+from .data import streaming
 from .callbacks import Callback, TrainingRun
 from .errors import VitFinetuneError
 from .parts import Parts
@@ -435,7 +437,7 @@ def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
     """Metrics of the model's current weights on the eval split (labelled, with what the split was) and the
     per-image predictions behind them, for the pictures; no history entry, no event."""
     parts = run.parts
-    predict = streaming.predict_stream if run.recipe.data.streaming else evaluation.predict_split
+    predict = evaluation.predict_stream if run.recipe.data.streaming else evaluation.predict_split
     predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, parts.task,
                           len(parts.labels))
     metrics = parts.task.report(predictions, parts.labels, evaluation.threshold_rule(run.recipe))
@@ -456,3 +458,28 @@ def _evaluate_during_training(run: TrainingRun, callbacks: Callback, watch: NonF
     metrics, _ = evaluate(run, callbacks)
     if run.accelerator.is_main_process:
         display.say(f"step {run.state.step}: eval {run.parts.task.headline(metrics)}")
+
+
+class StreamPositions(Callback):
+    """Saves each process's train-stream position in every checkpoint, and restores it on a resume."""
+
+    def __init__(self, loader: streaming.StreamLoader):
+        self.loader = loader
+
+    def on_save_checkpoint(self, run, folder: Path) -> None:
+        position = self.loader.position
+        (folder / layout.STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
+            {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
+             "batches_done": run.state.batches_done}))
+
+    def on_load_checkpoint(self, run, folder: Path) -> None:
+        path = folder / layout.STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)
+        try:
+            saved = json.loads(path.read_text())
+            self.loader.position = streaming.Position(int(saved["pass"]), int(saved["offset"]))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise checkpoint.CheckpointError(
+                f"cannot resume from {folder}: this process's stream position {path.name} cannot be read "
+                f"({type(error).__name__}: {error}); it was written by a run without data.streaming, or is damaged. "
+                "Resume from another checkpoint with train.resume=<its folder>, or start again with overwrite=true"
+            ) from None

@@ -37,7 +37,7 @@ from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANI
                      QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes, record,
                      rename_into_place, replace_atomically)
 from .run_outputs import save_image_processor
-from .synthetic import generate_arrays
+from .data.synthetic import generate_arrays
 from .tasks import Answers, of_config
 
 DEFAULT_TOLERANCE = 1e-3  # max abs logit difference; fp32 exports measure ~1e-7 to 1e-5

@@ -27,7 +27,7 @@ from typing import IO
 
 from .data import BUILTIN_SHAPES, cache_dir
 from .errors import VitFinetuneError
-from .labels import READERS
+from .data.labels import READERS
 from .layout import (CHECKPOINTS, COMPLETE, LOCK, MANIFEST, OWN_FILES, PREVIOUS_RUN, SHARED_FOLDERS,
                      describe_write_error, fsync_folder, record, written)
 from .recipe import Recipe

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to import
     import torch
 
-    from .augment import BatchAugmenter
     from .data import PixelNormalizer
+    from .data.augment import BatchAugmenter
     from .distill import Teacher, TeacherLogitsCache
     from .probe import ProbeResult
-    from .streaming import StreamLoader
+    from .data.streaming import StreamLoader
     from .tasks import Task
 
 

@@ -23,8 +23,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from . import augment, checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
-from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
+from . import checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
+from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, tasks
+from .data import augment, streaming
 from . import layout, loss_scale, plan, publish, run_outputs, student, tracking, wise_ft
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .errors import RunError
@@ -234,7 +235,8 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
                                              augment.total_epochs(total_steps, size.steps_per_epoch),
-                                             accelerator.process_index, recipe.train.label_smoothing, task=task)
+                                             accelerator.process_index, recipe.train.label_smoothing,
+                                             mix_targets=task.mixed_targets)
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
@@ -462,7 +464,7 @@ def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator)
                     + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
         display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
 
-    stream_positions = [streaming.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
+    stream_positions = [loop.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
     hooks = CallbackList([keeper, *stream_positions, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to),
                           *callbacks])
     if resume_from:

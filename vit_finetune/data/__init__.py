@@ -1,18 +1,21 @@
-"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders.
+"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders, or a stream.
 
 Images are decoded here (not by `datasets`) so a bad file is reported by its path or index. Training
 batches leave the workers as uint8 and are normalised on the device; evaluation uses exactly the image
 processor that is saved with the model, so reported accuracy is what a `pipeline()` user gets.
 
-The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), splits.py
-(finding and loading the train and eval splits, their columns, labels or targets, and what a checkpoint records of
-them), pixels.py (decoding an image, transparency and flat images, the training crop and resize) and loaders.py (the
-datasets, the sampler, batches and loaders, and the normalisation on the device).
+The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), synthetic.py
+(the demo's generated images), labels.py (label files: CSV or JSON Lines naming each image and its labels or
+targets), splits.py (finding and loading the train and eval splits, their columns, labels or targets, and what a
+checkpoint records of them), pixels.py (decoding an image, transparency and flat images, the training crop and
+resize), loaders.py (the datasets, the sampler, batches and loaders, and the normalisation on the device),
+balance.py (skewed label counts: class weights or a balanced sampler), streaming.py (a dataset read as a stream of
+shards while training) and augment.py (the batch augmentations, on the device).
 """
 
 from __future__ import annotations
 
-from ..labels import LABEL_COLUMN_NAMES
+from .labels import LABEL_COLUMN_NAMES
 from .errors import BadImageError, DataError
 from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassificationDataset, PixelNormalizer,
                       blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,

@@ -14,12 +14,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import hub, labels
-from ..labels import LABEL_COLUMN_NAMES
+from .. import hub
 from ..recipe import DataSettings
 from ..recipe.limits import REPO_ID_PATTERN, excerpt
-from ..synthetic import ensure_demo_dataset
+from . import labels
 from .errors import DataError
+from .labels import LABEL_COLUMN_NAMES
+from .synthetic import ensure_demo_dataset
 
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use

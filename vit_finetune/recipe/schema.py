@@ -224,7 +224,7 @@ class DataSettings(Strict):
 
 
 class AugmentSettings(Strict):
-    """DeiT's batch augmentations, run on the device on whole batches (vit_finetune.augment); all off by default."""
+    """DeiT's batch augmentations, run on the device on whole batches (vit_finetune.data.augment); all off by default."""
 
     policy: Literal["none", "randaugment", "trivialaugment"] = Field("none", description="kornia's automatic augmentation policies")
     randaugment_ops: Bounded("augment.randaugment_ops") = Field(2, gt=0, description=(

@@ -9,7 +9,8 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import balance, pictures
+from .. import pictures
+from ..data import balance
 from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
 from ..evaluation import SplitPredictions
 

@@ -11,7 +11,7 @@ pass, its place in the stream) alone.
 Exact resume. IterableDataset.state_dict() is not enough: datasets documents that a shuffle buffer's content is not
 in it (a resumed stream refills its buffer from later rows), and a DataLoader reads ahead of training, so the
 dataset's state when a checkpoint is written is not the position of the rows trained on. A checkpoint therefore
-stores each process's position as (pass, rows of that pass trained on); a resume reads that pass again from its
+stores each process's position as (pass, rows of that pass trained on: loop.StreamPositions); a resume reads that pass again from its
 start and fast-forwards over those rows without decoding them: the same buffer, the same next batch. The cost: up to
 one pass over the process's shards read again (bytes only).
 """
@@ -19,24 +19,23 @@ one pass over the process's shards read again (bytes only).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from PIL import Image
 from torch.utils.data import Sampler
 
-from . import data, evaluation, hub
-from .callbacks import Callback
-from .checkpoint import CheckpointError
-from .data import CONTENT_HASH_LIMIT_BYTES, DataError, files_digest
-from .layout import STREAM_POSITION_FILE
-from .processes import any_process
-from .recipe import DataSettings, Recipe
-from .recipe.limits import excerpt
+from .. import hub
+from ..recipe import DataSettings, Recipe
+from ..recipe.limits import excerpt
+from . import loaders
+from .errors import DataError
+from .labels import LABEL_COLUMN_NAMES
+from .splits import (CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, detect_column, files_digest, is_label_set, is_local,
+                     target_encoding)
 
 # The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
 # label per sample key; their labels are plain integers, named by data.label_names).
@@ -127,12 +126,12 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
         train = builder.as_streaming_dataset(split=settings.train_split)
         evaluation_stream = builder.as_streaming_dataset(split=eval_split)
     features = train.features
-    image_column = data.detect_column(features, settings.image_column, "image", data.IMAGE_COLUMN_NAMES, datasets.Image)
-    label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
+    image_column = detect_column(features, settings.image_column, "image", IMAGE_COLUMN_NAMES, datasets.Image)
+    label_column = detect_column(features, settings.label_column, "label", LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
     labels = class_names(features[label_column], label_column, settings)
-    multi_label = data.is_label_set(features[label_column]) if settings.multi_label is None else settings.multi_label
-    if data.is_label_set(features[label_column]) and not multi_label:
+    multi_label = is_label_set(features[label_column]) if settings.multi_label is None else settings.multi_label
+    if is_label_set(features[label_column]) and not multi_label:
         raise DataError(f"data.multi_label=false, but the label column {label_column!r} holds a list of labels per "
                         "row; set data.multi_label=true (or null)")
     # Every shard is looked at before training: a damaged one would otherwise end in a library's traceback, or in
@@ -147,7 +146,7 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
                 "eval": shard_identity(files[eval_split])}
     # A streamed Hub dataset downloads no image files: a cell holding only a path names one on this machine.
-    folders = None if data.is_local(settings) else ()
+    folders = None if is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
                           split_rows(builder, settings.train_split, counted[settings.train_split]),
                           split_rows(builder, eval_split, counted[eval_split]), identity, folders, multi_label)
@@ -159,7 +158,7 @@ def class_names(feature, label_column: str, settings: DataSettings) -> list[str]
     the class index)."""
     import datasets
 
-    feature = getattr(feature, "feature", feature) if data.is_label_set(feature) else feature
+    feature = getattr(feature, "feature", feature) if is_label_set(feature) else feature
     if isinstance(feature, datasets.ClassLabel):
         if settings.label_names is not None and list(settings.label_names) != feature.names:
             raise DataError(f"data.label_names={excerpt(settings.label_names)} differs from the label column's own "
@@ -356,7 +355,7 @@ class StreamReader(Sampler):
                                 "are processes. Use fewer processes, or more data")
 
 
-class StreamedImages(data.ImageClassificationDataset):
+class StreamedImages(loaders.ImageClassificationDataset):
     """Decodes, in DataLoader workers, the (row, pass, offset) items StreamReader hands out; yields what the
     map-style dataset yields, plus the position after the row."""
 
@@ -375,7 +374,7 @@ class StreamedImages(data.ImageClassificationDataset):
 
 
 def collate(samples: list) -> dict:
-    batch = data.collate([sample[:3] for sample in samples])
+    batch = loaders.collate([sample[:3] for sample in samples])
     batch["stream_next"] = samples[-1][3]
     return batch
 
@@ -388,7 +387,7 @@ class StreamLoader:
                  seed: int, device: torch.device):
         self.reader, self.dataset, self.batch_size, self.device = reader, dataset, batch_size, device
         self.position = Position()
-        self.loader = data.make_loader(dataset, batch_size, False, seed, workers, pin, sampler=reader, collate_fn=collate)
+        self.loader = loaders.make_loader(dataset, batch_size, False, seed, workers, pin, sampler=reader, collate_fn=collate)
 
     def batches(self, count: int | None) -> Iterator[dict]:
         """`count` batches from `position` on (None: to the end of the pass), each on the device."""
@@ -413,12 +412,12 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
-                  image_folders=splits.image_folders, encoding=data.target_encoding(splits),
+                  image_folders=splits.image_folders, encoding=target_encoding(splits),
                   outputs=len(splits.labels))
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
-                               placeholder=data.blank_pixels(image_size, training=True), **common)
-    eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
-                              placeholder=data.blank_pixels(image_size, training=False), **common)
+                               placeholder=loaders.blank_pixels(image_size, training=True), **common)
+    eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=loaders.eval_pixels_from_processor(processor),
+                              placeholder=loaders.blank_pixels(image_size, training=False), **common)
     pin = device.type == "cuda"
 
     def check(row: dict, where: str) -> None:
@@ -429,69 +428,3 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     evaluation_loader = StreamLoader(StreamReader(splits.eval, None, check), eval_set, batch_size, workers, pin, seed,
                                      device)
     return train, evaluation_loader
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable, task,
-                   num_classes: int) -> evaluation.SplitPredictions:
-    """Each process predicts its own share (shares differ in length: no padding), then the shares are gathered
-    once, rank after rank, so each image counts exactly once."""
-    from accelerate.utils import gather_object
-
-    was_training = model.training
-    model.eval()
-    k = min(evaluation.TOP_K, num_classes)
-    blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
-             "labels": torch.tensor([loader.dataset.target(data.SKIPPED_LABEL)], device=accelerator.device)}
-    batches = []
-    for batch in in_lockstep(loader.whole_split(), accelerator):
-        predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, task, k)
-        if batch is not None:
-            batches.append(tuple(part.cpu() for part in predicted))
-    model.train(was_training)
-    mine = task.joined(batches, k)
-    # joined() takes per-batch parts: the task says which part came first (ranked ids, or every output's score)
-    shares = gather_object([(task.first_part(mine), mine.references, mine.losses)])
-    return task.joined(shares, k)
-
-
-def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
-    """This process's batches, then None until every process has run out: a forward of a DDP or sharded (FSDP)
-    model is a collective, so all processes forward the same number of times; a None is a blank forward."""
-    remaining = iter(batches)
-    while True:
-        batch = next(remaining, None)
-        if not any_process(accelerator, batch is not None):
-            return
-        yield batch
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-class StreamPositions(Callback):
-    """Saves each process's train-stream position in every checkpoint, and restores it on a resume."""
-
-    def __init__(self, loader: StreamLoader):
-        self.loader = loader
-
-    def on_save_checkpoint(self, run, folder: Path) -> None:
-        position = self.loader.position
-        (folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
-            {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
-             "batches_done": run.state.batches_done}))
-
-    def on_load_checkpoint(self, run, folder: Path) -> None:
-        path = folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)
-        try:
-            saved = json.loads(path.read_text())
-            self.loader.position = Position(int(saved["pass"]), int(saved["offset"]))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(
-                f"cannot resume from {folder}: this process's stream position {path.name} cannot be read "
-                f"({type(error).__name__}: {error}); it was written by a run without data.streaming, or is damaged. "
-                "Resume from another checkpoint with train.resume=<its folder>, or start again with overwrite=true"
-            ) from None
