@@ -309,7 +309,7 @@ def test_a_saved_dataset_with_a_list_of_classlabel_column_is_multi_label(tmp_pat
     datasets.DatasetDict({"train": table.select(range(6)), "validation": table.select(range(6, 8))}).save_to_disk(
         tmp_path / "saved")
     splits = data.load_splits(DataSettings(dataset=str(tmp_path / "saved")), seed=0)
-    assert splits.multi_label and splits.label_column == "tags" and splits.labels == ["sky", "sea", "sand"]
+    assert splits.task == "multi_label" and splits.label_column == "tags" and splits.labels == ["sky", "sea", "sand"]
     dataset = data.eval_dataset(splits, DataSettings(), lambda images, return_tensors: {
         "pixel_values": torch.zeros(1, 3, 8, 8)}, 8)
     assert dataset[(0, 0)][1] == [1, 0, 1] and dataset[(1, 0)][1] == [0, 1, 0]  # [sky, sand] and [sea] as 0/1 rows

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from . import progress
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
-from .errors import VitFinetuneError, report
+from .errors import PRINTING_RANK, VitFinetuneError, report
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
@@ -188,7 +189,8 @@ def train_command(argv: list[str]) -> int:
         return list_recipes()
     from .recipe import load_recipe, to_yaml
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    notes: list[str] = []  # how the recipe was read, where it spells a key the older way
+    recipe = load_recipe(args.recipe, args.overrides, notes)
     if args.print:
         print(to_yaml(recipe), end="")
         return 0
@@ -204,6 +206,9 @@ def train_command(argv: list[str]) -> int:
     with progress.configured(quiet=args.quiet):
         from .train import run
 
+        if os.environ.get("RANK", PRINTING_RANK) == PRINTING_RANK:  # once in a launch of several processes
+            for note in notes:
+                progress.say(note)
         run(recipe)
     return 0
 

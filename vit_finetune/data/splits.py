@@ -19,7 +19,7 @@ from ..recipe import DataSettings
 from ..recipe.limits import REPO_ID_PATTERN, excerpt
 from . import labels
 from .errors import DataError
-from .labels import LABEL_COLUMN_NAMES
+from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
 from .synthetic import ensure_demo_dataset
 
 
@@ -37,9 +37,10 @@ class Splits:
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels), which may be empty
     notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains
-    task: str | None = None  # "regression": `labels` names the targets, each row's label is a list of their values
+    # what the data holds, as data.task names it: single_label (a class id per row), multi_label (a list of class
+    # ids, a set of labels that may be empty) or regression (`labels` names the targets, a list of values per row)
+    task: str = "single_label"
 
 
 
@@ -241,8 +242,9 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     folders = image_folders(settings)
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
-    multi_label = is_label_set(train.features[label_column]) if settings.multi_label is None else settings.multi_label
-    if multi_label and settings.multi_label is None and not notes:  # a label file's note already says why
+    chosen = label_sets_chosen(settings)
+    multi_label = is_label_set(train.features[label_column]) if chosen is None else chosen
+    if multi_label and chosen is None and not notes:  # a label file's note already says why
         notes.append(f"data.dataset={excerpt(settings.dataset)} is multi-label (a set of labels per image: a sigmoid "
                      f"score and a threshold per label) because its label column {label_column!r} is a list of labels")
     if multi_label:
@@ -269,7 +271,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
-                  multi_label=multi_label, notes=notes)
+                  notes=notes, task="multi_label" if multi_label else "single_label")
 
 
 def eval_split_in(loaded, settings: DataSettings) -> str | None:
@@ -475,11 +477,11 @@ def training_facts(splits: Splits) -> dict:
     if splits.task == "regression":
         return {}  # no classes to count
     column = splits.train.with_format("arrow")[splits.label_column]
-    ids = pc.list_flatten(column) if splits.multi_label else column
+    ids = pc.list_flatten(column) if splits.task == "multi_label" else column
     ids = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
     counts = np.bincount(ids[ids >= 0], minlength=len(splits.labels))  # -1: a ClassLabel's "no label"
     facts = {"labels_without_train_images": [label for label, n in zip(splits.labels, counts) if n == 0]}
-    if splits.multi_label:
+    if splits.task == "multi_label":
         facts["train_images_without_labels"] = int((pc.list_value_length(column).to_numpy() == 0).sum())
     return facts
 
@@ -561,4 +563,4 @@ def subsample(dataset, limit: int | None, seed: int):
 
 def target_encoding(splits) -> str:
     """The TARGET_ENCODINGS entry (loaders.py) of loaded splits (a stream's too)."""
-    return "values" if getattr(splits, "task", None) == "regression" else "set" if splits.multi_label else "class"
+    return {"multi_label": "set", "regression": "values"}.get(splits.task, "class")

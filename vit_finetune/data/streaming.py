@@ -33,7 +33,7 @@ from ..recipe import DataSettings, Recipe
 from ..recipe.limits import excerpt
 from . import loaders
 from .errors import DataError
-from .labels import LABEL_COLUMN_NAMES
+from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
 from .splits import (CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, detect_column, files_digest, is_label_set, is_local,
                      target_encoding)
 
@@ -56,7 +56,7 @@ class StreamedSplits:
     eval_rows: int | None
     identity: dict  # the labels and the shards read, as each checkpoint records them
     image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels, possibly empty)
+    task: str = "single_label"  # multi_label: each row's label is a list of class ids (a set, possibly empty)
 
 
 @dataclass
@@ -130,7 +130,8 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     label_column = detect_column(features, settings.label_column, "label", LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
     labels = class_names(features[label_column], label_column, settings)
-    multi_label = is_label_set(features[label_column]) if settings.multi_label is None else settings.multi_label
+    chosen = label_sets_chosen(settings)
+    multi_label = is_label_set(features[label_column]) if chosen is None else chosen
     if is_label_set(features[label_column]) and not multi_label:
         raise DataError(f"data.multi_label=false, but the label column {label_column!r} holds a list of labels per "
                         "row; set data.multi_label=true (or null)")
@@ -149,7 +150,8 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     folders = None if is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
                           split_rows(builder, settings.train_split, counted[settings.train_split]),
-                          split_rows(builder, eval_split, counted[eval_split]), identity, folders, multi_label)
+                          split_rows(builder, eval_split, counted[eval_split]), identity, folders,
+                          "multi_label" if multi_label else "single_label")
 
 
 def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:

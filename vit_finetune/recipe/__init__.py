@@ -8,8 +8,8 @@ sections and their fields), loading.py (find, read, override, validate, write, a
 
 from __future__ import annotations
 
-from .checks import (flatten, pixel_drawing_settings, probe_unused_settings, step_only_settings,
-                     weight_selection_settings, without_pixel_draws)
+from .checks import (flatten, fold_older_spellings, pixel_drawing_settings, probe_unused_settings,
+                     step_only_settings, weight_selection_settings, without_pixel_draws)
 from .limits import ASSETS_DIR, BUILTIN_PREFIX, RECIPE_DIRS, REPO_ID_PATTERN, excerpt
 from .loading import (RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
                       key_descriptions, load_recipe, read_yaml, recipe_files, to_yaml, validate, write_recipe)
@@ -19,6 +19,6 @@ from .schema import (HOME_PATH_KEYS, KEEP_BEST_GOALS, AugmentSettings, DataSetti
 __all__ = ["ASSETS_DIR", "BUILTIN_PREFIX", "HOME_PATH_KEYS", "KEEP_BEST_GOALS", "RECIPE_DIRS", "REPO_ID_PATTERN",
            "AugmentSettings", "DataSettings", "DistillSettings", "HubSettings", "LoraSettings", "ModelSettings",
            "Recipe", "RecipeError", "TrainSettings", "apply_overrides", "available_recipes", "default_values",
-           "excerpt", "find_recipe", "flatten", "format_keys", "key_descriptions", "load_recipe",
+           "excerpt", "find_recipe", "flatten", "fold_older_spellings", "format_keys", "key_descriptions", "load_recipe",
            "pixel_drawing_settings", "probe_unused_settings", "read_yaml", "recipe_files", "step_only_settings", "to_yaml", "validate",
            "weight_selection_settings", "without_pixel_draws", "write_recipe"]

@@ -14,7 +14,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from ..methods import METHODS
-from .checks import check_data_section, check_recipe, check_train_section
+from .checks import check_data_section, check_recipe, check_train_section, fold_older_spellings
 from .limits import REPO_ID_PATTERN, SEED_MAX, WHOLE_NUMBER_LIMITS, excerpt, names_fit
 
 
@@ -75,7 +75,8 @@ KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_ma
 
 class Strict(BaseModel):
     # No path, id or name is longer than PATH_MAX: a longer string is a mistake, and would flood every message.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, str_max_length=4096)
+    # Frozen: a recipe is read and checked once; what a run changes (plan.py) is a copy.
+    model_config = ConfigDict(extra="forbid", frozen=True, str_max_length=4096)
 
 
 class LoraSettings(Strict):
@@ -216,6 +217,12 @@ class DataSettings(Strict):
         if not 0 < low <= high <= 1:
             raise ValueError(f"must satisfy 0 < low <= high <= 1, got {list(value)}; e.g. [0.05, 1.0]")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _multi_label_is_a_task(cls, values: Any) -> Any:
+        """data.multi_label, the older spelling, is read as data.task: nothing after reads it."""
+        return fold_older_spellings(values) if isinstance(values, dict) else values
 
     @model_validator(mode="after")
     def _keys_agree(self) -> DataSettings:

@@ -29,11 +29,6 @@ def of_metrics(metrics: dict) -> type[Task]:
     return BY_PROBLEM_TYPE.get(metrics.get("task"), SingleLabel)
 
 
-def name_of(splits) -> str:
-    """The task the loaded data holds (data.load_splits, streaming.open_streams decided it from data.task)."""
-    return getattr(splits, "task", None) or ("multi_label" if splits.multi_label else "single_label")
-
-
 def for_training(splits, loss_kind: str = "mse") -> Task:
     """The task of a new run, with what it learns from the training split (a regression's standardisation)."""
-    return TASKS[name_of(splits)].for_training(splits, loss_kind)
+    return TASKS[splits.task].for_training(splits, loss_kind)
