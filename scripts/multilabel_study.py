@@ -130,7 +130,7 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
 
 
 def set_metrics(predicted: np.ndarray, truth: np.ndarray, scores: np.ndarray) -> dict:
-    from vit_finetune.multilabel import average_precision, f_beta
+    from vit_finetune.tasks.label_sets import average_precision, f_beta
 
     hits = (predicted & (truth == 1)).sum(axis=0)
     present = truth.sum(axis=0) > 0
@@ -153,7 +153,7 @@ def top_k_metrics(scores: np.ndarray, truth: np.ndarray, choosing: np.ndarray, s
 
 
 def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: str, runs: Path) -> dict:
-    from vit_finetune.multilabel import ThresholdRule, holdout_parts, summarise
+    from vit_finetune.tasks.label_sets import ThresholdRule, holdout_parts, summarise
 
     common = ["--quiet", f"model.base={base}", f"model.image_size={size}", "data.crop_scale=[1.0, 1.0]", "data.num_workers=0",
               f"train.epochs={epochs}", "train.batch_size=32", f"train.lr={lr}", "train.weight_decay=0.05",

@@ -15,7 +15,7 @@ import torch
 
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
-from vit_finetune import multilabel
+from vit_finetune.tasks import label_sets as multilabel
 from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
 from vit_finetune.run_outputs import TRAINING_ONLY_METRICS

@@ -14,6 +14,7 @@ import torch
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
 from vit_finetune.cli import main
+from vit_finetune.recipe import TrainSettings
 from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.tasks import Regression, of_config
 from vit_finetune.tasks.regression import summarise
@@ -150,7 +151,7 @@ def test_a_constant_target_is_said_and_a_run_of_only_constant_targets_is_refused
     splits = regression_data(tmp_path / "one", {"y": list(range(8)), "flat": [5.0] * 8})
     assert any("constant" in note and "'flat': 5.0" in note and "target_std saved as 1" in note
                for note in splits.notes)
-    task = Regression.for_training(splits, "mse")
+    task = Regression.for_training(splits, TrainSettings())
     assert task.std.tolist()[1] == 1.0 and task.mean.tolist()[1] == 5.0  # what the note says it is learned as
     with pytest.raises(data.DataError, match="every target is constant.*nothing to learn"):
         regression_data(tmp_path / "all", {"flat": [5.0] * 8, "also": [2.0] * 8})

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 from accelerate.utils import gather_object
 
-from . import multilabel
 from .data import SKIPPED_LABEL, DataError
 from .processes import any_process
 
@@ -190,10 +189,11 @@ def predict_stream(model, loader, accelerator, normalize: Callable, task, num_cl
         if batch is not None:
             batches.append(tuple(part.cpu() for part in predicted))
     model.train(was_training)
-    mine = task.joined(batches, k)
-    # joined() takes per-batch parts: the task says which part came first (ranked ids, or every output's score)
-    shares = gather_object([(task.first_part(mine), mine.references, mine.losses)])
-    return task.joined(shares, k)
+    mine = task.predictions_of(batches, k)
+    # Each share gathered as batch_outputs' parts: what the split keeps of each image's output (ranked ids, or every
+    # output's score), its reference, its loss.
+    shares = gather_object([(task.kept_outputs(mine), mine.references, mine.losses)])
+    return task.predictions_of(shares, k)
 
 
 def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
@@ -218,7 +218,7 @@ def predict_split(model, loader, accelerator, normalize: Callable, task, outputs
     gathered = [accelerator.gather_for_metrics(batch_predictions(model, batch, accelerator, normalize, task, k))
                 for batch in loader]
     model.train(was_training)
-    return task.joined(gathered, k)
+    return task.predictions_of(gathered, k)
 
 
 def batch_predictions(model, batch: dict, accelerator, normalize: Callable, task, k: int) -> tuple[torch.Tensor, ...]:
@@ -235,11 +235,6 @@ def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())
     return metrics
-
-
-def threshold_rule(recipe) -> multilabel.ThresholdRule:
-    """How a run's recipe chooses multi-label thresholds (unused for single-label runs)."""
-    return multilabel.ThresholdRule(recipe.train.threshold_metric, recipe.train.threshold_holdout, recipe.train.seed)
 
 
 SPARSE_AXES = (f"more than {DENSE_CONFUSION_LABELS} labels: confusion_matrix_cells holds the non-zero cells as "

@@ -214,13 +214,13 @@ def label_scores(config, logits):
 
 
 def labels_given(config, scores: list[float], top_k: int | None = None) -> list[tuple[str, float]]:
-    """What a model gives one image, best first (the task's `given`): a single-label model its top_k labels
+    """What a model gives one image, best first (the task's labels_given): a single-label model its top_k labels
     (DEFAULT_TOP_K when None); a multi-label model each label whose score reaches its saved threshold (at most top_k
     when given); a regression model each target's value. predict, explain and the page all show these."""
     from . import tasks
 
     labels = [config.id2label[i] for i in range(config.num_labels)]
-    return tasks.of_config(config).given(scores, labels, top_k)
+    return tasks.of_config(config).labels_given(scores, labels, top_k)
 
 
 def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None, batch_size: int,
@@ -406,7 +406,7 @@ class EvalSplit:
     batch_size: int
     precision: str  # the run's mixed precision, from its recipe.yaml ("no" for a folder without one)
     fields: dict  # eval_split and eval_carved_from_train, as metrics.json records them
-    rule: object  # multilabel.ThresholdRule: how a multi-label model's thresholds are chosen (or fixed) here
+    task: object  # tasks.Task that scores the split: on the run's own, as the run scored it (its thresholds chosen again)
 
 
 def eval_split_of(name: str, model, processor, dataset: str | None = None, split: str | None = None,
@@ -414,10 +414,9 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
     rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name,
     evaluated at the run's precision too where its recipe.yaml says it (the same images, the same numbers)."""
-    from . import data, evaluation, multilabel, tasks
+    from . import data, evaluation, tasks
     from .families import FAMILIES
 
-    task = tasks.of_config(model.config)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
     recipe_file = Path(model_location(name)) / RECIPE_FILE
     recipe = load_recipe(str(recipe_file)) if recipe_file.is_file() else None
@@ -430,16 +429,17 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
         table, image_column, label_column = splits.eval, splits.image_column, splits.label_column
         settings, batch_size = recipe.data, batch_size or recipe.train.batch_size
         split_fields = evaluation.eval_split_fields(splits.eval_split)
-        # The run's own split: thresholds chosen exactly as training chose them, so metrics.json is reproduced.
-        rule = evaluation.threshold_rule(recipe)
+        # The run's own split: scored as training scored it (multi-label thresholds chosen again, as training chose
+        # them), so metrics.json is reproduced.
+        task = tasks.of_config(model.config, recipe.train)
     else:
+        task = tasks.of_config(model.config)
         table, image_column, label_column = dataset_split(dataset, split)
         if label_column is None:
             raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
         if task.other_dataset_refusal:
             raise data.DataError(task.other_dataset_refusal)
         table = to_model_labels(table, label_column, labels, task.label_sets)
-        rule = multilabel.ThresholdRule(fixed=tuple(multilabel.saved_thresholds(model.config, labels)))
         settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
         split_fields = {"eval_split": split, "eval_carved_from_train": False}
     # A skipped image's placeholder has the model's own size, asked of its family (CLIP and SigLIP keep it under
@@ -449,7 +449,7 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
                                                data.eval_pixels_from_processor(processor),
                                                data.blank_pixels(size, training=False), data.image_folders(settings),
                                                encoding=task.label_encoding, outputs=len(labels))
-    return EvalSplit(eval_set, batch_size or 32, precision, split_fields, rule)
+    return EvalSplit(eval_set, batch_size or 32, precision, split_fields, task)
 
 
 def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
@@ -457,7 +457,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     """Metrics of a saved model on a split (eval_split_of says which), so metrics.json is reproduced on the run's own."""
     from accelerate import Accelerator
 
-    from . import data, evaluation, tasks
+    from . import data, evaluation
     from .precision import resolved
 
     model_location(name)  # a wrong path fails before the imports below
@@ -468,10 +468,10 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision=resolved(chosen.precision, device.split(":")[0]))
     loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,
                                                   device.startswith("cuda")))
-    task = tasks.of_config(model.config)
+    task = chosen.task
     predictions = evaluation.predict_split(model, loader, accelerator, data.PixelNormalizer(processor, model.device),
                                            task, len(labels))
-    metrics = task.report(predictions, labels, chosen.rule)
+    metrics = task.report(predictions, labels)
     metrics.update(chosen.fields)
     if output_dir is not None:
         write_evaluation(output_dir, metrics, lambda: task.draw(predictions, chosen.dataset, labels, output_dir, metrics))

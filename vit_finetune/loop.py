@@ -440,7 +440,7 @@ def measure(run: TrainingRun) -> tuple[dict, evaluation.SplitPredictions]:
     predict = evaluation.predict_stream if run.recipe.data.streaming else evaluation.predict_split
     predictions = predict(parts.model, parts.eval_loader, run.accelerator, parts.normalize, parts.task,
                           len(parts.labels))
-    metrics = parts.task.report(predictions, parts.labels, evaluation.threshold_rule(run.recipe))
+    metrics = parts.task.report(predictions, parts.labels)
     metrics.update(evaluation.eval_split_fields(parts.eval_split))
     return metrics, predictions
 

@@ -236,7 +236,7 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
         agree += int(answers.matches(answer["float"], answer["int8"]).sum())
         counted += len(pixels)
         if labels is not None:
-            kept = answers.real(labels)  # images skipped as unreadable are not counted, as in evaluate
+            kept = answers.kept(labels)  # images skipped as unreadable are not counted, as in evaluate
             labelled += int(kept.sum())
             for name in answer:
                 scored[name] += float(answers.scores(answer[name][kept], labels[kept]).double().sum())

@@ -169,7 +169,7 @@ def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False
     else:
         splits = data.load_splits(recipe.data, recipe.train.seed)
         rows = len(splits.train)
-    task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
+    task = tasks.for_training(splits, recipe.train)  # chosen once: everything after asks it
     data_facts = check_training_data(splits, recipe, accelerator, task)
     processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
@@ -450,7 +450,7 @@ def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator)
     cache_teacher_logits(parts, recipe, accelerator)
     training = TrainingRun(recipe, accelerator, parts, state, asked)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
-                                       parts.labels, measure=lambda: loop.measure(training))  # may refuse the recipe
+                                       parts.task, parts.labels, measure=lambda: loop.measure(training))  # may refuse the recipe
     if accelerator.is_main_process:
         draw = None
         if parts.position_tables and recipe.pictures:

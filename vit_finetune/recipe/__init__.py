@@ -13,10 +13,10 @@ from .checks import (flatten, fold_older_spellings, pixel_drawing_settings, prob
 from .limits import ASSETS_DIR, BUILTIN_PREFIX, RECIPE_DIRS, REPO_ID_PATTERN, excerpt
 from .loading import (RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
                       key_descriptions, load_recipe, read_yaml, recipe_files, to_yaml, validate, write_recipe)
-from .schema import (HOME_PATH_KEYS, KEEP_BEST_GOALS, AugmentSettings, DataSettings, DistillSettings, HubSettings,
+from .schema import (HOME_PATH_KEYS, AugmentSettings, DataSettings, DistillSettings, HubSettings,
                      LoraSettings, ModelSettings, Recipe, TrainSettings)
 
-__all__ = ["ASSETS_DIR", "BUILTIN_PREFIX", "HOME_PATH_KEYS", "KEEP_BEST_GOALS", "RECIPE_DIRS", "REPO_ID_PATTERN",
+__all__ = ["ASSETS_DIR", "BUILTIN_PREFIX", "HOME_PATH_KEYS", "RECIPE_DIRS", "REPO_ID_PATTERN",
            "AugmentSettings", "DataSettings", "DistillSettings", "HubSettings", "LoraSettings", "ModelSettings",
            "Recipe", "RecipeError", "TrainSettings", "apply_overrides", "available_recipes", "default_values",
            "excerpt", "find_recipe", "flatten", "fold_older_spellings", "format_keys", "key_descriptions", "load_recipe",

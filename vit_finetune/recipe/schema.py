@@ -14,6 +14,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from ..methods import METHODS
+from ..metric_goals import KEEP_BEST_GOALS  # each task's, for train.keep_best
 from .checks import check_data_section, check_recipe, check_train_section, fold_older_spellings
 from .limits import REPO_ID_PATTERN, SEED_MAX, WHOLE_NUMBER_LIMITS, excerpt, names_fit
 
@@ -67,10 +68,6 @@ HomePath = Annotated[str, AfterValidator(expand_home), AfterValidator(names_fit)
 HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "train.distill.teacher", "output_dir")
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
-# The metrics train.keep_best can follow, and whether higher or lower is better.
-KEEP_BEST_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min",
-                   "eval_map": "max", "eval_micro_f1": "max",  # these two: multi-label runs
-                   "eval_mae": "min", "eval_rmse": "min", "eval_r2": "max"}  # regression runs
 
 
 class Strict(BaseModel):

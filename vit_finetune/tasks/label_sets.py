@@ -1,4 +1,4 @@
-"""Multi-label classification: a set of labels per image, a sigmoid per class.
+"""The multi-label task's arithmetic (tasks/multi_label.py): a set of labels per image, a sigmoid per class.
 
 The loss is binary cross-entropy per class (with data.class_balance=weights, each class's positives weighted by
 its negatives / positives). The labels reach the loss as (B, C) rows of 0/1 (-1 for a bad image skipped, which
@@ -16,17 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .figures import pyplot, save_figure
+from ..figures import pyplot, save_figure
 
 PROBLEM_TYPE = "multi_label_classification"  # config.problem_type: pipeline() applies a sigmoid for it
 THRESHOLDS_KEY = "label_thresholds"  # config.json: {label: threshold}, read by predict
 DEFAULT_THRESHOLD = 0.5
 SKIPPED = -1  # data.SKIPPED_LABEL
 BETAS = {"f1": 1.0, "f2": 2.0, "f0.5": 0.5}  # train.threshold_metric -> the F-beta it maximises
-
-
-def is_multi_label(config) -> bool:
-    return getattr(config, "problem_type", None) == PROBLEM_TYPE
 
 
 # ---------------------------------------------------------------- training
