@@ -284,7 +284,7 @@ def test_explain_draws_a_regressions_values_on_an_axis_of_their_own_by_target_na
     from PIL import Image
 
     from vit_finetune import explain
-    from vit_finetune.figures import pyplot
+    from vit_finetune.pictures import pyplot
     from vit_finetune.inference import load_classifier
 
     model, processor = load_classifier(str(fixed_values), eager_attention=True)

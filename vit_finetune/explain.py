@@ -21,8 +21,8 @@ from . import tasks
 from .data import BadImageError, decode_image, decoding_settings
 from .errors import VitFinetuneError
 from .families import FAMILIES
-from .figures import pyplot, save_figure
 from .inference import label_scores, labels_given, load_classifier, path_kind
+from .pictures import pyplot, save_figure
 from .text import printable
 from .layout import describe_write_error
 

@@ -26,6 +26,7 @@ from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTOR
                      PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE, PROCESSOR_FILE,
                      RECIPE_FILE, RUN_INFO_FILE, STAGING, move_into, record)
 from .outputs import OutputDirError, drop_previous_run, set_previous_run_aside, unwritable
+from .pictures import plot_curves
 from .recipe import Recipe, write_recipe
 from .recipe.limits import REPO_ID_PATTERN
 from .text import printable
@@ -50,30 +51,6 @@ def is_hub_id(value: str) -> bool:
     return not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and bool(
         REPO_ID_PATTERN.match(value)
     )
-
-
-def plot_curves(history: list[dict], path: Path, task: type[tasks.Task] = tasks.SingleLabel) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    train = [h for h in history if "loss" in h]
-    key, title, limits = task.curve  # the task's own metric: accuracy, or a regression's RMSE
-    evals = [h for h in history if key in h]
-    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
-    loss_axis.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
-    if evals:
-        loss_axis.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
-        metric_axis.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", color="tab:green")
-    loss_axis.set(xlabel="optimiser step", ylabel="loss", title="Loss")
-    loss_axis.legend()
-    metric_axis.set(xlabel="optimiser step", ylabel=key.removeprefix("eval_"), title=title)
-    if limits:
-        metric_axis.set_ylim(*limits)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
 
 
 def run_info(device: str, processes: int, mixed_precision: str, history: list[dict], training_seconds: float,
@@ -326,7 +303,7 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     write_recipe(recipe, staging)
     (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
     if recipe.pictures:
-        plot_curves(history, staging / CURVES_FILE, tasks.of_metrics(metrics))
+        plot_curves(history, staging / CURVES_FILE, tasks.of_metrics(metrics).curve)
     if run_info is not None:
         (staging / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=1))
     if draw_pictures is not None:

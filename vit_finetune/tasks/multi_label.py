@@ -100,7 +100,7 @@ class MultiLabel(Task):
 
     def draw(self, predictions, dataset, labels, folder, metrics):
         kept = predictions.kept.numpy()
-        label_sets.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+        pictures.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
                                          labels, metrics.get("thresholds"), Path(folder) / PRECISION_RECALL_FILE)
         return [PRECISION_RECALL_FILE]
 
