@@ -116,7 +116,7 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
     from PIL import Image
 
     from vit_finetune.inference import load_classifier
-    from vit_finetune.train import torch_threads
+    from vit_finetune.devices import torch_threads
 
     model, processor = load_classifier(str(model_dir))
     columns = [CLASSES.index(model.config.id2label[i]) for i in range(model.config.num_labels)]

@@ -191,7 +191,7 @@ def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name
     bare = tmp_path / "bare"  # config and weights only: the family's default processor
     bare.mkdir()
     shutil.copy(tiny_base / "config.json", bare / "config.json")
-    load = ("import sys; from vit_finetune.run_outputs import save_image_processor; from vit_finetune.model import "
+    load = ("import sys; from vit_finetune.final_outputs import save_image_processor; from vit_finetune.model import "
             "load_image_processor; from vit_finetune.recipe import ModelSettings\n"
             "for base, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
             "    processor = load_image_processor(ModelSettings(base=base, image_size=48), 48)\n"

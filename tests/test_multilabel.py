@@ -18,7 +18,7 @@ from tiny import REPO, make_tiny_vit, write_label_sets
 from vit_finetune.tasks import label_sets as multilabel
 from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
-from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
 from vit_finetune.tasks import MultiLabel
 

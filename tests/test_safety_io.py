@@ -133,7 +133,7 @@ def with_users_files(trained: Path, folder: Path) -> Path:
 
 def run_files(folder: Path) -> set[str]:
     """What the run wrote, as its manifest lists it (files under a listed folder included)."""
-    from vit_finetune.outputs import claimed
+    from vit_finetune.run_lock import claimed
 
     listed = claimed(folder)
     return {str(p.relative_to(folder)) for p in folder.rglob("*")

@@ -15,7 +15,7 @@ import torch
 
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
-from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,11 @@ from typing import Callable
 import yaml
 from safetensors import SafetensorError
 
-from .errors import VitFinetuneError, shortened
+from .errors import VitFinetuneError, excerpt, shortened
 from .layout import (CHECKPOINTS, COMPLETE, DAMAGED_PREFIX, PARTIAL_PREFIX, RECIPE_FILE, STATE_FILE, checkpoint_name,
                      describe_write_error, record, rename_into_place)
 from .processes import any_process
 from .recipe import HOME_PATH_KEYS, Recipe, default_values, flatten, fold_older_spellings, write_recipe
-from .recipe.limits import excerpt
 
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {

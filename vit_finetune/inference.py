@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Iterator
 
 from .errors import VitFinetuneError, shortened
-from .data.labels import LabelFileError, label_file_of
 from .layout import (CONFIG_FILE, CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
                      describe_write_error, replace_atomically)
 from .progress import progress
 from .recipe import DataSettings, load_recipe
-from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN, excerpt
+from .errors import excerpt
+from .sources import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 from .spreadsheet import csv_writer
 from .text import printable
 
@@ -327,6 +327,8 @@ def refuse_output_among_inputs(output: str | None, sources: list[ImageSource], d
     target = os.path.realpath(Path(output).expanduser())
     reads = [Path(source.name) for source in sources]
     if dataset is not None:
+        from .data.labels import LabelFileError, label_file_of  # data/ loads torch: only for a --dataset
+
         try:
             reads.append(label_file_of(Path(dataset).expanduser()))
         except LabelFileError:  # two label files: the dataset's own error says so when it loads

@@ -29,7 +29,8 @@ from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
 from .recipe import LoraSettings, ModelSettings
-from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, MAX_GRID_SIDE, REPO_ID_PATTERN
+from .recipe.limits import MAX_GRID_SIDE
+from .sources import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a

@@ -36,7 +36,7 @@ from .inference import InputError, eval_split_of, load_classifier, model_locatio
 from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
                      QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes, record,
                      rename_into_place, replace_atomically)
-from .run_outputs import save_image_processor
+from .final_outputs import save_image_processor
 from .data.synthetic import generate_arrays
 from .tasks import Answers, of_config
 

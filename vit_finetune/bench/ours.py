@@ -1,10 +1,14 @@
-"""Our configurations, through the library's own code: train.make_accelerator, build_parts, prepare, loop.train_loop."""
+"""Our configurations, through the library's own code: devices.make_accelerator, build.run_parts, devices.prepare,
+loop.train_loop."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .. import checkpoint, loop, train
+from .. import checkpoint, loop
+from ..build import run_parts
+from ..devices import make_accelerator, prepare
+from ..optim import build_scheduler
 from ..callbacks import TrainingRun
 from ..recipe import validate
 from .device import PeakMemory
@@ -33,9 +37,9 @@ def build(setup: Setup, lora: bool, variant: Variant = DEFAULTS):
     from accelerate.utils import set_seed
 
     asked = bench_recipe(setup, lora, variant)
-    accelerator = train.make_accelerator(asked)
+    accelerator = make_accelerator(asked)
     set_seed(asked.train.seed)
-    return asked, accelerator, *train.build_parts(asked, accelerator)
+    return asked, accelerator, *run_parts(asked, accelerator)
 
 
 def check_one_epoch_covers(setup: Setup, loader) -> None:
@@ -53,8 +57,8 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory, variant:
     asked, accelerator, recipe, parts = build(setup, config == "lora", variant)
     if not variant.fused_adamw:
         parts.optimizer = unfused_adamw(parts.optimizer)
-        parts.scheduler = train.build_scheduler(parts.optimizer, recipe, parts.total_steps)
-    train.prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
+        parts.scheduler = build_scheduler(parts.optimizer, recipe, parts.total_steps)
+    prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
     clock = setup.clock(label or config)
     if config == "model_step":
         source = device_batches(setup.spec, recipe.train.batch_size, accelerator.device)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..recipe import DataSettings
-from ..recipe.limits import excerpt
+from ..errors import excerpt
 
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
 # A label file's or a dataset's label column, when data.label_column does not name it (cls: WebDataset).

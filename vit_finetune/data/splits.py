@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import hub
 from ..recipe import DataSettings
-from ..recipe.limits import REPO_ID_PATTERN, excerpt
+from ..errors import excerpt
+from ..sources import REPO_ID_PATTERN
 from . import labels
 from .errors import DataError
 from .labels import LABEL_COLUMN_NAMES, label_sets_chosen

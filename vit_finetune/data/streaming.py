@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -29,8 +29,8 @@ from PIL import Image
 from torch.utils.data import Sampler
 
 from .. import hub
+from ..errors import excerpt
 from ..recipe import DataSettings, Recipe
-from ..recipe.limits import excerpt
 from . import loaders
 from .errors import DataError
 from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
@@ -57,6 +57,7 @@ class StreamedSplits:
     identity: dict  # the labels and the shards read, as each checkpoint records them
     image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
     task: str = "single_label"  # multi_label: each row's label is a list of class ids (a set, possibly empty)
+    notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains (none yet)
 
 
 @dataclass

@@ -14,7 +14,8 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from ..methods import METHODS
-from .limits import _is_dir, excerpt
+from ..errors import excerpt
+from .limits import _is_dir
 
 if TYPE_CHECKING:
     from .schema import DataSettings, Recipe, TrainSettings

@@ -17,9 +17,16 @@ from pydantic_core import to_jsonable_python
 from ..errors import EXIT_USAGE, VitFinetuneError
 from ..layout import RECIPE_FILE
 from .checks import PROBLEMS_APART, as_yaml_value, flatten, older_spellings
-from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_dir,
-                     _is_file, count_values, deepest, excerpt)
+from ..errors import excerpt
+from ..sources import PACKAGE_DIR
+from .limits import MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, _is_dir, _is_file, count_values, deepest
 from .schema import Recipe
+
+
+# A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
+RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
+# recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.
+ACCELERATE_CONFIGS = "accelerate"
 
 
 class RecipeError(VitFinetuneError):

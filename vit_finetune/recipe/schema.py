@@ -16,7 +16,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from ..methods import METHODS
 from ..metric_goals import KEEP_BEST_GOALS  # each task's, for train.keep_best
 from .checks import check_data_section, check_recipe, check_train_section, fold_older_spellings
-from .limits import REPO_ID_PATTERN, SEED_MAX, WHOLE_NUMBER_LIMITS, excerpt, names_fit
+from ..errors import excerpt
+from ..sources import REPO_ID_PATTERN
+from .limits import SEED_MAX, WHOLE_NUMBER_LIMITS, names_fit
 
 
 def _not_a_bool(value: Any) -> Any:
