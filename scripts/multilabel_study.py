@@ -115,7 +115,7 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
     import torch
     from PIL import Image
 
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
     from vit_finetune.devices import torch_threads
 
     model, processor = load_classifier(str(model_dir))

@@ -173,7 +173,7 @@ def test_explain_shows_a_multi_label_models_own_sigmoid_scores(trained, label_se
     from transformers import pipeline
 
     from vit_finetune import explain
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     image = sorted((label_sets["csv"].parent / "images").glob("*.png"))[0]
     model, processor = load_classifier(str(trained), eager_attention=True)

@@ -68,7 +68,7 @@ def families(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", ["vit (CLS-pooled)", "beit (mean-pooled)"])
 def test_gradient_maps_differ_per_class_on_real_models(families, family):
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(families[family]), eager_attention=True)
     assert model.config._attn_implementation == "eager"

@@ -285,7 +285,7 @@ def test_explain_draws_a_regressions_values_on_an_axis_of_their_own_by_target_na
 
     from vit_finetune import explain
     from vit_finetune.pictures import pyplot
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(fixed_values), eager_attention=True)
     image = fixed_values.parent / "photo.png"
@@ -325,7 +325,7 @@ def test_explain_shows_the_regression_values(trained, made):
     from PIL import Image
 
     from vit_finetune import explain
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(trained), eager_attention=True)
     image = Image.open(sorted((made["data"] / "images").glob("*.png"))[0]).convert("RGB")

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from . import data, progress, student, tasks
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError, shortened
-from .inference import InputError, load_classifier, model_location, refuse_own_code
+from .saved_model import InputError, load_classifier, model_location, refuse_own_code
 from .recipe import DistillSettings, Recipe
 
 

@@ -32,7 +32,8 @@ from types import SimpleNamespace
 from .data import decode_image, decoding_settings, make_loader
 from .errors import VitFinetuneError, shortened
 from .families import FAMILIES
-from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
+from .evaluate_saved import eval_split_of
+from .saved_model import InputError, load_classifier, model_location, refuse_own_code
 from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
                      QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes, record,
                      rename_into_place, replace_atomically)
@@ -415,7 +416,7 @@ def load_errors() -> tuple[type[Exception], ...]:
 
 
 class OnnxClassifier:
-    """An exported graph behind what inference.predict_rows uses of a model: .config, .device, and a call that
+    """An exported graph behind what predict.predict_rows uses of a model: .config, .device, and a call that
     returns an object with .logits. A damaged file, or a graph that does not take pixel_values and give logits as
     `export --onnx` writes them, is an InputError naming the file and the fix."""
 
