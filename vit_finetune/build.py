@@ -10,7 +10,8 @@ from accelerate import Accelerator
 from . import data, distill, methods, plan, probe, progress, tasks, wise_ft
 from .data import augment, streaming
 from .errors import RunError
-from .model import (apply_lora, base_parameter_count, build_model, has_distillation_token, head_names, keeps_base_head,
+from .lora import apply_lora
+from .model import (base_parameter_count, build_model, has_distillation_token, head_names, keeps_base_head,
                     load_image_processor, with_distillation_head)
 from .optim import build_optimizer, build_scheduler
 from .parts import Parts

@@ -16,7 +16,7 @@ from .callbacks import Callback, TrainingRun
 from .devices import device_name
 from .errors import RunError
 from .final_outputs import run_info, write_outputs
-from .model import is_lora, merged_copy
+from .lora import is_lora, merged_copy
 from .parts import Parts
 from .recipe import Recipe
 

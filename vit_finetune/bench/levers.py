@@ -23,7 +23,7 @@ class Variant:
 
     compile: bool | Literal["auto"] = "auto"  # model.compile
     fused_adamw: bool = True  # PyTorch's fused AdamW kernel (optim.build_optimizer), or its default for-each one
-    finite_check_every_step: bool = False  # loop.NonFiniteWatch read back after every step, not at logs/checkpoints
+    finite_check_every_step: bool = False  # non_finite.NonFiniteWatch read back after every step, not at logs/checkpoints
     batch_scale: int = 1  # times the bench's batch
 
 
