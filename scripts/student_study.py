@@ -253,7 +253,7 @@ def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> lis
     from vit_finetune.cli import main
     from vit_finetune.predict import dataset_images, predict_rows
     from vit_finetune.saved_model import load_classifier
-    from vit_finetune.onnx_export import load_onnx_classifier
+    from vit_finetune.onnx_classifier import load_onnx_classifier
 
     threads_all = torch.get_num_threads()
     images, labels = (column[:count] for column in eval_images(name))
@@ -272,7 +272,7 @@ def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> lis
         row = {"dataset": name, "seed": seed, "kind": kind, "export": exported, "images": len(images),
                "load_before": load_average()}
         for threads in (1, threads_all):
-            torch.set_num_threads(threads)  # onnxruntime's sessions take torch's thread count (onnx_export.session)
+            torch.set_num_threads(threads)  # onnxruntime's sessions take torch's thread count (onnx_classifier.session)
             classify = pipeline("image-classification", model=str(folder), device="cpu")
             runners = {"pipeline": None, "torch": load_classifier(str(folder)),
                        **{runtime: load_onnx_classifier(str(folder), runtime) for runtime in ("onnx", "onnx-int8")}}

@@ -25,6 +25,7 @@ from pathlib import Path
 from . import progress, saved_model
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
 from .errors import PRINTING_RANK, VitFinetuneError, report
+from .onnx_classifier import load_onnx_classifier
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
@@ -227,8 +228,6 @@ def predict_command(argv: list[str]) -> int:
     if args.runtime == "torch":
         model, processor = saved_model.load_classifier(args.model, _device(args.device))
     else:
-        from .onnx_export import load_onnx_classifier
-
         model, processor = load_onnx_classifier(args.model, args.runtime)
     write = predict.writer_for_model(write, model.config)
     unreadable: list[str] = []

@@ -141,7 +141,7 @@ def predict_rows(model, processor, sources: list[ImageSource], top_k: int | None
 
     from .data import BadImageError, decode_image, decoding_settings
     settings = decoding_settings(model.config)
-    device = model.device  # a transformers model's, or an onnx_export.OnnxClassifier's
+    device = model.device  # a transformers model's, or an onnx_classifier.OnnxClassifier's
     bar = progress(len(sources), desc="predict", enabled=show_progress and len(sources) > batch_size, unit="image")
     for start in range(0, len(sources), batch_size):
         batch = sources[start:start + batch_size]
