@@ -161,7 +161,7 @@ def test_a_thousand_target_columns_are_read_without_copying_every_columns_featur
     """Reading Dataset.features deep-copies every column's feature: done once per target, 1,000 columns took minutes."""
     import datasets
 
-    from vit_finetune.data import splits
+    from vit_finetune.data import targets
 
     names = [f"t{i}" for i in range(1000)]
     table = datasets.Dataset.from_dict({"image": [f"{i}.png" for i in range(4)],
@@ -169,9 +169,9 @@ def test_a_thousand_target_columns_are_read_without_copying_every_columns_featur
     copies = []
     copy = datasets.Features.copy
     monkeypatch.setattr(datasets.Features, "copy", lambda self: copies.append(1) or copy(self))
-    targets = splits.as_targets(table, "image", names, "train")
+    read = targets.as_targets(table, "image", names, "train")
     assert len(copies) < 20  # a few per table, not one per target
-    assert targets[splits.TARGETS_COLUMN][3][:2] == [3.0, 4.0]  # row 3: column t0 holds 3, t1 holds 4
+    assert read[targets.TARGETS_COLUMN][3][:2] == [3.0, 4.0]  # row 3: column t0 holds 3, t1 holds 4
 
 
 # ---------------------------------------------------------------- one run, every use of it

@@ -23,8 +23,9 @@ SHAPE_TESTS = re.compile(rf"{LABELS}\.(?:dim\(\)|ndim\b)|len\([^()]*?{LABELS}\.s
 NAME_TESTS = re.compile(r"task\w*\.name\s*(?:[!=]=|(?:not\s+)?in\b)|\b(?:SingleLabel|MultiLabel|Regression)\.name\b")
 # The modules that choose the task, besides the tasks themselves: data.task in the recipe (recipe/schema.py, and its
 # rules in checks.py) and, where it says auto, the loaders that find it in the data (a label file's cells, a dataset's
-# or a stream's label column: data/labels.py, splits.py, streaming.py). The rest of data/ and recipe/ is not exempt.
-CHOOSERS = {"labels.py", "splits.py", "streaming.py", "schema.py", "checks.py"}
+# or a stream's label column: data/labels.py, opening.py, splits.py, streaming.py). The rest of data/ and recipe/ is
+# not exempt.
+CHOOSERS = {"labels.py", "opening.py", "splits.py", "streaming.py", "schema.py", "checks.py"}
 
 
 def questions_of_the_task(text: str) -> list[str]:

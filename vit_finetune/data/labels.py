@@ -81,7 +81,7 @@ READERS: dict[str, Callable[[Path], Iterator[Row | str]]] = {".csv": read_csv, "
 
 
 class LabelFileError(ValueError):
-    """Problems found in a label file; data/splits.py reports them as a DataError."""
+    """Problems found in a label file; data/opening.py reports them as a DataError."""
 
 
 def label_file_of(source: Path) -> Path | None:

@@ -18,7 +18,8 @@ from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 from ..recipe import DataSettings
 from ..errors import excerpt
 from .errors import BadImageError
-from .splits import Splits, not_the_datasets_file, path_allowed
+from .opening import not_the_datasets_file, path_allowed
+from .splits import Splits
 
 
 # ---------------------------------------------------------------- decoding
