@@ -18,7 +18,8 @@ from ..errors import excerpt
 from .limits import _is_dir
 
 if TYPE_CHECKING:
-    from .schema import DataSettings, Recipe, TrainSettings
+    from .schema import DataSettings, Recipe
+    from .train_section import TrainSettings
 
 # A rule's problems leave in one ValueError (pydantic takes one per validator), apart, and are listed one by one.
 PROBLEMS_APART = "\n"
