@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import ema, lora, loop, model as vit, optim, train_step
+from vit_finetune import ema, loop, model as vit, optim, train_step
 from vit_finetune.data import balance
 from vit_finetune.families import FAMILIES
+from vit_finetune.lora import apply_lora
 from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
 from vit_finetune.tasks import SingleLabel
 
@@ -44,7 +45,7 @@ def lr_of_each_parameter(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 def test_layer_decay_gives_each_parameter_base_lr_times_decay_to_its_distance_from_the_head(lora):
     model = tiny_vit()
     if lora:
-        model = lora.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value", "mlp_in"]))
+        model = apply_lora(model, LoraSettings(r=2, target_modules=["query", "value", "mlp_in"]))
     recipe = load_recipe(None, ["train.lr=0.1", "train.head_lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05",
                                 "train.warmup_steps=2", "train.scheduler=cosine"])
     optimizer = optim.build_optimizer(model, recipe, "cpu")
@@ -118,7 +119,7 @@ def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
 def test_the_new_head_trains_at_head_lr_over_lr_times_the_lr_of_its_depth(lora, layer_decay):
     model = tiny_vit()
     if lora:  # peft renames the head base_model.model.classifier.modules_to_save.default.*
-        model = lora.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value"]))
+        model = apply_lora(model, LoraSettings(r=2, target_modules=["query", "value"]))
     overrides = ["train.lr=0.1", "train.head_lr=3", "train.weight_decay=0.05", "train.warmup_steps=2"]
     recipe = load_recipe(None, overrides + ([f"train.layer_decay={layer_decay}"] if layer_decay else []))
     optimizer = optim.build_optimizer(model, recipe, "cpu")
@@ -260,7 +261,7 @@ def test_ema_applied_for_evaluation_then_the_raw_weights_come_back_bit_for_bit()
 
 
 def test_ema_of_a_lora_model_averages_the_adapter_and_the_head_only():
-    model = lora.apply_lora(tiny_vit(), LoraSettings(r=2))
+    model = apply_lora(tiny_vit(), LoraSettings(r=2))
     names = set(ema.WeightEMA(model, 0.99).state_dict())
     assert names == {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_A" in n for n in names) and any("classifier" in n for n in names)
