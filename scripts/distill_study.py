@@ -106,7 +106,7 @@ def images_per_second(folder: Path, batch: int = 32, repeats: int = 10) -> float
     import torch
 
     from vit_finetune.distill import input_size
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     torch.set_num_threads(1)
     model, processor = load_classifier(str(folder))

@@ -2,7 +2,7 @@
 
     python scripts/make_demo_model.py            # writes vit_finetune/assets/tiny-vit-32/
 
-Generates the "pretrain" task of vit_finetune.synthetic (ten shapes at 32x32 px),
+Generates the "pretrain" task of vit_finetune.data.synthetic (ten shapes at 32x32 px),
 trains a small ViTForImageClassification on it from scratch with plain torch on CPU
 (fixed seeds; a few minutes on 2 cores), prints the validation accuracy, and saves
 model (safetensors) + image processor + a README.md. The demo later fine-tunes this
@@ -29,7 +29,7 @@ except ImportError:  # older transformers
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from vit_finetune import synthetic  # noqa: E402
+from vit_finetune.data import synthetic  # noqa: E402
 
 DEFAULT_OUT = REPO / "vit_finetune" / "assets" / "tiny-vit-32"
 
@@ -161,11 +161,11 @@ The embedded default model of `vit_finetune`: a tiny ViT pretrained from scratch
 synthetic shapes, so the demo can fine-tune a *pretrained* model without the network.
 Not useful for real images.
 
-- Made by: `{command}` (deterministic: fixed seeds, data from `vit_finetune/synthetic.py`)
+- Made by: `{command}` (deterministic: fixed seeds, data from `vit_finetune/data/synthetic.py`)
 - Architecture: `ViTForImageClassification`, image {config.image_size}x{config.image_size}, patch {config.patch_size}
   ({config.image_size // config.patch_size}x{config.image_size // config.patch_size} grid + CLS), hidden {config.hidden_size},
   {config.num_hidden_layers} layers, {config.num_attention_heads} heads, MLP {config.intermediate_size}; {n_params / 1e6:.2f}M params, float32
-- Pretraining data: task `pretrain` of `vit_finetune.synthetic`, {len(classes)} classes
+- Pretraining data: task `pretrain` of `vit_finetune.data.synthetic`, {len(classes)} classes
   ({", ".join(classes)}), {n_train} train / {n_val} validation images at 32 px,
   random position/scale/rotation/colour on cluttered, noisy backgrounds
 - Training: AdamW lr {args.lr}, weight decay {args.weight_decay}, batch {args.batch_size}, {args.epochs} epochs,

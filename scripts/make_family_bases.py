@@ -4,7 +4,7 @@
     python -m vit_finetune --recipe demo model.base=/tmp/family-bases/deit output_dir=/tmp/fam-deit
 
 Each family's tiny configuration (tests/tiny.py, 32 px) is trained from scratch for a fixed wall-clock budget on the
-"pretrain" shapes of vit_finetune.synthetic, with the normalisation of the image processor saved beside it, then
+"pretrain" shapes of vit_finetune.data.synthetic, with the normalisation of the image processor saved beside it, then
 saved with save_pretrained. The demo recipe then fine-tunes it at 64 px, twice its pretraining size, on other shapes.
 """
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from make_demo_model import accuracy, augment  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from tiny import TINY_FAMILIES, make_tiny_family, tiny_family_config  # noqa: E402
-from vit_finetune import synthetic  # noqa: E402
+from vit_finetune.data import synthetic  # noqa: E402
 from vit_finetune.families import FAMILIES  # noqa: E402
 
 

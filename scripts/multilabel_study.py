@@ -115,8 +115,8 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
     import torch
     from PIL import Image
 
-    from vit_finetune.inference import load_classifier
-    from vit_finetune.train import torch_threads
+    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.devices import torch_threads
 
     model, processor = load_classifier(str(model_dir))
     columns = [CLASSES.index(model.config.id2label[i]) for i in range(model.config.num_labels)]
@@ -130,7 +130,7 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
 
 
 def set_metrics(predicted: np.ndarray, truth: np.ndarray, scores: np.ndarray) -> dict:
-    from vit_finetune.multilabel import average_precision, f_beta
+    from vit_finetune.tasks.label_sets import average_precision, f_beta
 
     hits = (predicted & (truth == 1)).sum(axis=0)
     present = truth.sum(axis=0) > 0
@@ -153,7 +153,7 @@ def top_k_metrics(scores: np.ndarray, truth: np.ndarray, choosing: np.ndarray, s
 
 
 def run_seed(root: Path, base: str, seed: int, size: int, epochs: int, lr: str, runs: Path) -> dict:
-    from vit_finetune.multilabel import ThresholdRule, holdout_parts, summarise
+    from vit_finetune.tasks.label_sets import ThresholdRule, holdout_parts, summarise
 
     common = ["--quiet", f"model.base={base}", f"model.image_size={size}", "data.crop_scale=[1.0, 1.0]", "data.num_workers=0",
               f"train.epochs={epochs}", "train.batch_size=32", f"train.lr={lr}", "train.weight_decay=0.05",

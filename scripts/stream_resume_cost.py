@@ -1,5 +1,5 @@
 """What a streamed resume's fast-forward costs next to training's own reading: rows/s read from local parquet shards
-without decoding (the fast-forward, vit_finetune.streaming.StreamReader) against rows/s read, decoded and cropped to
+without decoding (the fast-forward, vit_finetune.data.streaming.StreamReader) against rows/s read, decoded and cropped to
 the training size (what DataLoader workers do per row), on one core.
 
     python scripts/stream_resume_cost.py [--rows 2000] [--side 500] [--size 384] [--folder /tmp/stream-cost]
@@ -50,7 +50,8 @@ def main() -> None:
     options = parser.parse_args()
     import torch
 
-    from vit_finetune import data, streaming
+    from vit_finetune import data
+    from vit_finetune.data import streaming
     from vit_finetune.recipe import DataSettings
 
     torch.set_num_threads(1)

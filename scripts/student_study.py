@@ -202,7 +202,7 @@ def speed(name: str, seed: int, batch: int, rounds: int, count: int) -> dict:
     them alike; only the forward pass is timed. The first `count` eval images are used."""
     import torch
 
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     threads_all = torch.get_num_threads()
     folders = {"teacher": teacher(name, seed), **{kind: ROOT / "runs" / f"{name}-{kind}-s{seed}"
@@ -244,15 +244,16 @@ def speed(name: str, seed: int, batch: int, rounds: int, count: int) -> dict:
 def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> list[dict]:
     """For each model: `export --onnx --quantize int8` (parity, int8 speed-up and accuracy change on the run's own
     eval split, as export.json records them), then images/s and accuracy on the eval images of plain pipeline() and
-    of predict's code path (inference.predict_rows) with --runtime torch, onnx and onnx-int8, one thread and all
+    of predict's code path (predict.predict_rows) with --runtime torch, onnx and onnx-int8, one thread and all
     threads, chunk by chunk in turn, on the first `count` eval images. pipeline() is handed the decoded images;
     predict decodes them itself."""
     import torch
     from transformers import pipeline
 
     from vit_finetune.cli import main
-    from vit_finetune.inference import dataset_images, load_classifier, predict_rows
-    from vit_finetune.onnx_export import load_onnx_classifier
+    from vit_finetune.predict import dataset_images, predict_rows
+    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.onnx_classifier import load_onnx_classifier
 
     threads_all = torch.get_num_threads()
     images, labels = (column[:count] for column in eval_images(name))
@@ -271,7 +272,7 @@ def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> lis
         row = {"dataset": name, "seed": seed, "kind": kind, "export": exported, "images": len(images),
                "load_before": load_average()}
         for threads in (1, threads_all):
-            torch.set_num_threads(threads)  # onnxruntime's sessions take torch's thread count (onnx_export.session)
+            torch.set_num_threads(threads)  # onnxruntime's sessions take torch's thread count (onnx_classifier.session)
             classify = pipeline("image-classification", model=str(folder), device="cpu")
             runners = {"pipeline": None, "torch": load_classifier(str(folder)),
                        **{runtime: load_onnx_classifier(str(folder), runtime) for runtime in ("onnx", "onnx-int8")}}

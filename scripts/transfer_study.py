@@ -250,7 +250,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
 def adamw_kernel() -> str:
     """The AdamW implementation a CPU run of the toolkit steps: recorded per cell, since rows measured before fused
     became the CPU default (per-tensor loop) differ from today's in the last bits of every update."""
-    from vit_finetune.train import FUSED_ADAMW_DEVICES
+    from vit_finetune.optim import FUSED_ADAMW_DEVICES
 
     return "fused" if "cpu" in FUSED_ADAMW_DEVICES else "per-tensor loop"
 

@@ -1,4 +1,4 @@
-"""DeiT's batch augmentations (vit_finetune.augment): each does what it says, on the real kornia modules.
+"""DeiT's batch augmentations (vit_finetune.data.augment): each does what it says, on the real kornia modules.
 
 Images are random, so every pixel of two images differs and a mixed pixel reveals where it came from; labels are
 distinct per image, so a soft target reveals the partner image and its weight.
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from runs import STEPS_PER_EPOCH, train
-from vit_finetune import augment
-from vit_finetune.augment import BatchAugmenter
+from vit_finetune.data import augment
+from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.recipe import AugmentSettings
 from vit_finetune.tasks import SingleLabel, single_label
 
@@ -25,7 +25,7 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def augmenter(total_epochs: int = 3, label_smoothing: float = 0.0, **options) -> BatchAugmenter:
     return BatchAugmenter(AugmentSettings(**options), BATCH, seed=7, total_epochs=total_epochs,
-                          label_smoothing=label_smoothing, task=SingleLabel())
+                          label_smoothing=label_smoothing, mix_targets=SingleLabel().mixed_targets)
 
 
 def partners(targets: torch.Tensor) -> list[tuple[int, float]]:

@@ -246,12 +246,12 @@ def test_push_without_a_repo_id_says_how_to_give_one(capsys, tmp_path):
 
 def test_a_plain_library_error_is_a_bug_and_keeps_its_traceback(monkeypatch, base, images, tmp_path):
     """Only project errors become a one-line message: a ValueError from deep inside is not a user's mistake."""
-    import vit_finetune.train as train_module
+    from vit_finetune import build
 
     def broken(*args, **kwargs):
         raise ValueError("a bug deep inside")
 
-    monkeypatch.setattr(train_module, "build_parts", broken)
+    monkeypatch.setattr(build, "run_parts", broken)
     with pytest.raises(ValueError, match="a bug deep inside"):
         main([f"model.base={base}", f"data.dataset={images}", f"output_dir={tmp_path}/o"])
 

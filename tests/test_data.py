@@ -156,7 +156,7 @@ def test_skip_bad_images_keeps_each_bad_image_place_blank_and_names_it():
 def test_the_training_loss_averages_over_real_images_only_and_is_zero_without_one():
     from types import SimpleNamespace
 
-    from vit_finetune import loop
+    from vit_finetune import train_step
     from vit_finetune.recipe import Recipe
     from vit_finetune.tasks import SingleLabel
 
@@ -167,10 +167,10 @@ def test_the_training_loss_averages_over_real_images_only_and_is_zero_without_on
                             augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=None, teacher=None,
                             task=SingleLabel())
     pixels, labels = torch.randn(4, 3, 2, 2), torch.tensor([0, data.SKIPPED_LABEL, 2, data.SKIPPED_LABEL])
-    loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, Recipe())
+    loss = train_step.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, Recipe())
     real = torch.nn.functional.cross_entropy(model(pixels[[0, 2]]), labels[[0, 2]])
     assert torch.allclose(loss, real)
-    none = loop.batch_loss(parts, {"pixel_values": pixels, "labels": torch.full((4,), data.SKIPPED_LABEL),
+    none = train_step.batch_loss(parts, {"pixel_values": pixels, "labels": torch.full((4,), data.SKIPPED_LABEL),
                                    "position": (0, 0)}, Recipe())
     none.backward()
     assert none.item() == 0 and all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())

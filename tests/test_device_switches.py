@@ -275,7 +275,7 @@ def test_adamw_is_fused_on_cpu_and_cuda_and_steps_as_the_per_tensor_loop_does(ba
     be the one the per-tensor loop (PyTorch's CPU default) computes, to float32 rounding."""
     from vit_finetune.model import build_model
     from vit_finetune.recipe import load_recipe
-    from vit_finetune.train import build_optimizer
+    from vit_finetune.optim import build_optimizer
 
     recipe = load_recipe("demo", [f"model.base={base}", "model.image_size=32", "train.layer_decay=0.5", "train.lr=2e-3",
                                   "train.head_lr=2e-3", "train.weight_decay=0.05", "train.warmup_steps=0"])

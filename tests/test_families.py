@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageClassification, pipeline
 
 from tiny import TINY_FAMILIES, make_tiny_family, tiny_family_config
-from vit_finetune import model as vit
+from vit_finetune import lora, model as vit
 from vit_finetune.families import FAMILIES, NO_WEIGHT_DECAY
 from vit_finetune.recipe import LoraSettings, ModelSettings, Recipe
-from vit_finetune.train import build_optimizer
+from vit_finetune.optim import build_optimizer
 
 LABELS = ["cat", "dog", "fox", "owl", "yak", "emu"]
 WEIGHT_WARNING = re.compile(r"LOAD REPORT|missing|unexpected|newly initiali|not used|not initiali|mismatch", re.I)
@@ -126,10 +126,10 @@ def test_every_lora_role_finds_one_linear_per_block_and_merging_keeps_the_logits
     built = vit.build_model(ModelSettings(base=str(bases[model_type]), image_size=64, head_init="random"), LABELS)
     blocks = family.num_blocks(built.config)
     for role in family.roles:
-        names = vit.lora_target_modules(built, [role], family)
+        names = lora.lora_target_modules(built, [role], family)
         assert len(names) == blocks, (role, names)
     roles = list(family.roles)
-    adapted = vit.apply_lora(built, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=roles))
+    adapted = lora.apply_lora(built, LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=roles))
     trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
     assert any("lora_A" in n for n in trainable) and any(family.head in n for n in trainable)
     assert not any("base_layer" in n for n in trainable)
@@ -139,13 +139,13 @@ def test_every_lora_role_finds_one_linear_per_block_and_merging_keeps_the_logits
             if "lora_B" in name or "modules_to_save" in name:
                 parameter.normal_(std=0.5)
     adapted.eval()
-    merged = vit.merged_copy(adapted).eval()
-    assert not vit.is_lora(merged) and type(merged).__name__ == family.classification_class
+    merged = lora.merged_copy(adapted).eval()
+    assert not lora.is_lora(merged) and type(merged).__name__ == family.classification_class
     pixels = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         difference = (merged(pixel_values=pixels).logits - adapted(pixel_values=pixels).logits).abs().max().item()
     assert difference <= 1e-5
-    assert vit.is_lora(adapted)  # merging a copy leaves the adapter model usable
+    assert lora.is_lora(adapted)  # merging a copy leaves the adapter model usable
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -71,7 +71,7 @@ def test_a_nan_loss_stops_at_the_next_checkpoint_naming_its_step_and_leaves_the_
     code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "train.log_every_steps=4",
                   "hub.push=true", f"hub.repo_id={hub_repo_id}"],
                  callbacks=[before_batch(count_steps)], patches=[(torch.nn.functional, "cross_entropy", nan_loss_at_step_5)])
-    assert code == 3  # loop.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
+    assert code == 3  # non_finite.NonFiniteLoss.exit_code: distinct from a usage error (2) or any other failure (1)
     assert len(steps) == 6  # stopped before step 6 was saved, the step where the NaN began named
     assert "NaN/Inf at optimiser step 5" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]

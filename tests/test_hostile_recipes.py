@@ -150,7 +150,7 @@ def test_a_size_too_big_for_memory_is_refused_with_a_fix_that_also_trains_in_rea
     from transformers import AutoConfig
 
     from vit_finetune import memory
-    from vit_finetune.model import ASSETS_DIR
+    from vit_finetune.sources import ASSETS_DIR
 
     # The demo's model (patch 4) at its largest grid, 1024 px, with a batch that needs 192 GiB a step.
     too_big = ["--recipe", "demo", "model.image_size=1024", "train.batch_size=128"]

@@ -190,7 +190,7 @@ def test_pipeline_from_the_hub_reproduces_the_reported_accuracy(pushed, seeded_h
 
 
 def test_a_local_dataset_or_base_never_reaches_the_card_metadata(tmp_path):
-    from vit_finetune.run_outputs import model_card
+    from vit_finetune.card import model_card
     from vit_finetune.recipe import load_recipe
 
     recipe = load_recipe(None, [f"data.dataset={tmp_path}", "model.base=./my-vit"])

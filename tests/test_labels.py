@@ -41,7 +41,7 @@ def test_a_csv_of_single_labels_trains_with_its_split_column(tmp_path):
     rows = [f"{p},{'cat' if i % 2 else 'dog'},{'validation' if i < 4 else 'train'}" for i, p in enumerate(paths)]
     splits = data.load_splits(DataSettings(dataset=str(write_csv(tmp_path / "labels.csv", "file_name,label,split",
                                                                   rows))), seed=0)
-    assert splits.labels == ["cat", "dog"] and not splits.multi_label
+    assert splits.labels == ["cat", "dog"] and splits.task == "single_label"
     assert (len(splits.train), len(splits.eval), splits.eval_split) == (4, 4, "validation")
     assert (splits.image_column, splits.label_column) == ("file_name", "label")
     assert isinstance(splits.train.features["label"], datasets.ClassLabel)
@@ -52,7 +52,7 @@ def test_a_csv_of_single_labels_trains_with_its_split_column(tmp_path):
 def test_a_jsonl_of_label_lists_is_multi_label_and_a_split_is_carved_without_strata(tmp_path):
     path = write_label_sets(tmp_path, images=20, kind="jsonl")
     splits = data.load_splits(DataSettings(dataset=str(path), eval_fraction=0.25), seed=0)
-    assert splits.multi_label and splits.labels == ["blue", "green", "red", "yellow"]
+    assert splits.task == "multi_label" and splits.labels == ["blue", "green", "red", "yellow"]
     assert (len(splits.train), len(splits.eval)) == (15, 5)
     written = {json.loads(line)["file_name"]: sorted(json.loads(line)["labels"]) for line in path.read_text().splitlines()}
     row = splits.train[0]
@@ -64,7 +64,7 @@ def test_a_folder_with_metadata_csv_is_read_as_the_label_file(tmp_path):
     path = write_label_sets(tmp_path / "set", images=12, split_column=True)
     path.rename(path.parent / "metadata.csv")
     splits = data.load_splits(DataSettings(dataset=str(tmp_path / "set")), seed=0)
-    assert splits.multi_label and (len(splits.train), len(splits.eval)) == (8, 4)
+    assert splits.task == "multi_label" and (len(splits.train), len(splits.eval)) == (8, 4)
 
 
 def test_multi_label_false_refuses_rows_that_hold_several_labels(tmp_path):
@@ -215,6 +215,8 @@ def test_an_image_with_no_label_in_a_single_label_file_names_the_key_that_allows
     error = capsys.readouterr().err
     assert "line 5: no label in column 'label'" in error and "data.multi_label=true" in error
     assert run(base, path, tmp_path / "out", "data.multi_label=true", "data.eval_fraction=0.5") == 0
+    said = capsys.readouterr().out
+    assert said.count("data.multi_label=true: read as data.task=multi_label") == 1  # the older key still works
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["multi_label"] is True
     assert metrics["train_images_without_labels"] + metrics["eval_images_without_labels"] == 1

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from runs import SimulatedKill, history, kill_at, train
+from vit_finetune import devices
 from vit_finetune import train as training
 from vit_finetune.callbacks import Callback
 
@@ -27,9 +28,9 @@ ONE_EPOCH = ["train.epochs=1"]  # 6 optimiser steps (runs.RECIPE: 24 images, bat
 
 
 def fp16_as_on_cuda(init_scale: float) -> tuple:
-    """A patch of train.make_accelerator: the run's Accelerator with fp16 set up as Accelerate sets it up on CUDA
+    """A patch of devices.make_accelerator (as train.py calls it): the run's Accelerator with fp16 set up as Accelerate sets it up on CUDA
     (mixed precision fp16, native autocast, a GradScaler starting at `init_scale`)."""
-    made = training.make_accelerator
+    made = devices.make_accelerator
 
     def make_accelerator(recipe):
         accelerator = made(recipe)
@@ -38,7 +39,7 @@ def fp16_as_on_cuda(init_scale: float) -> tuple:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         return accelerator
 
-    return training, "make_accelerator", make_accelerator
+    return training, "make_accelerator", make_accelerator  # the name train.py calls
 
 
 class Overflow(Callback):

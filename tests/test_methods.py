@@ -25,7 +25,7 @@ from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.tasks import SingleLabel
-from vit_finetune.train import RunSize, resolve_auto
+from vit_finetune.plan import RunSize, plan_run
 
 HEAD = ("classifier.weight", "classifier.bias")
 
@@ -283,12 +283,12 @@ def test_lp_ft_refuses_to_probe_random_features():
     (["train.method=linear_probe"], "train.method=linear_probe\n  train.max_steps=50 not used"),
 ])
 def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, capsys):
-    """resolve_auto on 4,000 training images in 10 classes, 50 steps of 16 (800 images seen): auto takes the probe
+    """plan_run on 4,000 training images in 10 classes, 50 steps of 16 (800 images seen): auto takes the probe
     alone; a setting it cannot use, chosen for another method, is named once."""
     recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=50", *overrides])
     size = RunSize(images_seen=800, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
                    total_steps=50, base_parameters=22_000_000)
-    resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
+    resolved = plan_run(recipe, size, Accelerator(cpu=True), SingleLabel())
     said = capsys.readouterr().out
     assert resolved.train.method == "linear_probe"
     assert unused in said and said.count("not used") == 1
@@ -344,14 +344,14 @@ def test_auto_is_conservative_outside_what_was_measured():
 ])
 def test_auto_takes_lp_ft_under_an_epoch_of_many_images_only_where_it_averages_with_the_probe(overrides, method,
                                                                                               alpha, capsys):
-    """resolve_auto on a run of 4,000 training images in 10 classes, 100 steps of 16 (0.4 epochs) unless overridden:
+    """plan_run on a run of 4,000 training images in 10 classes, 100 steps of 16 (0.4 epochs) unless overridden:
     the method and alpha auto choose together, and the lines that say why."""
     recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=100",
                                 *overrides])
     steps = recipe.train.max_steps
     size = RunSize(images_seen=steps * 16, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
                    total_steps=steps, base_parameters=22_000_000)
-    resolved = resolve_auto(recipe, size, Accelerator(cpu=True), SingleLabel())
+    resolved = plan_run(recipe, size, Accelerator(cpu=True), SingleLabel())
     said = capsys.readouterr().out
     assert (resolved.train.method, resolved.train.wise_ft_alpha) == (method, alpha)
     assert f"train.method=auto -> {method}" in said

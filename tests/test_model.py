@@ -11,7 +11,7 @@ from torch import nn
 from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 from tiny import make_tiny_vit
-from vit_finetune import model as vit
+from vit_finetune import lora, model as vit
 from vit_finetune.families import FAMILIES
 from vit_finetune.recipe import ModelSettings
 
@@ -128,11 +128,11 @@ def test_image_size_must_be_a_multiple_of_the_patch_size(tiny_base):
 
 def test_lora_targets_by_role_on_transformers_5_names(tiny_base):
     built = vit.build_model(ModelSettings(base=str(tiny_base), image_size=32), LABELS)
-    assert vit.lora_target_modules(built, ["query", "value"], VIT) == [
+    assert lora.lora_target_modules(built, ["query", "value"], VIT) == [
         "vit.layers.0.attention.q_proj", "vit.layers.0.attention.v_proj",
         "vit.layers.1.attention.q_proj", "vit.layers.1.attention.v_proj",
     ]
-    assert vit.lora_target_modules(built, ["mlp_out"], VIT) == ["vit.layers.0.mlp.fc2", "vit.layers.1.mlp.fc2"]
+    assert lora.lora_target_modules(built, ["mlp_out"], VIT) == ["vit.layers.0.mlp.fc2", "vit.layers.1.mlp.fc2"]
 
 
 class _Old4xLayer(nn.Module):
@@ -158,14 +158,14 @@ def test_lora_targets_by_role_on_transformers_4_names():
     old.vit.encoder = nn.Module()
     old.vit.encoder.layer = nn.ModuleList([_Old4xLayer(), _Old4xLayer()])
     old.classifier = nn.Linear(4, 3)
-    assert vit.lora_target_modules(old, ["query", "value"], VIT) == [
+    assert lora.lora_target_modules(old, ["query", "value"], VIT) == [
         "vit.encoder.layer.0.attention.attention.query", "vit.encoder.layer.0.attention.attention.value",
         "vit.encoder.layer.1.attention.attention.query", "vit.encoder.layer.1.attention.attention.value",
     ]
     # mlp_out must not catch the attention output projection, which also ends in output.dense
-    assert vit.lora_target_modules(old, ["mlp_out"], VIT) == ["vit.encoder.layer.0.output.dense",
+    assert lora.lora_target_modules(old, ["mlp_out"], VIT) == ["vit.encoder.layer.0.output.dense",
                                                         "vit.encoder.layer.1.output.dense"]
-    assert vit.lora_target_modules(old, ["attention_output"], VIT) == [
+    assert lora.lora_target_modules(old, ["attention_output"], VIT) == [
         "vit.encoder.layer.0.attention.output.dense", "vit.encoder.layer.1.attention.output.dense"]
 
 
@@ -191,7 +191,7 @@ def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name
     bare = tmp_path / "bare"  # config and weights only: the family's default processor
     bare.mkdir()
     shutil.copy(tiny_base / "config.json", bare / "config.json")
-    load = ("import sys; from vit_finetune.run_outputs import save_image_processor; from vit_finetune.model import "
+    load = ("import sys; from vit_finetune.final_outputs import save_image_processor; from vit_finetune.model import "
             "load_image_processor; from vit_finetune.recipe import ModelSettings\n"
             "for base, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
             "    processor = load_image_processor(ModelSettings(base=base, image_size=48), 48)\n"

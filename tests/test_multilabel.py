@@ -15,10 +15,10 @@ import torch
 
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
 from tiny import REPO, make_tiny_vit, write_label_sets
-from vit_finetune import multilabel
-from vit_finetune.augment import BatchAugmenter
+from vit_finetune.tasks import label_sets as multilabel
+from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
-from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
 from vit_finetune.tasks import MultiLabel
 
@@ -56,7 +56,7 @@ def test_mixup_and_cutmix_blend_label_sets_by_the_partners_share_of_the_pixels(m
     seen_a_blend = False
     for batch in range(6):
         augmenter = BatchAugmenter(AugmentSettings(**{mix: True}), num_classes=4, seed=3, total_epochs=1,
-                                   task=MultiLabel())
+                                   mix_targets=MultiLabel().mixed_targets)
         mixed, targets = augmenter(pixels, rows, 0, batch)
         assert targets.shape == (4, 4) and (targets[3] == -1).all()  # a skipped image stays skipped
         for own in range(3):
@@ -173,7 +173,7 @@ def test_explain_shows_a_multi_label_models_own_sigmoid_scores(trained, label_se
     from transformers import pipeline
 
     from vit_finetune import explain
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     image = sorted((label_sets["csv"].parent / "images").glob("*.png"))[0]
     model, processor = load_classifier(str(trained), eager_attention=True)
@@ -309,7 +309,7 @@ def test_a_saved_dataset_with_a_list_of_classlabel_column_is_multi_label(tmp_pat
     datasets.DatasetDict({"train": table.select(range(6)), "validation": table.select(range(6, 8))}).save_to_disk(
         tmp_path / "saved")
     splits = data.load_splits(DataSettings(dataset=str(tmp_path / "saved")), seed=0)
-    assert splits.multi_label and splits.label_column == "tags" and splits.labels == ["sky", "sea", "sand"]
+    assert splits.task == "multi_label" and splits.label_column == "tags" and splits.labels == ["sky", "sea", "sand"]
     dataset = data.eval_dataset(splits, DataSettings(), lambda images, return_tensors: {
         "pixel_values": torch.zeros(1, 3, 8, 8)}, 8)
     assert dataset[(0, 0)][1] == [1, 0, 1] and dataset[(1, 0)][1] == [0, 1, 0]  # [sky, sand] and [sea] as 0/1 rows

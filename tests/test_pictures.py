@@ -68,7 +68,7 @@ def families(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", ["vit (CLS-pooled)", "beit (mean-pooled)"])
 def test_gradient_maps_differ_per_class_on_real_models(families, family):
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(families[family]), eager_attention=True)
     assert model.config._attn_implementation == "eager"
@@ -178,7 +178,7 @@ def test_a_run_without_pictures_draws_none_links_none_and_trains_the_same_model(
 
 
 def test_card_usage_names_the_repo_when_pushed_and_the_folder_otherwise(tmp_path):
-    from vit_finetune.run_outputs import model_card, usage_id
+    from vit_finetune.card import model_card, usage_id
     from vit_finetune.recipe import load_recipe
 
     metrics = {"accuracy": 0.5, "eval_samples": 4, "eval_split": "validation", "eval_carved_from_train": False}

@@ -283,7 +283,7 @@ def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the
     # export --onnx checks its graph on --images decoded as the model was trained
     from transformers import AutoConfig, AutoImageProcessor
 
-    from vit_finetune.inference import collect_images
+    from vit_finetune.predict import collect_images
 
     processor = AutoImageProcessor.from_pretrained(out)
     parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))

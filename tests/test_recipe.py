@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from vit_finetune import checkpoint
 from vit_finetune.recipe import (RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe,
                                  load_recipe, recipe_files, to_yaml, validate)
 
@@ -96,6 +97,44 @@ def test_the_rules_between_keys_list_each_broken_one_apart_by_its_keys():
         load_recipe(None, ["hub.push=true", "train.early_stopping_patience=2"])
     assert [problem.split(" ")[0] for problem in caught.value.problems] == ["hub.push=true",
                                                                             "train.early_stopping_patience"]
+
+
+@pytest.mark.parametrize("given, task", [("true", "multi_label"), ("false", "single_label")])
+def test_data_multi_label_is_read_as_data_task_and_said_in_one_line(given, task):
+    """data.multi_label, data.task's older spelling, keeps working: it is folded into data.task when the recipe is
+    read, so nothing after it has two keys to reconcile, and the run is told so in one line."""
+    notes: list[str] = []
+    recipe = load_recipe(None, [f"data.multi_label={given}"], notes)
+    assert (recipe.data.task, recipe.data.multi_label) == (task, None)
+    assert notes == [f"data.multi_label={given}: read as data.task={task} (data.multi_label is the older spelling "
+                     "of data.task)"]
+    assert load_recipe(None, [f"data.task={task}", f"data.multi_label={given}"]).data == recipe.data
+    other = "single_label" if task == "multi_label" else "multi_label"
+    with pytest.raises(RecipeError, match=f"data.task={other} and data.multi_label={given} contradict each other"):
+        load_recipe(None, [f"data.task={other}", f"data.multi_label={given}"])
+    with pytest.raises(RecipeError, match=r"data.task=regression has no classes: data.multi_label="):
+        load_recipe(None, ["data.task=regression", f"data.multi_label={given}"])
+
+
+def test_a_checkpoint_that_saved_data_multi_label_resumes_under_data_task(tmp_path):
+    """A checkpoint written before the fold saved data.multi_label beside data.task=auto: the same command, now read
+    as data.task=multi_label, is the same recipe to a resume."""
+    asked = load_recipe(None, ["data.multi_label=true"])
+    saved = asked.model_dump(mode="json")
+    saved["data"].update(task="auto", multi_label=True)
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(saved))
+    (tmp_path / "trainer_state.json").write_text("{}")
+    assert checkpoint.changed_keys(tmp_path, asked) == []
+    assert checkpoint.changed_keys(tmp_path, load_recipe(None, ["data.task=single_label"])) == [
+        "data.task: 'multi_label' -> 'single_label'"]
+
+
+def test_a_recipe_is_frozen_once_read():
+    """What a run changes (plan.py) is a copy: a recipe read and checked is never changed in place."""
+    recipe = load_recipe(None)
+    with pytest.raises(ValueError, match="frozen"):
+        recipe.train.lr = 0.1
+    assert recipe.train.lr == "auto"
 
 
 @pytest.mark.parametrize("repo_id", ["a/b/c", "my repo", "user/my model", "-bad/name", "user/"])

@@ -14,7 +14,8 @@ import torch
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
 from vit_finetune.cli import main
-from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.recipe import TrainSettings
+from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.tasks import Regression, of_config
 from vit_finetune.tasks.regression import summarise
 
@@ -150,7 +151,7 @@ def test_a_constant_target_is_said_and_a_run_of_only_constant_targets_is_refused
     splits = regression_data(tmp_path / "one", {"y": list(range(8)), "flat": [5.0] * 8})
     assert any("constant" in note and "'flat': 5.0" in note and "target_std saved as 1" in note
                for note in splits.notes)
-    task = Regression.for_training(splits, "mse")
+    task = Regression.for_training(splits, TrainSettings())
     assert task.std.tolist()[1] == 1.0 and task.mean.tolist()[1] == 5.0  # what the note says it is learned as
     with pytest.raises(data.DataError, match="every target is constant.*nothing to learn"):
         regression_data(tmp_path / "all", {"flat": [5.0] * 8, "also": [2.0] * 8})
@@ -160,7 +161,7 @@ def test_a_thousand_target_columns_are_read_without_copying_every_columns_featur
     """Reading Dataset.features deep-copies every column's feature: done once per target, 1,000 columns took minutes."""
     import datasets
 
-    from vit_finetune.data import splits
+    from vit_finetune.data import targets
 
     names = [f"t{i}" for i in range(1000)]
     table = datasets.Dataset.from_dict({"image": [f"{i}.png" for i in range(4)],
@@ -168,9 +169,9 @@ def test_a_thousand_target_columns_are_read_without_copying_every_columns_featur
     copies = []
     copy = datasets.Features.copy
     monkeypatch.setattr(datasets.Features, "copy", lambda self: copies.append(1) or copy(self))
-    targets = splits.as_targets(table, "image", names, "train")
+    read = targets.as_targets(table, "image", names, "train")
     assert len(copies) < 20  # a few per table, not one per target
-    assert targets[splits.TARGETS_COLUMN][3][:2] == [3.0, 4.0]  # row 3: column t0 holds 3, t1 holds 4
+    assert read[targets.TARGETS_COLUMN][3][:2] == [3.0, 4.0]  # row 3: column t0 holds 3, t1 holds 4
 
 
 # ---------------------------------------------------------------- one run, every use of it
@@ -283,8 +284,8 @@ def test_explain_draws_a_regressions_values_on_an_axis_of_their_own_by_target_na
     from PIL import Image
 
     from vit_finetune import explain
-    from vit_finetune.figures import pyplot
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.pictures import pyplot
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(fixed_values), eager_attention=True)
     image = fixed_values.parent / "photo.png"
@@ -324,7 +325,7 @@ def test_explain_shows_the_regression_values(trained, made):
     from PIL import Image
 
     from vit_finetune import explain
-    from vit_finetune.inference import load_classifier
+    from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(trained), eager_attention=True)
     image = Image.open(sorted((made["data"] / "images").glob("*.png"))[0]).convert("RGB")

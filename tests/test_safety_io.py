@@ -133,7 +133,7 @@ def with_users_files(trained: Path, folder: Path) -> Path:
 
 def run_files(folder: Path) -> set[str]:
     """What the run wrote, as its manifest lists it (files under a listed folder included)."""
-    from vit_finetune.outputs import claimed
+    from vit_finetune.run_lock import claimed
 
     listed = claimed(folder)
     return {str(p.relative_to(folder)) for p in folder.rglob("*")
@@ -343,7 +343,7 @@ def test_predict_refuses_to_replace_an_existing_output_unless_asked(trained, pho
 
 
 def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, photo, tmp_path, monkeypatch, capsys):
-    from vit_finetune import inference
+    from vit_finetune import predict
 
     output = tmp_path / "preds.jsonl"
     output.write_text('{"earlier": "results"}\n')
@@ -352,7 +352,7 @@ def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, phot
         yield {"image": "x.png", "error": None, "predictions": []}
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(inference, "predict_rows", failing_rows)
+    monkeypatch.setattr(predict, "predict_rows", failing_rows)
     with pytest.raises(KeyboardInterrupt):
         main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"])
     assert output.read_text() == '{"earlier": "results"}\n'

@@ -52,7 +52,7 @@ def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_n
     """Ctrl-C or a killed launcher reach each process at its own instant: when another process heard it first, the
     step's agreement sets `raised` here before this process's own signal arrives. That signal must not be taken
     for an impatient second Ctrl-C, or this process drops the checkpoint the others are writing with it."""
-    from vit_finetune.loop import InterruptFlag
+    from vit_finetune.interrupts import InterruptFlag
 
     flag = InterruptFlag()
     try:

@@ -294,7 +294,7 @@ def test_gradient_accumulation_makes_whole_steps_of_each_epoch(tables, tmp_path)
 
 def test_ranks_split_rows_when_the_shards_do_not_divide(tables, tmp_path):
     """3 shards, 2 processes: datasets gives each rank every other row; together they read each row once."""
-    from vit_finetune import streaming
+    from vit_finetune.data import streaming
     from vit_finetune.recipe import DataSettings
 
     shards = write_shards(tables["table"], tmp_path / "three", {"train": 3, "validation": 1})
@@ -312,7 +312,7 @@ def test_ranks_split_rows_when_the_shards_do_not_divide(tables, tmp_path):
 
 def test_a_hub_repo_without_a_card_is_counted_from_its_parquet_footers(tables, hub):
     """Shards uploaded as plain files (no dataset card with split sizes): the parquet footers give the row counts."""
-    from vit_finetune import streaming
+    from vit_finetune.data import streaming
     from vit_finetune.recipe import DataSettings
 
     hub.add_repo("user/bare-shards", {f"data/{path.name}": path for path in tables["shards"].glob("*.parquet")},
@@ -335,7 +335,7 @@ def run_expecting_error(args: list[str], capsys) -> str:
 def test_a_source_that_is_not_parquet_shards_is_refused(tables, tmp_path, capsys):
     error = run_expecting_error([f"model.base={tables['base']}", f"data.dataset={tables['images']}", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    from vit_finetune.recipe import excerpt
+    from vit_finetune.errors import excerpt
 
     # The message quotes the path as excerpt() shortens it (a worker's temporary folder can be long enough to be cut).
     assert f"data.dataset={excerpt(str(tables['images']))}" in error
@@ -447,7 +447,7 @@ def test_a_stream_without_an_eval_split_is_refused(tables, tmp_path, capsys):
 def test_without_a_row_count_an_epoch_needs_max_steps(tables):
     """A split whose metadata has no row count (train_rows None): refused without train.max_steps, which then
     makes the epoch."""
-    from vit_finetune import streaming
+    from vit_finetune.data import streaming
     from vit_finetune.data import DataError
     from vit_finetune.recipe import DataSettings, Recipe
 

@@ -21,9 +21,11 @@ LABELS = r"(?:label|target)\w*(?:[\"']\])?(?:\[[^\]]*\])*"  # labels, batch["lab
 SHAPE_TESTS = re.compile(rf"{LABELS}\.(?:dim\(\)|ndim\b)|len\([^()]*?{LABELS}\.shape\)")
 # And asked by the task's name: `task.name != "single_label"`, or a name kept aside to compare with (`SingleLabel.name`).
 NAME_TESTS = re.compile(r"task\w*\.name\s*(?:[!=]=|(?:not\s+)?in\b)|\b(?:SingleLabel|MultiLabel|Regression)\.name\b")
-# Modules that decide the task from the data and the recipe (the loaders, the recipe's own checks), and the tasks.
-# splits.py is data/'s (the rest of data/ is not exempt); schema.py and checks.py are recipe/'s.
-CHOOSERS = {"splits.py", "labels.py", "streaming.py", "multilabel.py", "schema.py", "checks.py"}
+# The modules that choose the task, besides the tasks themselves: data.task in the recipe (recipe/schema.py, and its
+# rules in checks.py) and, where it says auto, the loaders that find it in the data (a label file's cells, a dataset's
+# or a stream's label column: data/labels.py, opening.py, splits.py, streaming.py). The rest of data/ and recipe/ is
+# not exempt.
+CHOOSERS = {"labels.py", "opening.py", "splits.py", "streaming.py", "schema.py", "checks.py"}
 
 
 def questions_of_the_task(text: str) -> list[str]:

@@ -12,8 +12,10 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import balance, ema, loop, model as vit, optim, train
+from vit_finetune import ema, loop, model as vit, optim, train_step
+from vit_finetune.data import balance
 from vit_finetune.families import FAMILIES
+from vit_finetune.lora import apply_lora
 from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
 from vit_finetune.tasks import SingleLabel
 
@@ -43,10 +45,10 @@ def lr_of_each_parameter(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
 def test_layer_decay_gives_each_parameter_base_lr_times_decay_to_its_distance_from_the_head(lora):
     model = tiny_vit()
     if lora:
-        model = vit.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value", "mlp_in"]))
+        model = apply_lora(model, LoraSettings(r=2, target_modules=["query", "value", "mlp_in"]))
     recipe = load_recipe(None, ["train.lr=0.1", "train.head_lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05",
                                 "train.warmup_steps=2", "train.scheduler=cosine"])
-    optimizer = train.build_optimizer(model, recipe, "cpu")
+    optimizer = optim.build_optimizer(model, recipe, "cpu")
     lrs = lr_of_each_parameter(optimizer, model)
     assert {name: lr for name, lr in lrs.items()} == pytest.approx(
         {name: 0.1 * 0.5 ** (LAYERS + 1 - expected_depth(name)) for name in lrs}, rel=1e-12)
@@ -57,7 +59,7 @@ def test_layer_decay_gives_each_parameter_base_lr_times_decay_to_its_distance_fr
         assert any("lora_" in n for n in lrs)
 
     # The schedule scales every group by the same factor, each from its own base lr.
-    scheduler = train.build_scheduler(optimizer, recipe, total_steps=10)
+    scheduler = optim.build_scheduler(optimizer, recipe, total_steps=10)
     for step in range(1, 6):
         optimizer.step()
         scheduler.step()
@@ -70,20 +72,19 @@ def test_a_resume_that_accepts_a_new_lr_reapplies_it_to_every_depth():
     model = tiny_vit()
     before = load_recipe(None, ["train.lr=0.1", "train.head_lr=0.1", "train.layer_decay=0.5", "train.weight_decay=0.05",
                                 "train.warmup_steps=0"])
-    optimizer = train.build_optimizer(model, before, "cpu")
-    scheduler = train.build_scheduler(optimizer, before, total_steps=10)
+    optimizer = optim.build_optimizer(model, before, "cpu")
+    scheduler = optim.build_scheduler(optimizer, before, total_steps=10)
     for _ in range(3):
         optimizer.step()
         scheduler.step()
     # What a resume loads: the checkpoint's optimizer and scheduler states, into fresh ones.
     after = load_recipe(None, ["train.lr=0.3", "train.head_lr=0.3", "train.layer_decay=0.5", "train.weight_decay=0.01",
                                "train.warmup_steps=0"])
-    resumed = train.build_optimizer(model, after, "cpu")
+    resumed = optim.build_optimizer(model, after, "cpu")
     resumed.load_state_dict(optimizer.state_dict())
-    resumed_scheduler = train.build_scheduler(resumed, after, total_steps=10)
+    resumed_scheduler = optim.build_scheduler(resumed, after, total_steps=10)
     resumed_scheduler.load_state_dict(scheduler.state_dict())
-    train.reapply_hyperparameters(SimpleNamespace(optimizer=resumed, scheduler=SimpleNamespace(scheduler=resumed_scheduler),
-                                                  recipe_as_run=after))
+    optim.reapply_hyperparameters(resumed, resumed_scheduler, after)
     factor = resumed_scheduler.lr_lambdas[0](3)
     lrs = lr_of_each_parameter(resumed, model)
     assert lrs == pytest.approx({n: 0.3 * 0.5 ** (LAYERS + 1 - expected_depth(n)) * factor for n in lrs}, rel=1e-12)
@@ -94,7 +95,7 @@ def test_layer_decay_keeps_the_weight_decay_split():
     model = tiny_vit()
     recipe = load_recipe(None, ["train.layer_decay=0.8", "train.weight_decay=0.05", "train.lr=2e-5",
                                 "train.head_lr=2e-3"])
-    optimizer = train.build_optimizer(model, recipe, "cpu")
+    optimizer = optim.build_optimizer(model, recipe, "cpu")
     decay_of = {id(p): group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
     for name, parameter in model.named_parameters():
         matrix = parameter.ndim >= 2 and not name.endswith(("cls_token", "position_embeddings"))
@@ -107,7 +108,7 @@ def test_layer_decay_keeps_the_weight_decay_split():
 
 def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
     model = tiny_vit()
-    optimizer = train.build_optimizer(model, load_recipe(None, ["train.lr=0.01", "train.head_lr=0.01",
+    optimizer = optim.build_optimizer(model, load_recipe(None, ["train.lr=0.01", "train.head_lr=0.01",
                                                                 "train.weight_decay=0.1"]), "cpu")
     assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.0, 0.01)]
     assert sum(len(g["params"]) for g in optimizer.param_groups) == len(list(model.parameters()))
@@ -118,10 +119,10 @@ def test_without_layer_decay_there_are_two_groups_at_the_base_lr():
 def test_the_new_head_trains_at_head_lr_over_lr_times_the_lr_of_its_depth(lora, layer_decay):
     model = tiny_vit()
     if lora:  # peft renames the head base_model.model.classifier.modules_to_save.default.*
-        model = vit.apply_lora(model, LoraSettings(r=2, target_modules=["query", "value"]))
+        model = apply_lora(model, LoraSettings(r=2, target_modules=["query", "value"]))
     overrides = ["train.lr=0.1", "train.head_lr=3", "train.weight_decay=0.05", "train.warmup_steps=2"]
     recipe = load_recipe(None, overrides + ([f"train.layer_decay={layer_decay}"] if layer_decay else []))
-    optimizer = train.build_optimizer(model, recipe, "cpu")
+    optimizer = optim.build_optimizer(model, recipe, "cpu")
     lrs = lr_of_each_parameter(optimizer, model)
 
     def expected(name: str) -> float:
@@ -131,7 +132,7 @@ def test_the_new_head_trains_at_head_lr_over_lr_times_the_lr_of_its_depth(lora, 
     assert lrs == pytest.approx({name: expected(name) for name in lrs}, rel=1e-12)
 
     # The schedule keeps the ratio, and what the log reports as the run's lr is train.lr times the schedule.
-    scheduler = train.build_scheduler(optimizer, recipe, total_steps=10)
+    scheduler = optim.build_scheduler(optimizer, recipe, total_steps=10)
     optimizer.step()
     scheduler.step()
     factor = scheduler.lr_lambdas[0](1)
@@ -143,7 +144,7 @@ def test_the_new_head_trains_at_head_lr_over_lr_times_the_lr_of_its_depth(lora, 
 def test_a_head_lr_equal_to_the_lr_leaves_the_two_groups_of_a_plain_run():
     model = tiny_vit()
     recipe = load_recipe(None, ["train.lr=0.01", "train.weight_decay=0.1", "train.head_lr=0.01"])
-    optimizer = train.build_optimizer(model, recipe, "cpu")
+    optimizer = optim.build_optimizer(model, recipe, "cpu")
     assert [(g["weight_decay"], g["lr"]) for g in optimizer.param_groups] == [(0.1, 0.01), (0.0, 0.01)]
 
 
@@ -260,7 +261,7 @@ def test_ema_applied_for_evaluation_then_the_raw_weights_come_back_bit_for_bit()
 
 
 def test_ema_of_a_lora_model_averages_the_adapter_and_the_head_only():
-    model = vit.apply_lora(tiny_vit(), LoraSettings(r=2))
+    model = apply_lora(tiny_vit(), LoraSettings(r=2))
     names = set(ema.WeightEMA(model, 0.99).state_dict())
     assert names == {n for n, p in model.named_parameters() if p.requires_grad}
     assert any("lora_A" in n for n in names) and any("classifier" in n for n in names)
@@ -285,7 +286,7 @@ def test_class_weights_weight_each_images_loss_by_its_class():
                             augment=lambda pixels, labels, epoch, batch: (pixels, None), class_weights=weights, teacher=None,
                             task=SingleLabel())
     pixels, labels = torch.randn(4, 3, 16, 16), torch.tensor([0, 0, 1, 2])
-    loss = loop.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
+    loss = train_step.batch_loss(parts, {"pixel_values": pixels, "labels": labels, "position": (0, 0)}, load_recipe(None))
     with torch.no_grad():
         per_image = torch.nn.functional.cross_entropy(model(pixel_values=pixels).logits, labels, reduction="none")
     expected = (weights[labels] * per_image).sum() / weights[labels].sum()

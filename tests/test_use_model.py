@@ -15,7 +15,7 @@ import torch
 
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
-from vit_finetune.run_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +102,11 @@ def test_predicted_scores_are_the_models_softmax(trained, photos):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
     from PIL import Image
 
-    from vit_finetune import inference
+    from vit_finetune import predict
+    from vit_finetune.saved_model import load_classifier
 
-    model, processor = inference.load_classifier(str(trained))
-    rows = list(inference.predict_rows(model, processor, inference.collect_images([str(photos / "red.png")]), 3, 4))
+    model, processor = load_classifier(str(trained))
+    rows = list(predict.predict_rows(model, processor, predict.collect_images([str(photos / "red.png")]), 3, 4))
     reference = AutoModelForImageClassification.from_pretrained(trained).eval()
     pixels = AutoImageProcessor.from_pretrained(trained)(images=Image.open(photos / "red.png").convert("RGB"),
                                                          return_tensors="pt")["pixel_values"]

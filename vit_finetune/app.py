@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
 from .layout import POSITION_FILE
+from .saved_model import load_classifier, model_location
 from .text import printable
 
 DEFAULT_PORT = 7860
@@ -95,7 +96,6 @@ def classifier(name: str, top_k: int, scratch: Path):
     from .data import decoding_settings
     from .explain import check_supported, draw_explanation, explain_pixels
     from .families import FAMILIES
-    from .inference import load_classifier
 
     model, processor = load_classifier(name, "cpu", eager_attention=True)  # eager: rollout needs the weights
     check_supported(model.config)
@@ -140,8 +140,6 @@ def build_app(name: str, top_k: int = 5, scratch: Path | None = None):
     """The page as a gradio Blocks (not yet served); its pictures are drawn in `scratch` (a new temporary folder
     if None). Each picture's title is a heading above it: gradio's label badge would cover the title drawn at the top
     of the picture."""
-    from .inference import model_location
-
     gradio = require_gradio()
     location = model_location(name)
     scratch = Path(scratch or tempfile.mkdtemp(prefix="vit-finetune-app-"))

@@ -32,13 +32,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class TrainingRun:
-    """What the loop works on: the recipe, Accelerate, the prepared parts (model, optimizer, scheduler, loaders)
-    and where the loop stands (state: step, epoch, batches_done, skipped_images, history)."""
+    """What the loop works on: the recipe as run (every `auto` resolved: plan.py), Accelerate, the prepared parts
+    (model, optimizer, scheduler, loaders) and where the loop stands (state: step, epoch, batches_done,
+    skipped_images, history); `asked`: the recipe as given, which each checkpoint records for a resume to compare."""
 
     recipe: Recipe
     accelerator: Accelerator
     parts: Parts
     state: TrainState
+    asked: Recipe
 
 
 class Callback:

@@ -19,12 +19,11 @@ from typing import Callable
 import yaml
 from safetensors import SafetensorError
 
-from .errors import VitFinetuneError, shortened
+from .errors import VitFinetuneError, excerpt, shortened
 from .layout import (CHECKPOINTS, COMPLETE, DAMAGED_PREFIX, PARTIAL_PREFIX, RECIPE_FILE, STATE_FILE, checkpoint_name,
                      describe_write_error, record, rename_into_place)
 from .processes import any_process
-from .recipe import HOME_PATH_KEYS, Recipe, default_values, flatten, write_recipe
-from .recipe.limits import excerpt
+from .recipe import HOME_PATH_KEYS, Recipe, default_values, flatten, fold_older_spellings, write_recipe
 
 # Keys that may differ on resume without changing the computation.
 NEUTRAL_KEYS = {
@@ -188,7 +187,10 @@ def read_saved_state(checkpoint: Path) -> tuple[dict, dict]:
 
 def changed_keys(checkpoint: Path, recipe: Recipe) -> list[str]:
     """Recipe keys whose value differs from the checkpoint's, other than neutral or explicitly allowed ones."""
-    saved = flatten(read_saved_state(checkpoint)[0])
+    saved_recipe = read_saved_state(checkpoint)[0]
+    if isinstance(saved_recipe.get("data"), dict):  # spelled as earlier versions saved it
+        saved_recipe["data"] = fold_older_spellings(saved_recipe["data"])
+    saved = flatten(saved_recipe)
     if "model.compile" in saved and saved["model.compile"] is None:  # auto, as earlier versions spelled it
         saved["model.compile"] = "auto"
     # A checkpoint written before the recipe expanded `~` kept it: compare the folders, not their spellings.

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from . import progress
+from . import progress, saved_model
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
-from .errors import VitFinetuneError, report
+from .errors import PRINTING_RANK, VitFinetuneError, report
+from .onnx_classifier import load_onnx_classifier
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
@@ -188,7 +190,8 @@ def train_command(argv: list[str]) -> int:
         return list_recipes()
     from .recipe import load_recipe, to_yaml
 
-    recipe = load_recipe(args.recipe, args.overrides)
+    notes: list[str] = []  # how the recipe was read, where it spells a key the older way
+    recipe = load_recipe(args.recipe, args.overrides, notes)
     if args.print:
         print(to_yaml(recipe), end="")
         return 0
@@ -204,28 +207,29 @@ def train_command(argv: list[str]) -> int:
     with progress.configured(quiet=args.quiet):
         from .train import run
 
+        if os.environ.get("RANK", PRINTING_RANK) == PRINTING_RANK:  # once in a launch of several processes
+            for note in notes:
+                progress.say(note)
         run(recipe)
     return 0
 
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    from . import inference
+    from . import predict
 
-    write = inference.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
+    write = predict.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
     if bool(args.images) == bool(args.dataset):
-        raise inference.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
-    sources = None if args.dataset else inference.collect_images(args.images)
-    inference.refuse_output_among_inputs(args.output, sources or [], args.dataset)
-    inference.model_location(args.model)
-    sources = sources or inference.dataset_images(args.dataset, args.split)
+        raise saved_model.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
+    sources = None if args.dataset else predict.collect_images(args.images)
+    predict.refuse_output_among_inputs(args.output, sources or [], args.dataset)
+    saved_model.model_location(args.model)
+    sources = sources or predict.dataset_images(args.dataset, args.split)
     if args.runtime == "torch":
-        model, processor = inference.load_classifier(args.model, _device(args.device))
+        model, processor = saved_model.load_classifier(args.model, _device(args.device))
     else:
-        from .onnx_export import load_onnx_classifier
-
         model, processor = load_onnx_classifier(args.model, args.runtime)
-    write = inference.writer_for_model(write, model.config)
+    write = predict.writer_for_model(write, model.config)
     unreadable: list[str] = []
 
     def noting_errors(rows):
@@ -234,12 +238,12 @@ def predict_command(argv: list[str]) -> int:
                 unreadable.append(row["image"])
             yield row
 
-    rows = noting_errors(inference.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
+    rows = noting_errors(predict.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
     if write is None:
-        inference.write_text(rows)
+        predict.write_text(rows)
         return 0
-    columns = min(args.top_k or inference.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
-    count = inference.write_output(write, rows, Path(args.output).expanduser(), columns)
+    columns = min(args.top_k or predict.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
+    count = predict.write_output(write, rows, Path(args.output).expanduser(), columns)
     print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                 f"{unreadable[:5]}" if unreadable else ""))
     return 0
@@ -247,12 +251,12 @@ def predict_command(argv: list[str]) -> int:
 
 def evaluate_command(argv: list[str]) -> int:
     args = _evaluate_parser().parse_args(argv)
-    from . import inference
+    from . import evaluate_saved
 
     if args.output_dir is not None:
-        inference.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
-    metrics = inference.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
-                                       args.batch_size, _device(args.device), args.output_dir)
+        evaluate_saved.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
+    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
+                                            args.batch_size, _device(args.device), args.output_dir)
     shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
     print(json.dumps(shown, indent=1))
     return 0
@@ -260,10 +264,10 @@ def evaluate_command(argv: list[str]) -> int:
 
 def explain_command(argv: list[str]) -> int:
     args = _explain_parser().parse_args(argv)
-    from . import inference
+    from . import predict
 
-    sources = inference.collect_images(args.images)
-    inference.model_location(args.model)
+    sources = predict.collect_images(args.images)
+    saved_model.model_location(args.model)
     from .explain import check_output_dir, explain_images, output_names
 
     check_output_dir(args.output_dir, output_names([source.name for source in sources], args.method), args.overwrite)
@@ -282,9 +286,9 @@ def export_command(argv: list[str]) -> int:
         raise ExportError("export needs a format: pass --onnx (the one format for now)")
     if args.eval_images is not None and args.eval_images < 1:
         raise ExportError(f"--eval-images {args.eval_images}: give a positive count, or leave it out for the whole split")
-    from . import inference
+    from . import predict
 
-    images = inference.collect_images(args.images) if args.images else None
+    images = predict.collect_images(args.images) if args.images else None
     written = export_onnx(args.model, args.output, args.quantize,
                           DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance, images, args.eval_images)
     print(f"exported to {written}")
@@ -293,11 +297,10 @@ def export_command(argv: list[str]) -> int:
 
 def app_command(argv: list[str]) -> int:
     args = _app_parser().parse_args(argv)
-    from . import inference
 
     if not 0 < args.port < 65536:
         raise AppError(f"--port {args.port}: give a port between 1 and 65535, e.g. 7860")
-    inference.model_location(args.model)  # a wrong path or a taken port fails before gradio's imports
+    saved_model.model_location(args.model)  # a wrong path or a taken port fails before gradio's imports
     refuse_a_taken_port(args.port)
     require_gradio()
     serve(args.model, args.port, args.top_k)
@@ -306,12 +309,11 @@ def app_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
-    from . import inference
     from .hub import PushError, require_token
     from .recipe import read_yaml, validate
 
     output_dir = Path(args.output_dir)
-    inference.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
+    saved_model.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
     saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
     repo_id = args.repo_id or saved.get("repo_id")
     if not repo_id:

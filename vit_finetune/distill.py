@@ -28,11 +28,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import data, student, tasks
+from . import data, progress, student, tasks
 from .data import SKIPPED_LABEL
 from .errors import EXIT_USAGE, VitFinetuneError, shortened
-from .inference import InputError, load_classifier, model_location, refuse_own_code
-from .recipe import DistillSettings
+from .saved_model import InputError, load_classifier, model_location, refuse_own_code
+from .recipe import DistillSettings, Recipe
 
 
 class DistillError(VitFinetuneError):
@@ -289,3 +289,20 @@ def describe(facts: dict) -> str:
                 f"training" + (f" ({share:.0%})" if share is not None else ""))
     pupil = f"; the student: {student.describe(facts['student'])}" if "student" in facts else ""  # none in older metrics.json
     return f"taught by the teacher {facts['teacher']} ({how}){pupil}; {cost}"
+
+
+def caches_teacher_logits(recipe: Recipe) -> bool:
+    """train.distill.cache_logits: the teacher labels every training image once, before training."""
+    return recipe.train.distill is not None and recipe.train.distill.cache_logits
+
+
+def cache_teacher_logits(teacher: Teacher, loader, batch_size: int, rescale: Callable, say: bool) -> TeacherLogitsCache:
+    """train.distill.cache_logits: the teacher labels the training images of `loader` once, here, not on every batch
+    (every process, each the whole split: label_training_images), and the time it took is said where `say`."""
+    started = time.perf_counter()
+    images = loader.dataset
+    cache = label_training_images(teacher, images, batch_size, rescale, loader.num_workers)
+    if say:
+        progress.say(f"train.distill.cache_logits: the teacher labelled the {len(images):,} training images once, in "
+                     f"{time.perf_counter() - started:.1f} s")
+    return cache

@@ -1,10 +1,14 @@
-"""The project's one error type: a user's mistake or a refused run, each kind with the exit code it ends with.
+"""The project's one error type: a user's mistake or a refused run, each kind with the exit code it ends with; and
+the short excerpt and shortened text every message quotes a value or a library's message by.
 
 The CLI catches `VitFinetuneError` alone and prints its message; anything else (a plain ValueError from a
 library, say) is a bug and keeps its traceback. Each stage defines its own subclass next to its code.
 """
 
 from __future__ import annotations
+
+import reprlib
+from typing import Any
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -15,6 +19,10 @@ class VitFinetuneError(Exception):
 
     exit_code = EXIT_FAILURE
     said_elsewhere = False  # another process printed the message
+
+
+class RunError(VitFinetuneError):
+    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
 
 
 class StoppedByAnotherProcess(VitFinetuneError):
@@ -29,6 +37,17 @@ PRINTING_RANK = "0"
 # refused base), the launcher stops them meanwhile, as it stops every process once one has failed, and the
 # message appears once, not once per process. An error of theirs alone is still printed.
 OTHER_RANKS_WAIT_S = 3.0
+
+
+EXCERPT = reprlib.Repr()
+EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
+EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
+
+
+def excerpt(value: Any) -> str:
+    """A short repr of a value a message quotes: never the whole of a huge or deeply nested one (reprlib stops
+    early)."""
+    return EXCERPT.repr(value)
 
 
 def shortened(text: object, limit: int = 300) -> str:

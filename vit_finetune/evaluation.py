@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import datasets
 import evaluate
 import numpy as np
 import torch
+from accelerate.utils import gather_object
 
-from . import multilabel
 from .data import SKIPPED_LABEL, DataError
+from .processes import any_process
 
 TOP_K = 5
 # Up to this many labels metrics.json holds the whole confusion matrix (and confusion_matrix.png is drawn); beyond,
@@ -174,6 +175,39 @@ class SplitPredictions:
 
 
 @torch.no_grad()
+def predict_stream(model, loader, accelerator, normalize: Callable, task, num_classes: int) -> SplitPredictions:
+    """predict_split for a stream (data.streaming.StreamLoader): each process predicts its own share (shares differ in
+    length: no padding), then the shares are gathered once, rank after rank, so each image counts exactly once."""
+    was_training = model.training
+    model.eval()
+    k = min(TOP_K, num_classes)
+    blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
+             "labels": torch.tensor([loader.dataset.target(SKIPPED_LABEL)], device=accelerator.device)}
+    batches = []
+    for batch in in_lockstep(loader.whole_split(), accelerator):
+        predicted = batch_predictions(model, blank if batch is None else batch, accelerator, normalize, task, k)
+        if batch is not None:
+            batches.append(tuple(part.cpu() for part in predicted))
+    model.train(was_training)
+    mine = task.predictions_of(batches, k)
+    # Each share gathered as batch_outputs' parts: what the split keeps of each image's output (ranked ids, or every
+    # output's score), its reference, its loss.
+    shares = gather_object([(task.kept_outputs(mine), mine.references, mine.losses)])
+    return task.predictions_of(shares, k)
+
+
+def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
+    """This process's batches, then None until every process has run out: a forward of a DDP or sharded (FSDP)
+    model is a collective, so all processes forward the same number of times; a None is a blank forward."""
+    remaining = iter(batches)
+    while True:
+        batch = next(remaining, None)
+        if not any_process(accelerator, batch is not None):
+            return
+        yield batch
+
+
+@torch.no_grad()
 def predict_split(model, loader, accelerator, normalize: Callable, task, outputs: int) -> SplitPredictions:
     """Run the model over the whole split on every process; gather_for_metrics drops the samples padded onto the
     last batch, so each image counts once and the order is the split's. `task`: a tasks.Task; `outputs`: the
@@ -184,7 +218,7 @@ def predict_split(model, loader, accelerator, normalize: Callable, task, outputs
     gathered = [accelerator.gather_for_metrics(batch_predictions(model, batch, accelerator, normalize, task, k))
                 for batch in loader]
     model.train(was_training)
-    return task.joined(gathered, k)
+    return task.predictions_of(gathered, k)
 
 
 def batch_predictions(model, batch: dict, accelerator, normalize: Callable, task, k: int) -> tuple[torch.Tensor, ...]:
@@ -201,11 +235,6 @@ def summarise(predictions: SplitPredictions, num_classes: int) -> dict:
     metrics["eval_loss"] = float(predictions.losses[kept].double().mean())
     metrics["eval_skipped_images"] = int((~kept).sum())
     return metrics
-
-
-def threshold_rule(recipe) -> multilabel.ThresholdRule:
-    """How a run's recipe chooses multi-label thresholds (unused for single-label runs)."""
-    return multilabel.ThresholdRule(recipe.train.threshold_metric, recipe.train.threshold_holdout, recipe.train.seed)
 
 
 SPARSE_AXES = (f"more than {DENSE_CONFUSION_LABELS} labels: confusion_matrix_cells holds the non-zero cells as "

@@ -21,8 +21,9 @@ from . import tasks
 from .data import BadImageError, decode_image, decoding_settings
 from .errors import VitFinetuneError
 from .families import FAMILIES
-from .figures import pyplot, save_figure
-from .inference import label_scores, labels_given, load_classifier, path_kind
+from .predict import label_scores, labels_given
+from .saved_model import load_classifier, path_kind
+from .pictures import pyplot, save_figure
 from .text import printable
 from .layout import describe_write_error
 
@@ -105,7 +106,7 @@ class Explanation:
     # what the picture shows beside the map (the task's `shown`): a classifier's top labels and their probabilities
     # (a multi-label model's own sigmoid scores), best first; a regression's values, in the targets' order
     top: list[tuple[str, float]]
-    given: list[tuple[str, float]]  # what predict lists for the image (inference.labels_given), best first
+    given: list[tuple[str, float]]  # what predict lists for the image (predict.labels_given), best first
     task: tasks.Task  # the model's: it draws and words its outputs
 
     def given_text(self) -> str:

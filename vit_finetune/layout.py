@@ -4,7 +4,7 @@ A run's folder (output_dir) holds the model as transformers saves it, the resolv
 last: their presence marks a finished run), the history and pictures, the card, and the folders the run keeps
 for itself (checkpoints, keep-best's copy, the trackers' files, the final save's staging). An export folder
 (`export --onnx`, by default the run's onnx/) holds the graph and the files that load it. A run's manifest records,
-path by path, what it wrote (outputs.py decides what that allows). Every module that writes or reads one of these
+path by path, what it wrote (output_guard.py decides what that allows). Every module that writes or reads one of these
 names imports it from here; this module imports nothing of the package, so any module may.
 """
 
@@ -113,6 +113,11 @@ def record(output_dir: Path, paths: Iterable[str]) -> None:
     content = json.dumps({"written": sorted(kept | {path for path in paths if _inside(path)})}, indent=1)
     output_dir.mkdir(parents=True, exist_ok=True)
     replace_atomically(output_dir / MANIFEST, lambda partial: partial.write_text(content))
+
+
+def is_finished(output_dir: Path) -> bool:
+    """Whether `output_dir` holds a finished run: its metrics are written last."""
+    return (Path(output_dir) / METRICS_FILE).is_file()
 
 
 def checkpoint_name(step: int) -> str:

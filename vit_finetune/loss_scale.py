@@ -32,7 +32,7 @@ FIX = ("Fix: train.mixed_precision=bf16 on a GPU that computes bfloat16 (Ampere 
 class LossScaleCollapsed(VitFinetuneError):
     """fp16's loss scale fell below MIN_SCALE: the gradients overflow float16 unscaled; nothing was saved since."""
 
-    exit_code = 3  # as a NaN/Inf loss (loop.NonFiniteLoss): the training diverged
+    exit_code = 3  # as a NaN/Inf loss (non_finite.NonFiniteLoss): the training diverged
 
 
 class SkippedSteps:

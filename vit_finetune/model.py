@@ -1,4 +1,4 @@
-"""Model: load a pretrained ViT-family model, move it to a new resolution once, give it a new head, optionally LoRA.
+"""Model: load a pretrained ViT-family model, move it to a new resolution once, give it a new head (LoRA: lora.py).
 
 Every tensor that carries position (absolute tables, relative-bias tables) is resized a single time at load, in
 float32, the way `families.py` records for the model's family, so the saved model runs at its new size with plain
@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -28,8 +27,9 @@ from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
 from .positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
-from .recipe import LoraSettings, ModelSettings
-from .recipe.limits import ASSETS_DIR, BUILTIN_PREFIX, MAX_GRID_SIDE, REPO_ID_PATTERN
+from .recipe import ModelSettings
+from .recipe.limits import MAX_GRID_SIDE
+from .sources import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
@@ -336,34 +336,6 @@ def new_head_state(head: nn.Linear, init: str, name: str = "classifier") -> dict
     return {f"{name}.weight": weight, f"{name}.bias": torch.zeros_like(head.bias)}
 
 
-def lora_target_modules(model: nn.Module, roles: list[str], family: Family) -> list[str]:
-    """Full names of the Linear modules that play `roles` in this model, in the family's own naming."""
-    patterns = [re.compile(rf"(^|\.){pattern}$") for role in roles for pattern in family.roles[role]]
-    names = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and any(p.search(name) for p in patterns)
-    ]
-    if not names:
-        raise ModelError(f"model.lora.target_modules={roles} matched no Linear module in this {family.name} model")
-    return names
-
-
-def apply_lora(model: PreTrainedModel, settings: LoraSettings):
-    """Wrap with peft LoRA on the chosen roles; the new head trains fully and is saved with the adapter."""
-    from peft import LoraConfig, get_peft_model
-
-    family = family_of(model.config)
-    config = LoraConfig(
-        r=settings.r,
-        lora_alpha=settings.alpha,
-        lora_dropout=settings.dropout,
-        target_modules=lora_target_modules(model, settings.target_modules, family),
-        modules_to_save=list(head_names(model)),
-    )
-    return get_peft_model(model, config)
-
-
 def load_image_processor(settings: ModelSettings, image_size: int):
     """The base's image processor, PIL backend, resized to the target resolution (mean/std kept from the base)."""
     location = base_location(settings)
@@ -398,15 +370,6 @@ def base_parameter_count(settings: ModelSettings) -> int:
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return trainable, sum(p.numel() for p in model.parameters())
-
-
-def is_lora(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
-def merged_copy(model: nn.Module) -> PreTrainedModel:
-    """A plain transformers model with LoRA folded into the weights (the adapter model is left intact)."""
-    return copy.deepcopy(model).merge_and_unload()
 
 
 def describe(config: PretrainedConfig) -> str:

@@ -1,5 +1,6 @@
 """Serving: a trained classifier exported to ONNX at its trained resolution, checked against PyTorch on real
-pixels, optionally with dynamic int8 weights; and the ONNX Runtime classifier `predict --runtime onnx` uses.
+pixels, optionally with dynamic int8 weights (the ONNX Runtime classifier `predict --runtime onnx` uses is
+onnx_classifier.py; the export's folder, onnx_folder.py).
 
 The graph comes from torch's maintained exporter, `torch.onnx.export(dynamo=True)` (it needs onnxscript): the
 TorchScript exporter is deprecated since torch 2.9 and warns at every call. Measured on torch 2.13 with
@@ -16,28 +17,26 @@ is empty, and files a user adds to an earlier export (a Dockerfile, a server) ar
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from types import SimpleNamespace
 
 from .data import decode_image, decoding_settings, make_loader
 from .errors import VitFinetuneError, shortened
 from .families import FAMILIES
-from .inference import InputError, eval_split_of, load_classifier, model_location, refuse_own_code
-from .layout import (EXPORT_NAMES, EXPORT_REPORT_FILE, EXPORT_STAGING_MARK, MANIFEST, ONNX_DIR, ONNX_FILE,
-                     QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES, describe_write_error, give_usual_modes, record,
-                     rename_into_place, replace_atomically)
-from .run_outputs import save_image_processor
-from .synthetic import generate_arrays
+from .evaluate_saved import eval_split_of
+from .saved_model import load_classifier, model_location
+from .layout import EXPORT_REPORT_FILE, ONNX_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE
+from .onnx_classifier import ExportError, require_onnx_packages, run_session, session
+from .onnx_folder import (check_target, claim_in_run_folder, default_output, publish, remove_stale_staging,
+                          staging_folder, unwritable)
+from .final_outputs import save_image_processor
+from .data.synthetic import generate_arrays
 from .tasks import Answers, of_config
 
 DEFAULT_TOLERANCE = 1e-3  # max abs logit difference; fp32 exports measure ~1e-7 to 1e-5
@@ -46,72 +45,6 @@ EXTERNAL_DATA_BYTES = 1_800_000_000  # above this, weights go to model.onnx.data
 # --quantize KIND -> (file, onnxruntime QuantType name): weights stored as int8, activations quantised per batch.
 QUANTIZATIONS = {"int8": (QUANTIZED_ONNX_FILES["int8"], "QInt8")}
 VERSIONED_PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
-
-
-class ExportError(VitFinetuneError):
-    """An export that cannot be written or failed its parity check; the message says why and what to do."""
-
-
-def require_onnx_packages() -> None:
-    """A clear error (not an ImportError deep in torch.onnx) when the optional extra is missing."""
-    missing = [name for name in ("onnx", "onnxscript", "onnxruntime") if _absent(name)]
-    if missing:
-        raise ExportError(f"ONNX export and the onnx runtime need {', '.join(missing)}: "
-                          "pip install 'vit_finetune[onnx]' (or pip install onnx onnxscript onnxruntime)")
-
-
-def _absent(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is None
-
-
-def default_output(name: str, location: str) -> Path:
-    """A run's folder: its onnx/ subfolder (pushed with it, where the Hub's ONNX files live); a Hub id: ./NAME-onnx."""
-    folder = Path(location)
-    return folder / ONNX_DIR if folder.is_dir() else Path(f"{name.split('/')[-1]}-{ONNX_DIR}")
-
-
-def claimed_names(folder: Path) -> set[str] | None:
-    """The names an earlier export of this toolkit wrote in `folder`, as its export.json lists them (only names an
-    export writes count); None when there is no export.json of ours."""
-    try:
-        report = json.loads((folder / EXPORT_REPORT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(report, dict):
-        return None
-    if isinstance(report.get("files"), list):
-        return {name for name in report["files"] if name in EXPORT_NAMES} | {EXPORT_REPORT_FILE}
-    # An export written before export.json listed its files: it wrote the fixed set of names.
-    return set(EXPORT_NAMES) if {"exporter", "parity", "source"} <= report.keys() else None
-
-
-def check_target(target: Path) -> set[str]:
-    """What an export may replace in `target`: the names an earlier export there claimed. Anything else is the
-    user's: a folder that holds anything and is no export of ours is refused, and so is a file of the user's under a
-    name an export writes."""
-    if target.is_symlink() and not target.exists():
-        raise ExportError(f"--output {target} is a link to a folder that does not exist; give a folder")
-    if target.exists() and not target.is_dir():
-        raise ExportError(f"--output {target} is a file; give a folder (it is created)")
-    entries = {entry.name for entry in target.iterdir()} if target.is_dir() else set()
-    if not entries:
-        return set()
-    claimed = claimed_names(target)
-    if claimed is None:
-        raise ExportError(f"--output {target} holds files that are not an ONNX export of this toolkit "
-                          f"({_listed(entries)}); choose another --output, or a new or empty folder")
-    colliding = (entries - claimed) & EXPORT_NAMES
-    if colliding:
-        raise ExportError(f"--output {target} holds {_listed(colliding)}, which no export of this toolkit wrote there "
-                          "and an export would replace; move them out, or choose another --output")
-    return claimed & entries
-
-
-def _listed(names: set[str], most: int = 5) -> str:
-    shown = sorted(names)
-    return ", ".join(shown[:most]) + (f", ... ({len(shown)} in all)" if len(shown) > most else "")
 
 
 def export_graph(model, image_size: int, path: Path) -> None:
@@ -132,24 +65,6 @@ def export_graph(model, image_size: int, path: Path) -> None:
                               external_data=parameters > EXTERNAL_DATA_BYTES)
     finally:
         registration.setLevel(level)
-
-
-def session(path: Path):
-    """An onnxruntime session on the CPU with as many threads as torch has (OMP_NUM_THREADS, else one per core):
-    predict's runtimes, and export's float and int8 timings, then run on the same threads."""
-    import onnxruntime
-    import torch
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3  # errors only: its graph-optimisation notices are not the user's concern
-    options.intra_op_num_threads = torch.get_num_threads()
-    return onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def run_session(runner, pixels: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.from_numpy(runner.run(["logits"], {"pixel_values": pixels.float().numpy()})[0])
 
 
 def logit_difference(model, runner, pixels: torch.Tensor) -> float:
@@ -236,7 +151,7 @@ def compare_runtimes(float_runner, quantized_runner, answers: Answers, eval_set,
         agree += int(answers.matches(answer["float"], answer["int8"]).sum())
         counted += len(pixels)
         if labels is not None:
-            kept = answers.real(labels)  # images skipped as unreadable are not counted, as in evaluate
+            kept = answers.kept(labels)  # images skipped as unreadable are not counted, as in evaluate
             labelled += int(kept.sum())
             for name in answer:
                 scored[name] += float(answers.scores(answer[name][kept], labels[kept]).double().sum())
@@ -263,67 +178,6 @@ def own_eval_split(name: str, model, processor):
     except VitFinetuneError as error:
         print(f"the run's eval split cannot be loaded here ({shortened(error)}); checking on other images")
         return None
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def staging_folder(target: Path) -> Path:
-    """A new folder beside `target` (on its disk, so files move into it by rename) named after this process."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{EXPORT_STAGING_MARK}{os.getpid()}-", dir=target.parent))
-    staging.chmod(0o777 & ~current_umask())  # mkdtemp's 0700 would make the export unreadable to a serving user
-    return staging
-
-
-def remove_stale_staging(target: Path) -> None:
-    """Staging folders beside `target` left by an export that was killed (its process is gone): a kill cannot be
-    cleaned up after, so the next export does it."""
-    for folder in target.parent.glob(f".{glob.escape(target.name)}{EXPORT_STAGING_MARK}*"):
-        pid = folder.name.removeprefix(f".{target.name}{EXPORT_STAGING_MARK}").split("-")[0]
-        if folder.is_dir() and not folder.is_symlink() and pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def publish(staging: Path, target: Path, earlier: set[str]) -> None:
-    """Move the staged export into `target`, file by file, export.json last; remove the names the earlier export
-    there claimed (`earlier`) that this one did not write. Nothing else in `target` is touched."""
-    written = {entry.name for entry in staging.iterdir()}
-    give_usual_modes(staging)
-    if not target.exists():
-        rename_into_place(staging, target)
-        return
-    # Claimed before any file moves (the new report, listing the earlier names too): a kill midway leaves nothing
-    # the next export would take for the user's.
-    claim = {**json.loads((staging / EXPORT_REPORT_FILE).read_text()), "files": sorted(earlier | written)}
-    replace_atomically(target / EXPORT_REPORT_FILE, lambda partial: partial.write_text(json.dumps(claim, indent=1)))
-    for name in sorted(written - {EXPORT_REPORT_FILE}):
-        os.replace(staging / name, target / name)
-    for name in sorted(earlier - written):  # an earlier --quantize's graph, stale beside the new weights
-        (target / name).unlink(missing_ok=True)
-    os.replace(staging / EXPORT_REPORT_FILE, target / EXPORT_REPORT_FILE)
-    staging.rmdir()
-
-
-def claim_in_run_folder(location: str, target: Path, files: list[str]) -> None:
-    """An export's `files` in a run's own onnx/ are recorded in the run's manifest before they are moved there, so a
-    later run with overwrite=true removes them with the weights they were made from instead of leaving a stale graph
-    beside new weights (a user's file in onnx/ stays)."""
-    folder = Path(location)
-    if target.resolve() == (folder / ONNX_DIR).resolve() and (folder / MANIFEST).is_file():
-        record(folder, [f"{ONNX_DIR}/{name}" for name in files])
 
 
 def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None = None,
@@ -387,15 +241,6 @@ def export_onnx(name: str, output: Path | None = None, quantize_kind: str | None
     return given
 
 
-def unwritable(target: Path, error: OSError) -> ExportError:
-    """The export could not be written (a full or read-only disk): the reason, and that nothing was replaced."""
-
-    existing = next(folder for folder in [target, *target.parents] if folder.exists())
-    reason = describe_write_error(error, existing)
-    return ExportError(f"--output {target} cannot be written ({reason}); nothing there was replaced: an earlier "
-                       "export is as it was. Free disk space, or choose another --output")
-
-
 def quantization_summary(figures: dict, answers: Answers) -> str:
     metric = answers.metric
     quality = (f"{answers.metric_name} {figures[f'float_{metric}']:.4g} -> {figures[f'int8_{metric}']:.4g} "
@@ -404,68 +249,3 @@ def quantization_summary(figures: dict, answers: Answers) -> str:
             f"({figures['float_images_per_s']} -> {figures['int8_images_per_s']} images/s), {quality}, "
             f"{figures.get('agreement_of', 'top-1')} agreement {figures['top1_agreement']:.4f} over "
             f"{figures['images']} images")
-
-
-def load_errors() -> tuple[type[Exception], ...]:
-    """What onnxruntime raises for a file that is not a graph it can run (its types derive from Exception alone)."""
-    from onnxruntime.capi import onnxruntime_pybind11_state as state
-
-    return (state.Fail, state.InvalidArgument, state.InvalidProtobuf, state.InvalidGraph, state.NoSuchFile,
-            state.NoModel, state.NotImplemented, state.RuntimeException)
-
-
-class OnnxClassifier:
-    """An exported graph behind what inference.predict_rows uses of a model: .config, .device, and a call that
-    returns an object with .logits. A damaged file, or a graph that does not take pixel_values and give logits as
-    `export --onnx` writes them, is an InputError naming the file and the fix."""
-
-    def __init__(self, folder: Path, file: str):
-        from transformers import AutoConfig
-        import torch
-
-        quantize = "".join(f" --quantize {kind}" for kind, (name, _) in QUANTIZATIONS.items() if name == file)
-        again = f"Export it again: python -m vit_finetune export MODEL --onnx{quantize} --output {folder}"
-        refuse_own_code(str(folder), str(folder))
-        try:
-            self.config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
-            self.runner = session(folder / file)
-        except (OSError, ValueError, *load_errors()) as error:
-            raise InputError(f"{folder / file} cannot be loaded as an ONNX classifier ({shortened(error)}). "
-                             f"{again}") from None
-        inputs = [given.name for given in self.runner.get_inputs()]
-        outputs = [given.name for given in self.runner.get_outputs()]
-        if inputs != ["pixel_values"] or "logits" not in outputs:
-            raise InputError(f"{folder / file} takes {inputs} and gives {outputs}; predict feeds it pixel_values "
-                             f"alone and reads logits, as an export of this toolkit does. {again}")
-        self.device = torch.device("cpu")  # onnxruntime's CPU provider: the installed onnxruntime is CPU-only
-
-    def __call__(self, pixel_values: torch.Tensor) -> SimpleNamespace:
-        return SimpleNamespace(logits=run_session(self.runner, pixel_values.cpu()))
-
-
-def export_folder(name: str) -> Path:
-    """Where a model's export is: the folder itself if it is one, its onnx/ subfolder, or a Hub repo's onnx/."""
-    location = model_location(name)
-    folder = Path(location)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(location, allow_patterns=[f"{ONNX_DIR}/*"]))
-    for candidate in (folder, folder / ONNX_DIR):
-        if (candidate / ONNX_FILE).is_file():
-            return candidate
-    raise InputError(f"{name} holds no ONNX export ({ONNX_FILE} or {ONNX_DIR}/{ONNX_FILE}); make one with "
-                     f"`python -m vit_finetune export {name} --onnx`")
-
-
-def load_onnx_classifier(name: str, runtime: str):
-    """(OnnxClassifier, its image processor) for predict --runtime onnx / onnx-int8."""
-    from transformers import AutoImageProcessor
-
-    require_onnx_packages()
-    folder = export_folder(name)
-    if not (folder / RUNTIME_FILES[runtime]).is_file():
-        kind = runtime.removeprefix("onnx-")
-        raise InputError(f"{folder} holds no {RUNTIME_FILES[runtime]}; make it with "
-                         f"`python -m vit_finetune export {name} --onnx --quantize {kind}`")
-    return OnnxClassifier(folder, RUNTIME_FILES[runtime]), AutoImageProcessor.from_pretrained(folder)

@@ -1,4 +1,5 @@
-"""Optimiser parameter groups: no weight decay on biases, norms and embeddings, and layer-wise lr decay.
+"""The optimiser and its lr schedule: parameter groups with no weight decay on biases, norms and embeddings, and
+layer-wise lr decay; a resumed run's hyper-parameters applied again.
 
 Layer-wise lr decay (BEiT, MAE) trains the blocks near the input less than those near the head:
 a parameter at depth d gets lr × decay^(L + 1 − d), where the embeddings have depth 0, block i (from 0)
@@ -14,12 +15,16 @@ The auto learning rates (train.lr, train.head_lr) and weight decay are chosen he
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
+import torch
 from torch import nn
 
 from .families import NO_WEIGHT_DECAY
+from .model import family_of, head_names
+from .recipe import Recipe
 
 
 BlockIndex = Callable[[str], "int | None"]  # parameter name -> its block's index from 0, None outside the blocks
@@ -169,3 +174,59 @@ def auto_warmup_steps(head_fitted: bool, total_steps: int, head_kept: bool = Fal
 def _group(lr_scale: float, decayed: bool, weight_decay: float) -> dict:
     # `decayed` and `lr_scale` travel in the optimizer's state, so a resume can re-apply a changed lr or weight decay.
     return {"params": [], "weight_decay": weight_decay if decayed else 0.0, "decayed": decayed, "lr_scale": lr_scale}
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
+def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
+    """The optimiser of `recipe` as run (plan.py resolved every `auto`)."""
+    t = recipe.train
+    lr, head_lr = t.lr, t.head_lr
+    config, family = model.config, family_of(model.config)
+    block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
+    heads = "|".join(re.escape(name) for name in head_names(model))
+    head = re.compile(rf"(?:^|\.)(?:{heads})\.")  # under peft too: base_model.model.classifier...
+    groups = parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config),
+                              lambda name: bool(head.search(name)), head_lr / lr)
+    for group in groups:
+        group["lr"] = lr * group["lr_scale"]
+    if t.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=t.momentum)
+    # PyTorch's fused kernel exists for CPU and CUDA. On CPU its default is a per-tensor loop, which took 100-140 ms
+    # a step for DINOv2-S's 22M weights on one thread here against 17 ms fused (the Trainer uses fused too); the
+    # two updates agree to float32 rounding.
+    return torch.optim.AdamW(groups, lr=lr, fused=device_type in FUSED_ADAMW_DEVICES)
+
+
+def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
+    """The lr schedule of `recipe` (resolved: no `auto`) over `total_steps`."""
+    t, warmup = recipe.train, recipe.train.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        if t.scheduler == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        if t.scheduler == "linear":
+            return max(0.0, 1 - progress)
+        return 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, recipe: Recipe) -> None:
+    """After a resume: the loaded optimizer and scheduler states carry the lr, weight decay and momentum of
+    the checkpoint (`scheduler`: the LambdaLR, inside Accelerate's wrapper). They equal the recipe's unless a change was accepted with train.resume_ignore_changes,
+    and then the recipe's values (`recipe`: as run) must apply from the resumed step on, not be silently replaced."""
+    t = recipe.train
+    groups = optimizer.param_groups
+    # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
+    lr = t.lr
+    scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
+    for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
+        group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
+                     weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
+        if "momentum" in group:
+            group["momentum"] = t.momentum

@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to import
     import torch
 
-    from .augment import BatchAugmenter
     from .data import PixelNormalizer
+    from .data.augment import BatchAugmenter
     from .distill import Teacher, TeacherLogitsCache
     from .probe import ProbeResult
-    from .recipe import Recipe
-    from .streaming import StreamLoader
+    from .data.streaming import StreamLoader
     from .tasks import Task
 
 
@@ -32,7 +31,6 @@ class Parts:
     augment: BatchAugmenter  # DeiT's batch augmentations, on the device; evaluation never uses it
     steps_per_epoch: int
     total_steps: int
-    recipe_as_run: Recipe  # every `auto` resolved: what the output's recipe.yaml and card show (checkpoints keep auto)
     eval_split: str | None = None  # None: held out from train (data.eval_fraction)
     position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
     data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint

@@ -1,5 +1,9 @@
-"""Pictures a person looks at before the numbers: position-embedding similarity, the confusion matrix, and the
-eval images the model got wrong. Each function computes its array (tested) and draws it (looked at).
+"""Pictures a person looks at before the numbers, and the one way every picture is drawn: position-embedding
+similarity, the training curves, the confusion matrix and the eval images the model got wrong, a multi-label run's
+precision-recall curves, a regression's predicted against true values, and the panels explain and the page show. Each
+function computes its array (tested) and draws it (looked at).
+
+matplotlib is imported when a figure is drawn, not with this module: a run with pictures=false never loads it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,29 @@ import torch
 
 from .data import BadImageError
 from .evaluation import DENSE_CONFUSION_LABELS, confusion_matrix
-from .figures import pyplot, save_figure
-from .layout import CONFUSION_FILE, MISCLASSIFIED_FILE
+from .layout import CONFUSION_FILE, MISCLASSIFIED_FILE, replace_atomically
 
 MAX_MAPS_PER_SIDE = 16  # a 24x24 grid would draw 576 maps; every other patch still shows the structure
 MAX_MISCLASSIFIED = 24
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend: training machines have no display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: Path, **options) -> None:
+    """`figure` drawn into `path` through a temporary file renamed over it, then closed: a kill or a full disk
+    midway leaves a picture already there (a user's, or an earlier evaluation's) as it was, never half of one."""
+    try:
+        replace_atomically(Path(path), lambda partial: figure.savefig(partial, **options))
+    finally:
+        pyplot().close(figure)
 
 
 def patch_grid(table: torch.Tensor) -> torch.Tensor:
@@ -206,3 +228,60 @@ def draw_values(axis, shown: list[tuple[str, float]], total: int, score_format: 
              title="predicted values" + (f" (first {len(shown)} of {total} targets)" if total > len(shown) else ""))
     axis.bar_label(drawn, fmt=f"%{score_format}", padding=3)
     axis.set_yticks(range(len(names)), names)
+
+
+def plot_curves(history: list[dict], path: Path, curve: tuple[str, str, tuple[float, float] | None]) -> None:
+    """training_curves.png: the loss, and the task's own metric (`curve`: its Task.curve, accuracy or a regression's
+    RMSE), over the optimiser steps."""
+    plt = pyplot()
+    train = [h for h in history if "loss" in h]
+    key, title, limits = curve
+    evals = [h for h in history if key in h]
+    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
+    loss_axis.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
+    if evals:
+        loss_axis.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
+        metric_axis.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", color="tab:green")
+    loss_axis.set(xlabel="optimiser step", ylabel="loss", title="Loss")
+    loss_axis.legend()
+    metric_axis.set(xlabel="optimiser step", ylabel=key.removeprefix("eval_"), title=title)
+    if limits:
+        metric_axis.set_ylim(*limits)
+    figure.tight_layout()
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------- multi-label
+
+
+def precision_recall_curve(scores: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(recall, precision) at each distinct score threshold, highest first."""
+    order = np.argsort(-scores, kind="mergesort")
+    ordered, hits = scores[order], np.cumsum(truth[order])
+    cuts = np.r_[np.flatnonzero(np.diff(ordered)), len(ordered) - 1]
+    return hits[cuts] / max(1, truth.sum()), hits[cuts] / (cuts + 1)
+
+
+def draw_precision_recall(scores: np.ndarray, rows: np.ndarray, labels: list[str], thresholds: dict, path) -> None:
+    """One precision-recall curve per label (up to 20), each with a dot at its chosen threshold."""
+    plt = pyplot()
+    shown = range(min(20, len(labels)))
+    columns = min(5, len(shown))
+    rows_of_plots = -(-len(shown) // columns)
+    figure, axes = plt.subplots(rows_of_plots, columns, figsize=(2.6 * columns, 2.5 * rows_of_plots), squeeze=False)
+    for axis in axes.flat:
+        axis.set_axis_off()
+    for axis, c in zip(axes.flat, shown):
+        axis.set_axis_on()
+        truth = rows[:, c] == 1
+        if truth.any():
+            recall, precision = precision_recall_curve(scores[:, c], truth)
+            axis.step(recall, precision, where="post")
+            chosen = scores[:, c] >= thresholds[labels[c]]
+            hits = (chosen & truth).sum()
+            axis.plot(hits / truth.sum(), hits / max(1, chosen.sum()), "o", color="tab:red")
+        axis.set(xlim=(0, 1.02), ylim=(0, 1.02), title=str(labels[c])[:24], xlabel="recall", ylabel="precision")
+    figure.suptitle("Precision-recall per label (dot: the chosen threshold)")
+    figure.tight_layout()
+    save_figure(figure, path, dpi=80)

@@ -204,8 +204,8 @@ def fit_head(features: torch.Tensor, labels: torch.Tensor, classes: int, task: T
     """(weight, bias) of the head on the raw features, float32, and (C, cv loss, folds); skipped images left out.
     `class_weights`: data.class_balance=weights' per-class weights, which weigh each image's loss where the task
     says they apply (Task.probe_weights)."""
-    real = task.real(labels)
-    features, labels = features[real].float(), labels[real]
+    kept = task.kept(labels)
+    features, labels = features[kept].float(), labels[kept]
     weights = task.probe_weights(labels, class_weights)
     mean, std = features.mean(dim=0), features.std(dim=0).clamp(min=1e-6)
     standard = (features - mean) / std
@@ -240,7 +240,7 @@ def probe(model: nn.Module, loader, accelerator: Accelerator, task: Task, class_
         weight, bias, c, cv_loss, folds = fit_head(features, labels, head_module(model).out_features, task,
                                                    None if class_weights is None else class_weights.cpu())
     set_heads(model, weight.to(head_module(model).weight.device), bias.to(head_module(model).bias.device))
-    images = int(task.real(labels).sum())
+    images = int(task.kept(labels).sum())
     precision = accelerator.mixed_precision if mixed_precision and accelerator.mixed_precision != "no" else "float32"
     return ProbeResult(images, features.shape[1], c, cv_loss, folds, extracted - started,
                        time.perf_counter() - extracted, precision)

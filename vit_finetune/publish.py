@@ -21,7 +21,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .errors import shortened
-from .run_outputs import card_loading_from
+from .card import card_loading_from
 from .hub import TIMEOUT_VARIABLE, PushError, http_library, request_timeout, requests_time_out, require_token
 from .layout import CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR, written
 

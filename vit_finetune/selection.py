@@ -29,9 +29,10 @@ from .errors import VitFinetuneError
 from .evaluation import as_eval_entry
 from .layout import (BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, PARTIAL_PREFIX, describe_write_error, record,
                      replace_atomically)
+from .metric_goals import KEEP_BEST_GOALS
 from .processes import any_process
-from .recipe import KEEP_BEST_GOALS, Recipe
-from .tasks import TASKS, of_config
+from .recipe import Recipe
+from .tasks import TASKS, Task
 from .wise_ft import interpolate, restore, snapshot
 
 
@@ -53,10 +54,9 @@ def is_better(name: str, value: float, than: float) -> bool:
 class WeightSelection(Callback):
     """EMA, keep-best and early stopping of one run; `final_metrics` puts the chosen weights into the model."""
 
-    def __init__(self, recipe: Recipe, model: torch.nn.Module, labels: list[str],
+    def __init__(self, recipe: Recipe, model: torch.nn.Module, task: Task, labels: list[str],
                  measure: Callable[[], tuple[dict, object]]):
         t = recipe.train
-        task = of_config(model.config)  # each task says which metrics it measures (task.keep_best_metrics)
         if t.keep_best is not None and t.keep_best not in task.keep_best_metrics:
             measured_by = [other.name.replace("_", "-") for other in TASKS.values()
                            if t.keep_best in other.keep_best_metrics]

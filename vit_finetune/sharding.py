@@ -15,8 +15,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from . import model as vit
 from .errors import VitFinetuneError
+from .lora import apply_lora, is_lora
+from .model import family_of
 from .recipe import Recipe
 
 # The environment variable `accelerate launch` sets from the config's distributed_type, and the type it must yield.
@@ -97,9 +98,9 @@ def _on_cpu_advice(engine: str) -> str:
 def unsharded_model(trained: torch.nn.Module, recipe: Recipe, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A plain copy of the trained model on the CPU holding `full_state` (the gathered weights), with its LoRA
     adapter if it has one: what save_pretrained and peft's merge work on, which a sharded model is not."""
-    config = (trained.get_base_model() if vit.is_lora(trained) else trained).config
-    plain = vit.family_of(config).model_class()(config)
+    config = (trained.get_base_model() if is_lora(trained) else trained).config
+    plain = family_of(config).model_class()(config)
     if recipe.model.lora is not None:
-        plain = vit.apply_lora(plain, recipe.model.lora)
+        plain = apply_lora(plain, recipe.model.lora)
     plain.load_state_dict(full_state, strict=True)  # strict: every tensor comes from the trained model
     return plain

@@ -1,463 +1,32 @@
 """Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
 
-`run()` reads top to bottom: check everything cheap first, then data, model, optimiser, the loop (loop.py:
-each optimiser step, then log / evaluate / checkpoint / stop), final evaluation, the choice of the weights to
-keep (selection.py: EMA, best evaluation), export and push.
+`run()` reads top to bottom: check everything cheap first (the launch, the output folder, the token, the trackers,
+the base and the data, the memory), hold the output folder, then `_run`: the run built (build.py: data, the run's
+plan, model, optimiser), the loop (loop.py: each optimiser step, then log / evaluate / checkpoint / stop), the end
+(finish.py: the final evaluation, the weights kept, the output folder written) and the push.
 """
 
 from __future__ import annotations
 
-import math
-import os
-import re
-import shutil
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Iterable
 
-import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import set_seed
 
-from . import augment, checkpoint, compiling, data, evaluation, hub, loop, memory, model as vit, optim, outputs
-from . import distill, methods, pictures, precision, probe, progress as display, selection, sharding, streaming, tasks
-from . import layout, loss_scale, publish, run_outputs, student, tracking, wise_ft
+from . import build, checkpoint, data, distill, evaluation, finish, hub, loop, memory, output_guard, pictures
+from . import previous_run, progress, publish, selection, sharding, tracking
 from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
-from .errors import VitFinetuneError
+from .devices import make_accelerator, prepare, torch_threads
+from .errors import RunError
+from .final_outputs import begin_outputs
+from .model import count_parameters, describe, family_of, load_base_config
+from .optim import reapply_hyperparameters
 from .parts import Parts
-from .processes import (SHARED_FOLDER_PATIENCE_S, any_process, let_gloo_threads_settle, local_main_first,
-                        refuse_a_lone_process, unshared_folder_refusal, watch_launcher, world_size)
-from .recipe import (Recipe, probe_unused_settings, step_only_settings, weight_selection_settings,
-                     without_pixel_draws)
-
-
-class RunError(VitFinetuneError):
-    """A run refused before it started, or whose final model could not be written, with the reason and the fix."""
-
-
-def check_output_dir(recipe: Recipe) -> None:
-    """Refuse to mix with or destroy an earlier run unless told to resume or overwrite, to write over what this
-    toolkit did not write, or to write into the dataset's folder. A previous run that a killed overwrite=true run set
-    aside is put back first (one process alone can do it here; a launch of several does it once it holds the lock),
-    and the checks are of the run the folder will then hold."""
-    output_dir = Path(recipe.output_dir)
-    resuming = recipe.train.resume is not None
-    if world_size(os.environ) == 1:
-        said = outputs.recover_if_free(output_dir, resuming)
-        if said:
-            display.say(said)
-    refused = outputs.refusal(recipe, layout.RUN_NAMES)
-    if refused:
-        raise RunError(refused)
-    met = outputs.run_a_new_run_meets(output_dir, resuming)
-    if recipe.overwrite or resuming:
-        if resuming and run_outputs.is_finished(met):
-            raise RunError(f"{output_dir} already holds a finished run; nothing to resume. "
-                           "Use overwrite=true to train again, or another output_dir")
-        return
-    if run_outputs.is_finished(met):
-        raise RunError(f"output_dir={str(output_dir)!r} already holds a finished run ({layout.METRICS_FILE}). "
-                       "Fix: choose another output_dir, or pass overwrite=true to replace it")
-    if checkpoint.complete_checkpoints(met):
-        raise RunError(f"output_dir={str(output_dir)!r} holds checkpoints of an unfinished run. "
-                       "Fix: resume it with train.resume=auto, or pass overwrite=true to start again")
-
-
-def make_accelerator(recipe: Recipe) -> Accelerator:
-    """Accelerate's Accelerator for the recipe; the launch's config file (DDP, FSDP, DeepSpeed) adds the rest."""
-    engine = sharding.requested_engine()
-    try:
-        accelerator = _accelerator(recipe)
-    except RuntimeError as error:
-        if engine is None:
-            raise
-        raise sharding.could_not_set_up(engine, error) from None
-    sharding.check_set_up(engine, accelerator, recipe)
-    if recipe.train.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        # Accelerate turns fp16 off on CPU without a word: the run would say fp16 and compute in float32.
-        raise RunError("train.mixed_precision=fp16 needs a GPU; on CPU it would train in float32. "
-                       "Fix: train.mixed_precision=bf16 (CPUs autocast to bfloat16) or train.mixed_precision=no")
-    return accelerator
-
-
-def _accelerator(recipe: Recipe) -> Accelerator:
-    t = recipe.train
-    on_cpu = not torch.accelerator.is_available()
-    device_type = "cpu" if on_cpu else torch.accelerator.current_accelerator().type
-    return Accelerator(
-        # Without cpu=True, Accelerate ignores torchrun's ranks on a machine with no accelerator and every
-        # process believes it is the main one.
-        cpu=on_cpu,
-        mixed_precision=precision.resolved(t.mixed_precision, device_type),  # resolve_auto prints auto's reason
-        gradient_accumulation_steps=t.grad_accum,
-        # non_blocking: with pinned memory the copy overlaps the previous step instead of waiting for it
-        dataloader_config=DataLoaderConfiguration(even_batches=True, non_blocking=torch.cuda.is_available()),
-        step_scheduler_with_optimizer=False,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=t.collective_timeout_s))],
-        # Trackers (train.report_to) are Accelerate's; file-based ones write under output_dir/runs.
-        log_with=t.report_to or None,
-        project_config=ProjectConfiguration(project_dir=str(Path(recipe.output_dir) / layout.TRACKER_DIR)),
-    )
-
-
-FUSED_ADAMW_DEVICES = ("cpu", "cuda")
-
-
-def build_optimizer(model: torch.nn.Module, recipe: Recipe, device_type: str) -> torch.optim.Optimizer:
-    """The optimiser of `recipe`, every `auto` of which resolve_auto resolved."""
-    t = recipe.train
-    lr, head_lr = t.lr, t.head_lr
-    config, family = model.config, vit.family_of(model.config)
-    block_index = (lambda name: family.block_index(name, config)) if t.layer_decay is not None else None
-    heads = "|".join(re.escape(name) for name in vit.head_names(model))
-    head = re.compile(rf"(?:^|\.)(?:{heads})\.")  # under peft too: base_model.model.classifier...
-    groups = optim.parameter_groups(model, t.weight_decay, t.layer_decay, block_index, family.num_blocks(config),
-                                    lambda name: bool(head.search(name)), head_lr / lr)
-    for group in groups:
-        group["lr"] = lr * group["lr_scale"]
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=t.momentum)
-    # PyTorch's fused kernel exists for CPU and CUDA. On CPU its default is a per-tensor loop, which took 100-140 ms
-    # a step for DINOv2-S's 22M weights on one thread here against 17 ms fused (the Trainer uses fused too); the
-    # two updates agree to float32 rounding.
-    return torch.optim.AdamW(groups, lr=lr, fused=device_type in FUSED_ADAMW_DEVICES)
-
-
-def build_scheduler(optimizer, recipe: Recipe, total_steps: int):
-    """The lr schedule of `recipe` (resolved: no `auto`) over `total_steps`."""
-    t, warmup = recipe.train, recipe.train.warmup_steps
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = (step - warmup) / max(1, total_steps - warmup)
-        if t.scheduler == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        if t.scheduler == "linear":
-            return max(0.0, 1 - progress)
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def reapply_hyperparameters(parts: Parts) -> None:
-    """After a resume: the loaded optimizer and scheduler states carry the lr, weight decay and momentum of
-    the checkpoint. They equal the recipe's unless a change was accepted with train.resume_ignore_changes,
-    and then the recipe's values (as this run resolved them) must apply from the resumed step on, not be silently
-    replaced."""
-    t = parts.recipe_as_run.train
-    scheduler = parts.scheduler.scheduler  # the LambdaLR inside Accelerate's wrapper
-    groups = parts.optimizer.param_groups
-    # A checkpoint written before groups carried lr_scale and decayed had two: decayed, then not decayed.
-    lr = t.lr
-    scheduler.base_lrs = [lr * group.get("lr_scale", 1.0) for group in groups]
-    for index, (group, base_lr, factor) in enumerate(zip(groups, scheduler.base_lrs, scheduler.lr_lambdas)):
-        group.update(initial_lr=base_lr, lr=base_lr * factor(scheduler.last_epoch),
-                     weight_decay=t.weight_decay if group.get("decayed", index == 0) else 0.0)
-        if "momentum" in group:
-            group["momentum"] = t.momentum
-
-
-def build_parts(recipe: Recipe, accelerator: Accelerator, resuming: bool = False) -> Parts:
-    """Data, model (its head fitted by the linear probe first when the method says so, unless `resuming`: the
-    checkpoint holds the head then, and the probe runs again only for WiSE-FT), loaders, optimiser and schedule,
-    with every `auto` of the recipe resolved."""
-    streamed = recipe.data.streaming
-    if streamed:
-        splits = streaming.open_streams(recipe.data, accelerator.process_index, accelerator.num_processes)
-        rows = streaming.epoch_rows(splits, recipe, accelerator.num_processes)
-    else:
-        splits = data.load_splits(recipe.data, recipe.train.seed)
-        rows = len(splits.train)
-    task = tasks.for_training(splits, recipe.train.regression_loss)  # chosen once: everything after asks it
-    data_facts = check_training_data(splits, recipe, accelerator, task)
-    processor = vit.load_image_processor(recipe.model, recipe.model.image_size)
-    normalize = data.PixelNormalizer(processor, accelerator.device)
-    teacher = None
-    if recipe.train.distill is not None:  # its labels are checked before the student is built
-        if not task.distills:
-            raise RunError(f"train.distill works with single-label classification only, and data.dataset is "
-                           f"{task.name.replace('_', '-')}; set train.distill=null")
-        teacher = distill.load_teacher(recipe.train.distill, splits.labels, normalize.scale, accelerator.device)
-    images_per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
-    steps_per_epoch = math.ceil(math.ceil(rows / (recipe.train.batch_size * accelerator.num_processes))
-                                / recipe.train.grad_accum)
-    total_steps = recipe.train.max_steps or recipe.train.epochs * steps_per_epoch
-    eval_images = None if streamed else len(splits.eval)
-    as_run = resolve_auto(recipe, RunSize(total_steps * images_per_step, rows, len(splits.labels), eval_images,
-                                          steps_per_epoch, total_steps, vit.base_parameter_count(recipe.model)),
-                          accelerator, task, head_kept=vit.keeps_base_head(recipe.model, splits.labels))
-    method = methods.METHODS[as_run.train.method]
-    if not method.fine_tunes:
-        total_steps = 0  # the probe is the whole training
-    elif as_run.train.warmup_steps >= total_steps:
-        raise RunError(f"train.warmup_steps={as_run.train.warmup_steps} is not below the run's {total_steps} steps; "
-                       "lower it or train longer")
-    tables: dict = {}
-    model = vit.build_model(recipe.model, splits.labels,
-                            on_resample=lambda before, after: tables.update(before=before, after=after))
-    task.configure(model.config)  # pipeline(), predict and evaluate read the task back from the config
-    if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
-        setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)
-    size = recipe.model.image_size
-    seed = recipe.train.seed
-    workers = recipe.data.num_workers
-    if workers is None:
-        workers = data.default_num_workers(accelerator.device.type, accelerator.num_processes)
-    pin = accelerator.device.type == "cuda"
-    sampler, class_weights = (None, None) if streamed else task.balancing(recipe.data.class_balance, splits, seed)
-    fitted = wise_ft_start = None
-    # A resumed run fits the probe again only for WiSE-FT's average: its model is the start the average goes back to,
-    # and the probe, deterministic, gives the same head as before the stop.
-    averages = method.probes and method.fine_tunes and as_run.train.wise_ft_alpha < 1
-    if method.probes and (averages or not resuming):
-        fitted = fit_head_by_probe(model, splits, recipe, processor, accelerator, workers, task, class_weights,
-                                   fine_tuned_after=method.fine_tunes)
-    if averages:
-        wise_ft_start = wise_ft.snapshot(model)
-    if not method.fine_tunes:
-        freeze_all_but_heads(model)
-    if teacher is not None and vit.has_distillation_token(model):
-        model = vit.with_distillation_head(model)  # DeiT: its distillation token gets a head of its own
-    if recipe.model.lora is not None:
-        model = vit.apply_lora(model, recipe.model.lora)
-
-    resample = data.resample_of(processor)  # training resizes as evaluation does
-
-    def train_pixels(image, index, epoch):
-        return data.train_transform(image, size, data.sample_rng(seed, epoch, index), as_run.data, resample)
-
-    if streamed:  # data.class_balance is refused with streaming (the recipe says why)
-        train_loader, eval_loader = streaming.make_loaders(splits, recipe.data, seed, recipe.train.batch_size, workers,
-                                                           accelerator, train_pixels, processor, size)
-    else:
-        train_set = data.train_dataset(splits, recipe.data, size, train_pixels)
-        eval_set = data.eval_dataset(splits, recipe.data, processor, size)
-        train_loader = data.make_loader(train_set, recipe.train.batch_size, True, seed, workers, pin, sampler,
-                                        distill.collate_with_digests if caches_teacher_logits(recipe) else data.collate)
-        eval_loader = data.make_loader(eval_set, recipe.train.batch_size, False, seed, workers, pin)
-    optimizer = build_optimizer(model, as_run, accelerator.device.type)
-    scheduler = build_scheduler(optimizer, as_run, total_steps)
-    batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), seed,
-                                             augment.total_epochs(total_steps, steps_per_epoch),
-                                             accelerator.process_index, recipe.train.label_smoothing, task=task)
-    identity = dict(splits.identity if streamed else data.identity(splits))
-    if teacher is not None:  # what the student also learned from: a resume refuses another teacher
-        identity["teacher_weights"] = teacher.digest
-    return Parts(task=task, model=model, processor=processor, labels=splits.labels, train_loader=train_loader,
-                 eval_loader=eval_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
-                 augment=batch_augmenter, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
-                 recipe_as_run=as_run, eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
-                 class_weights=None if class_weights is None else class_weights.to(accelerator.device),
-                 teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start)
-
-
-def fit_head_by_probe(model, splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int,
-                      task: tasks.Task, class_weights, fine_tuned_after: bool) -> probe.ProbeResult:
-    """The linear probe: the head fitted on the frozen features of every training image, computed once in the
-    split's order (by each process: every process fits the same head), preprocessed as evaluation does; printed with
-    its cost. Without gradients a batch costs about a third of a training step's: four times the batch. The features
-    are float32 where the head is the final model, in the run's precision where fine-tuning goes on
-    (probe.head_inputs)."""
-    images = data.train_dataset_as_evaluated(splits, recipe.data, processor, recipe.model.image_size)
-    loader = data.make_loader(images, 4 * recipe.train.batch_size, False, recipe.train.seed, workers,
-                              accelerator.device.type == "cuda")
-    model.to(accelerator.device)
-    result = probe.probe(model, display.passes(loader, "features", accelerator.is_main_process), accelerator, task,
-                         class_weights, mixed_precision=fine_tuned_after)
-    if accelerator.is_main_process:
-        display.say(result.describe())
-    return result
-
-
-def freeze_all_but_heads(model) -> None:
-    """train.method=linear_probe: the backbone never changes, and the count of trainable parameters says so."""
-    heads = tuple(f"{name}." for name in vit.head_names(model))
-    for name, parameter in model.named_parameters():
-        parameter.requires_grad = name.startswith(heads)
-
-
-def check_training_data(splits: data.Splits | streaming.StreamedSplits, recipe: Recipe,
-                        accelerator: Accelerator, task: tasks.Task) -> dict:
-    """Say what the data loader noticed (a label file found multi-label, labels with no training image, images with
-    no label) and refuse training images that are mostly one flat colour where the task finds that suspect; returns
-    what metrics.json records of the training split. A stream is not read ahead of training: only what its metadata
-    says is known."""
-    notes = list(getattr(splits, "notes", []))
-    facts = {} if recipe.data.streaming else data.training_facts(splits)
-    if not recipe.data.streaming:
-        notes += data.training_facts_notes(facts, len(splits.train))
-        flat = data.flat_images(splits, recipe.data, recipe.train.seed, task.flat_image_suspect)
-        if flat.refuses(recipe.data):
-            raise RunError(f"{flat.problem(recipe.data)}; or set data.allow_flat_images=true to train anyway")
-        notes += [flat.problem(recipe.data)] if flat.flat else []
-    if accelerator.is_main_process:
-        for note in notes:
-            display.say(f"data: {note}")
-    return facts
-
-
-def caches_teacher_logits(recipe: Recipe) -> bool:
-    return recipe.train.distill is not None and recipe.train.distill.cache_logits
-
-
-def cache_teacher_logits(parts: Parts, recipe: Recipe, accelerator: Accelerator) -> None:
-    """train.distill.cache_logits: the teacher labels the training images once, here, not on every batch (every
-    process, each the whole split; see distill.label_training_images)."""
-    if not caches_teacher_logits(recipe):
-        return
-    started = time.perf_counter()
-    images = parts.train_loader.dataset
-    parts.teacher_cache = distill.label_training_images(parts.teacher, images, recipe.train.batch_size,
-                                                        parts.normalize.rescale, parts.train_loader.num_workers)
-    if accelerator.is_main_process:
-        display.say(f"train.distill.cache_logits: the teacher labelled the {len(images):,} training images once, in "
-                    f"{time.perf_counter() - started:.1f} s")
-
-
-@dataclass(frozen=True)
-class RunSize:
-    """What the `auto` choices are measured against: the training images the run will see, and the data's size."""
-
-    images_seen: int
-    training_images: int
-    classes: int
-    eval_images: int | None  # None: not known before it is read (a stream)
-    steps_per_epoch: int
-    total_steps: int
-    base_parameters: int  # the backbone's, its head left out: train.lr=auto follows the base's size
-
-    @property
-    def images_per_class(self) -> float:
-        return self.training_images / max(1, self.classes)
-
-    @property
-    def epochs(self) -> float:
-        return self.images_seen / max(1, self.training_images)
-
-
-def resolve_auto(recipe: Recipe, size: RunSize, accelerator: Accelerator, task: tasks.Task,
-                 head_kept: bool = False) -> Recipe:
-    """The recipe with every `auto` replaced by its value for this run, which is printed (for a linear probe only
-    the method: the others resolve, for recipe.yaml, but change nothing); `head_kept`: a student keeps its base's
-    trained head."""
-    said = {}
-    unaveraged = wise_ft_unmeasured(recipe, accelerator, task)  # why auto's alpha would be 1, if it would
-    if recipe.train.method == "auto":
-        asked = recipe.train.wise_ft_alpha
-        averages = unaveraged is None if asked == "auto" else asked < 1
-        method, why = methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
-                                          recipe.data.streaming, needs_optimiser_steps(recipe),
-                                          None if task.probe_fits else task.name, averages)
-        said["train.method"] = f"train.method=auto -> {method}: {why}; set train.method to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"method": method})})
-    unused = [] if methods.METHODS[recipe.train.method].fine_tunes else probe_unused_settings(recipe)
-    if unused:  # said once; the probe reads each image once, as evaluation does: the recipe as run says so
-        said["train.method"] = (said.get("train.method", f"train.method={recipe.train.method}")
-                                + f"\n  {', '.join(unused)} not used: the probe alone reads each image once, "
-                                "unaugmented, fits the head in one go and takes no optimiser step")
-        recipe = without_pixel_draws(recipe)
-    if recipe.train.mixed_precision == "auto":  # make_accelerator chose it: the accelerator runs it
-        why = precision.auto_mixed_precision(accelerator.device.type)[1]
-        said["train.mixed_precision"] = (f"train.mixed_precision=auto -> {accelerator.mixed_precision}: {why}; set "
-                                         "train.mixed_precision to choose")
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(
-            update={"mixed_precision": accelerator.mixed_precision})})
-    if recipe.model.compile == "auto":
-        compiles, why = compiling.auto_compile(accelerator.device.type, sharding.is_sharded(accelerator))
-        said["model.compile"] = f"model.compile=auto -> {str(compiles).lower()}: {why}; set model.compile to choose"
-        recipe = recipe.model_copy(update={"model": recipe.model.model_copy(update={"compile": compiles})})
-    if recipe.data.crop_scale == "auto":
-        crop_scale, why = data.auto_crop_scale(size.images_seen)
-        # One short sentence, the reason on a line of its own.
-        said["data.crop_scale"] = (f"data.crop_scale=auto: {data.crop_in_words(crop_scale)} (data.crop_scale=[low, "
-                                   f"high] to choose)\n  why: this run sees {size.images_seen:,} training images; {why}")
-        recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"crop_scale": crop_scale})})
-    if recipe.train.lr == "auto":
-        lr, why = optim.auto_lr(recipe.model.lora is not None, size.base_parameters)
-        said["train.lr"] = f"train.lr=auto -> {lr:g}: {why}; set train.lr to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"lr": lr})})
-    elif recipe.train.optimizer == "adamw" and recipe.model.pretrained:
-        warning = optim.pinned_lr_warning(recipe.train.lr, recipe.model.lora is not None, size.base_parameters)
-        if warning:
-            said["train.lr"] = warning
-    if recipe.train.weight_decay == "auto":
-        decay, why = optim.auto_weight_decay()
-        said["train.weight_decay"] = f"train.weight_decay=auto -> {decay:g}: {why}; set train.weight_decay to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"weight_decay": decay})})
-    if recipe.train.head_lr == "auto":
-        head_lr, why = optim.auto_head_lr(recipe.train.optimizer, recipe.train.lr,
-                                          head_fitted=methods.fits_head_first(recipe.train.method), head_kept=head_kept)
-        said["train.head_lr"] = f"train.head_lr=auto -> {head_lr:g}: {why}; set train.head_lr to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"head_lr": head_lr})})
-    if recipe.train.warmup_steps == "auto":
-        warmup, why = optim.auto_warmup_steps(methods.fits_head_first(recipe.train.method), size.total_steps,
-                                              head_kept)
-        said["train.warmup_steps"] = f"train.warmup_steps=auto -> {warmup}: {why}; set train.warmup_steps to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"warmup_steps": warmup})})
-    if recipe.train.wise_ft_alpha == "auto":
-        alpha, why = wise_ft.auto_alpha(recipe.train.method, unaveraged, size.epochs)
-        said["train.wise_ft_alpha"] = f"train.wise_ft_alpha=auto -> {alpha:g}: {why}; set train.wise_ft_alpha to choose"
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"wise_ft_alpha": alpha})})
-    if recipe.train.eval_every_steps == "auto":
-        every, why = evaluation.auto_eval_every_steps(size.eval_images, size.training_images, size.steps_per_epoch,
-                                                      size.total_steps, weight_selection(recipe))
-        said["train.eval_every_steps"] = (f"train.eval_every_steps=auto -> {'null' if every is None else every}: "
-                                          f"evaluating {why}; set train.eval_every_steps to choose")
-        recipe = recipe.model_copy(update={"train": recipe.train.model_copy(update={"eval_every_steps": every})})
-    if not methods.METHODS[recipe.train.method].fine_tunes:
-        said = {key: line for key, line in said.items() if key in ("train.method", "train.mixed_precision")}
-    if accelerator.is_main_process:
-        for line in said.values():
-            display.say(line)
-    # After the lines above, which say what auto chose.
-    refused = wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharding.is_sharded(accelerator))
-    if refused:
-        raise RunError(refused)
-    return recipe
-
-
-def wise_ft_unmeasured(recipe: Recipe, accelerator: Accelerator, task: tasks.Task) -> str | None:
-    """A setting of this run that WiSE-FT's average was not measured with (train.wise_ft_alpha=auto keeps 1), if any."""
-    if not task.wise_ft_measured:
-        return f"{task.name.replace('_', '-')} labels"
-    chosen = needs_optimiser_steps(recipe) or weight_selection(recipe)
-    if chosen:
-        return chosen
-    return "sharded weights" if sharding.is_sharded(accelerator) else None
-
-
-def needs_optimiser_steps(recipe: Recipe) -> str | None:
-    """A setting that only optimiser steps serve, if the recipe has one."""
-    return next(iter(step_only_settings(recipe)), None)
-
-
-def weight_selection(recipe: Recipe) -> str | None:
-    """The setting that chooses the saved weights among the evaluations during training, if any."""
-    return next(iter(weight_selection_settings(recipe)), None)
-
-
-def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
-    """Compile the model if model.compile says so (as resolved), then hand model, optimiser and loaders to Accelerate
-    (DDP wrapping is a collective: all processes at once)."""
-    model = parts.model
-    # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
-    # sharded model itself, after sharding, when its config file has a dynamo_config.
-    if parts.recipe_as_run.model.compile and not sharding.is_sharded(accelerator):
-        model, where_attention_runs = compiling.compile_for_training(model)
-        if accelerator.is_main_process:
-            display.say(f"model.compile: {where_attention_runs}")
-    # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
-    # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
-    if recipe.data.streaming:  # each process already reads only its share: Accelerate must not deal it out again
-        parts.model, parts.optimizer, parts.scheduler = accelerator.prepare(model, parts.optimizer, parts.scheduler)
-        return
-    parts.model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler = accelerator.prepare(
-        model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
+from .processes import let_gloo_threads_settle, local_main_first, refuse_a_lone_process, watch_launcher
+from .recipe import Recipe
 
 
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
@@ -465,7 +34,7 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     after those registered with vit_finetune.callbacks.register (see that module for the events)."""
     refuse_a_lone_process()  # `accelerate launch --cpu --num_processes 2` starts this process alone
     watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training
-    check_output_dir(recipe)
+    output_guard.check_output_dir(recipe)
     sharding.refuse_unsupported(recipe, sharding.requested_engine())
     if recipe.hub.push:
         hub.require_token()
@@ -477,16 +46,16 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
         config = local_main_first(accelerator, partial(check_base_and_data, recipe, accelerator))
         # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
-        too_big = memory.why_it_cannot_fit(vit.family_of(config).vision_config(config), recipe, accelerator.device)
+        too_big = memory.why_it_cannot_fit(family_of(config).vision_config(config), recipe, accelerator.device)
         if too_big:
             raise RunError(too_big)
-        lock = hold_output_dir(accelerator, recipe)  # the first write into output_dir
+        lock = output_guard.hold_output_dir(accelerator, recipe)  # the first write into output_dir
         try:
             return _run(recipe, callbacks, accelerator)
         except Exception:
-            said = outputs.after_a_failed_run(Path(recipe.output_dir)) if accelerator.is_main_process else None
+            said = previous_run.after_a_failed_run(Path(recipe.output_dir)) if accelerator.is_main_process else None
             if said:
-                display.say(said)
+                progress.say(said)
             raise
         finally:
             lock.release()
@@ -496,148 +65,62 @@ def check_base_and_data(recipe: Recipe, accelerator: Accelerator):
     """The base's config (config only: a wrong base or size fails before any download); a Hub dataset that cannot
     be fetched is refused here too, before output_dir is touched."""
     with hub.offline_unless(accelerator.is_local_main_process):
-        config = vit.load_base_config(recipe.model)
+        config = load_base_config(recipe.model)
         data.refuse_unreachable(recipe.data)
         if recipe.train.distill is not None:
             distill.teacher_config(recipe.train.distill)  # a missing or multi-label teacher fails now
     return config
 
 
-@contextmanager
-def torch_threads(count: int | None):
-    """torch's intra-op thread count set to `count` for the run (None: left as it is), then restored, so a run in
-    a process that goes on (a notebook, a test session) leaves the next run's arithmetic as it found it."""
-    before = torch.get_num_threads()
-    if count:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
+    """run() once output_dir is held: the run built, the loop, the end, the push. `asked`: the recipe as given, which
+    a resume compares with its checkpoint's and each checkpoint records; after the plan only the recipe as run is
+    read."""
+    output_dir = Path(asked.output_dir)
 
-
-def hold_output_dir(accelerator: Accelerator, recipe: Recipe) -> outputs.RunLock:
-    """The main process locks output_dir for the run's life and claims, in its manifest, the names a run writes;
-    if another run holds the lock, or a machine sees another folder there, every process stops (collectives)."""
-    lock = outputs.RunLock(Path(recipe.output_dir))
-    refused = _lock_and_claim(lock, recipe) if accelerator.is_main_process else None
-    if any_process(accelerator, refused is not None):
-        raise RunError(refused or "the main process could not lock output_dir")
-    # A process that does not see the check file looks again for a while; the others must not time out meanwhile.
-    patience_s = min(SHARED_FOLDER_PATIENCE_S, recipe.train.collective_timeout_s / 2)
-    unshared = unshared_folder_refusal(accelerator, Path(recipe.output_dir), layout.SHARED_CHECK, patience_s)
-    if unshared:
-        lock.release()
-        raise RunError(f"output_dir={unshared}")
-    return lock
-
-
-def _lock_and_claim(lock: outputs.RunLock, recipe: Recipe) -> str | None:
-    """The main process's first writes into output_dir: the lock, the manifest's claim and the trackers' folder;
-    why one failed (a refusal, the lock released), or None."""
-    output_dir = Path(recipe.output_dir)
-    refused = lock.acquire()
-    if refused:
-        return refused
-    try:
-        said = outputs.recover_interrupted_overwrite(output_dir, recipe.train.resume is not None)
-        if said:
-            display.say(said)
-        outputs.claim(output_dir)
-    except outputs.OutputDirError as error:
-        refused = str(error)
-    refused = refused or tracking.tracker_folder_refusal(output_dir, recipe.train.report_to)
-    if refused:
-        lock.release()
-    return refused
-
-
-def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator) -> dict:
-    """run() once output_dir is held: data, model, the loop, evaluation, export and push."""
-    output_dir = Path(recipe.output_dir)
-    def load_data_and_model() -> tuple[Path | None, Parts]:
+    def load_data_and_model() -> tuple[Path | None, Recipe, Parts]:
         with hub.offline_unless(accelerator.is_local_main_process):
-            set_seed(recipe.train.seed)
-            resume_from = checkpoint.resolve_resume(recipe.train.resume, output_dir, accelerator.is_main_process)
+            set_seed(asked.train.seed)
+            resume_from = checkpoint.resolve_resume(asked.train.resume, output_dir, accelerator.is_main_process)
             if resume_from:
-                checkpoint.refuse_changed_recipe(resume_from, recipe)  # before any data or weights are loaded
-            return resume_from, build_parts(recipe, accelerator, resuming=resume_from is not None)
+                checkpoint.refuse_changed_recipe(resume_from, asked)  # before any data or weights are loaded
+            return resume_from, *build.run_parts(asked, accelerator, resuming=resume_from is not None)
 
     # As in run(): one process per machine downloads, the others then read its cache.
-    resume_from, parts = local_main_first(accelerator, load_data_and_model)
+    resume_from, recipe, parts = local_main_first(accelerator, load_data_and_model)
     prepare(accelerator, parts, recipe)
     state = checkpoint.TrainState()
     if resume_from:
-        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, recipe, parts.data_identity)
+        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, asked, parts.data_identity)
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if parts.probe is not None:  # a resumed run's comes from its checkpoint
         state.probe = parts.probe.as_metrics()
     if resume_from:
-        reapply_hyperparameters(parts)
-    cache_teacher_logits(parts, recipe, accelerator)
-    training = TrainingRun(recipe, accelerator, parts, state)
+        reapply_hyperparameters(parts.optimizer, parts.scheduler.scheduler, recipe)
+    if distill.caches_teacher_logits(recipe):
+        parts.teacher_cache = distill.cache_teacher_logits(parts.teacher, parts.train_loader, recipe.train.batch_size,
+                                                           parts.normalize.rescale, accelerator.is_main_process)
+    training = TrainingRun(recipe, accelerator, parts, state, asked)
     keeper = selection.WeightSelection(recipe, accelerator.unwrap_model(parts.model, keep_torch_compile=False),
-                                       parts.labels, measure=lambda: loop.measure(training))  # may refuse the recipe
+                                       parts.task, parts.labels, measure=lambda: loop.measure(training))  # may refuse
     if accelerator.is_main_process:
-        draw = None
-        if parts.position_tables and recipe.pictures:
-            draw = partial(pictures.draw_position_similarity, parts.position_tables["before"],
-                           parts.position_tables["after"])
-        # Every check before training has passed: overwrite=true sets the previous run aside here, not before.
-        run_outputs.begin_outputs(output_dir, parts.recipe_as_run, recipe.overwrite, draw)
-        trainable, total = vit.count_parameters(parts.model)
-        display.say(f"{vit.describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
-                    f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
-                    + (f"; resuming from {resume_from} at step {state.step}" if resume_from else ""))
-        display.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))
-
-    stream_positions = [streaming.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
+        begin(training, resume_from)
+    stream_positions = [loop.StreamPositions(parts.train_loader)] if recipe.data.streaming else []
     hooks = CallbackList([keeper, *stream_positions, *REGISTERED, *tracking.callbacks_for(recipe.train.report_to),
                           *callbacks])
     if resume_from:
         hooks.on_load_checkpoint(training, resume_from)
+
     started = time.perf_counter()
     loop.train_loop(training, hooks)
     training_seconds = time.perf_counter() - started
-    # An early stop follows an evaluation of these very weights; otherwise the last step's are evaluated here.
-    final = None if state.stopped_early else loop.evaluate(training, hooks)
-    final, average = average_with_probe(training, final)
-    metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
-    # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
-    # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
-    metrics.update(steps=state.step, skipped_images=state.skipped_images, method=parts.recipe_as_run.train.method,
-                   **parts.data_facts)
-    if accelerator.scaler is not None:  # fp16: the steps its loss scaler skipped (loss_scale.py)
-        metrics["skipped_steps"] = state.skipped_steps
-    if average is not None:
-        metrics["wise_ft"] = average
-        if average["kept"] == "average":  # what the card and the method's line say of the saved weights
-            metrics["wise_ft_alpha"] = average["alpha"]
-    if state.probe is not None:
-        metrics["probe"] = state.probe
-    if parts.teacher is not None:
-        facts = student.facts(recipe.model, accelerator.unwrap_model(parts.model).config, recipe.train.distill.teacher)
-        metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
-                                                 training_seconds, facts)
+
+    metrics, predictions = finish.final_result(training, keeper, hooks, training_seconds)
     hooks.on_train_end(training, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
     # Sharded, the weights are gathered into one whole model on the main process: every process must take part.
     gathered = accelerator.get_state_dict(parts.model) if sharding.is_sharded(accelerator) else None
     if accelerator.is_main_process:
-        info = run_outputs.run_info(device_name(accelerator.device), accelerator.num_processes, accelerator.mixed_precision,
-                               state.history, training_seconds, resume_from, metrics)
-        if parts.probe is not None:
-            info["probe_seconds"] = round(parts.probe.seconds, 1)
-        draw = None
-        # The pictures show eval images by their place in the split, which a stream cannot look up.
-        if recipe.pictures and not recipe.data.streaming:
-            draw = partial(parts.task.draw, predictions, parts.eval_loader.dataset, parts.labels, metrics=metrics)
-        save_final(accelerator, parts, parts.recipe_as_run, metrics, state, info, draw, gathered)
-        keeper.remove_best_file()
-        if "distillation" in metrics:
-            display.say(f"train.distill: {distill.describe(metrics['distillation'])}")
-        if "skipped_steps" in metrics:
-            display.say(loss_scale.describe(metrics["skipped_steps"], state.step))
-        print(f"eval {parts.task.headline(metrics)} on {metrics['eval_samples']} images; outputs in {output_dir}")
+        finish.save_and_say(training, keeper, metrics, predictions, training_seconds, resume_from, gathered)
         if recipe.hub.push:
             url = publish.push_folder(output_dir, recipe.hub.repo_id, recipe.hub.private)
             print(f"pushed to {url}")
@@ -647,49 +130,17 @@ def _run(recipe: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator
     return metrics
 
 
-def average_with_probe(training: TrainingRun, final: tuple[dict, object]) -> tuple[tuple[dict, object], dict | None]:
-    """WiSE-FT: the fine-tuned weights moved toward the probe's model (wise_ft.py), kept only where that scores no
-    worse than the fine-tuned weights' final evaluation (`final`). Returns the kept weights' (metrics, predictions)
-    and the choice as metrics.json records it, or None where the run averages nothing."""
-    parts, accelerator = training.parts, training.accelerator
-    if parts.wise_ft_start is None:
-        return final, None
-    model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
-    kept, report = selection.average_if_no_worse(model, parts.wise_ft_start, parts.recipe_as_run.train.wise_ft_alpha,
-                                                 parts.task.selection_metric, final, lambda: loop.measure(training))
-    parts.wise_ft_start = None  # the copy is spent
-    if accelerator.is_main_process:
-        display.say(selection.describe_average(report))
-    return kept, report
-
-
-def device_name(device: torch.device) -> str:
-    """For run_info.json and the card: the accelerator's model name, or the CPU and its usable cores."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} ({data.cpu_cores()} cores)" if device.type == "cpu" else device.type
-
-
-def save_final(accelerator: Accelerator, parts: Parts, recipe: Recipe, metrics: dict, state: checkpoint.TrainState,
-               info: dict | None = None, draw_pictures=None, gathered: dict | None = None) -> None:
-    """The output folder (model, processor, card, metrics...); `gathered`: a sharded model's full weights."""
-    output_dir = Path(recipe.output_dir)
-    trained = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
-    if gathered is not None:
-        trained = sharding.unsharded_model(trained, recipe, gathered)
-    model, adapter = (vit.merged_copy(trained), trained) if vit.is_lora(trained) else (trained, None)
-    parts.task.finish_config(model.config, metrics)  # e.g. multi-label's chosen thresholds, which predict reads
-    try:
-        run_outputs.write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
-                             adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
-    except checkpoint.WRITE_ERRORS as error:
-        shutil.rmtree(output_dir / layout.STAGING, ignore_errors=True)  # give back the space the attempt took
-        previous = checkpoint.latest_checkpoint(output_dir)
-        raise RunError(
-            f"could not write the final model into {output_dir} ({layout.describe_write_error(error, output_dir)}); "
-            "nothing there looks finished. "
-            + (f"The last checkpoint is intact: {previous}. Free disk space, then run the same command with "
-               "train.resume=auto (only the steps after that checkpoint are redone)"
-               if previous else "No checkpoint was kept (train.checkpoint_every_steps is not set); "
-               "free disk space and train again")
-        ) from None
+def begin(training: TrainingRun, resume_from: Path | None) -> None:
+    """The main process's first outputs, once every check before training has passed (overwrite=true sets the
+    previous run aside here, not before), and the lines that say what is trained and evaluated."""
+    recipe, accelerator, parts = training.recipe, training.accelerator, training.parts
+    draw = None
+    if parts.position_tables and recipe.pictures:
+        draw = partial(pictures.draw_position_similarity, parts.position_tables["before"],
+                       parts.position_tables["after"])
+    begin_outputs(Path(recipe.output_dir), recipe, recipe.overwrite, draw)
+    trainable, total = count_parameters(parts.model)
+    progress.say(f"{describe(accelerator.unwrap_model(parts.model).config)}; trainable {trainable:,} of {total:,} "
+                 f"parameters; {parts.total_steps} steps on {accelerator.num_processes} process(es)"
+                 + (f"; resuming from {resume_from} at step {training.state.step}" if resume_from else ""))
+    progress.say(evaluation.describe_eval_split(parts.eval_split, len(parts.eval_loader.dataset), recipe.data))

@@ -5,7 +5,7 @@
     python -m vit_finetune.bench --configs model_step --levers all   # then each lever of our step changed alone
 
 Each configuration trains `--steps` steps after `--warmup` steps (compilation and autotuning happen there):
-  model_step  our step (loop.train_loop over train.build_parts/prepare) on batches already on the device;
+  model_step  our step (loop.train_loop over build.run_parts, devices.prepare) on batches already on the device;
   end_to_end  the same run from JPEGs on disk through our decode, crop-before-resize augmentation and loaders;
   lora        end_to_end with model.lora (peft, r=16 on query/value);
   peer        transformers.Trainer as its image-classification example uses it: per-sample transforms set with

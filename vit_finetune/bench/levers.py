@@ -22,8 +22,8 @@ class Variant:
     """The settings of our step that the levers change."""
 
     compile: bool | Literal["auto"] = "auto"  # model.compile
-    fused_adamw: bool = True  # PyTorch's fused AdamW kernel (train.build_optimizer), or its default for-each one
-    finite_check_every_step: bool = False  # loop.NonFiniteWatch read back after every step, not at logs/checkpoints
+    fused_adamw: bool = True  # PyTorch's fused AdamW kernel (optim.build_optimizer), or its default for-each one
+    finite_check_every_step: bool = False  # non_finite.NonFiniteWatch read back after every step, not at logs/checkpoints
     batch_scale: int = 1  # times the bench's batch
 
 

@@ -1,10 +1,14 @@
-"""Our configurations, through the library's own code: train.make_accelerator, build_parts, prepare, loop.train_loop."""
+"""Our configurations, through the library's own code: devices.make_accelerator, build.run_parts, devices.prepare,
+loop.train_loop."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .. import checkpoint, loop, train
+from .. import checkpoint, loop
+from ..build import run_parts
+from ..devices import make_accelerator, prepare
+from ..optim import build_scheduler
 from ..callbacks import TrainingRun
 from ..recipe import validate
 from .device import PeakMemory
@@ -29,13 +33,13 @@ def bench_recipe(setup: Setup, lora: bool, variant: Variant = DEFAULTS):
 
 
 def build(setup: Setup, lora: bool, variant: Variant = DEFAULTS):
-    """Recipe, accelerator and unprepared parts, seeded as a run would be."""
+    """The recipe as given, the accelerator, the recipe as run and the unprepared parts, seeded as a run would be."""
     from accelerate.utils import set_seed
 
-    recipe = bench_recipe(setup, lora, variant)
-    accelerator = train.make_accelerator(recipe)
-    set_seed(recipe.train.seed)
-    return recipe, accelerator, train.build_parts(recipe, accelerator)
+    asked = bench_recipe(setup, lora, variant)
+    accelerator = make_accelerator(asked)
+    set_seed(asked.train.seed)
+    return asked, accelerator, *run_parts(asked, accelerator)
 
 
 def check_one_epoch_covers(setup: Setup, loader) -> None:
@@ -50,20 +54,20 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory, variant:
     """model_step, end_to_end or lora: our training loop left unchanged, its loader's `next()` timed; `variant`: the
     levers' settings (levers.py); `label`: the measurement's name (its profile's file), `config` unless given."""
     memory.reset()
-    recipe, accelerator, parts = build(setup, config == "lora", variant)
+    asked, accelerator, recipe, parts = build(setup, config == "lora", variant)
     if not variant.fused_adamw:
         parts.optimizer = unfused_adamw(parts.optimizer)
-        parts.scheduler = train.build_scheduler(parts.optimizer, parts.recipe_as_run, parts.total_steps)
-    train.prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
+        parts.scheduler = build_scheduler(parts.optimizer, recipe, parts.total_steps)
+    prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
     clock = setup.clock(label or config)
     if config == "model_step":
         source = device_batches(setup.spec, recipe.train.batch_size, accelerator.device)
     else:
         check_one_epoch_covers(setup, parts.train_loader)
         source = parts.train_loader
-    settings = our_settings(accelerator, parts, parts.recipe_as_run, variant)
+    settings = our_settings(accelerator, parts, recipe, variant)
     timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
-    loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState()),
+    loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState(), asked),
                     finite_check_every_step=variant.finite_check_every_step)
     clock.close()
     flops = training_flops_per_image(setup.spec.vit_config(), recipe.model.lora)
@@ -73,7 +77,7 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory, variant:
 def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     """data_ours: our prepared training loader alone (decode, crop-before-resize, flip, uint8 collation, the copy
     to the device), no model step: the rate our data pipeline can feed with these workers."""
-    recipe, accelerator, parts = build(setup, lora=False)
+    _, accelerator, _, parts = build(setup, lora=False)
     check_one_epoch_covers(setup, parts.train_loader)
     memory.reset()
     loader = accelerator.prepare(parts.train_loader)

@@ -1,18 +1,22 @@
-"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders.
+"""Data: any `datasets` source to train/eval splits, labels, decoding, augmentation and loaders, or a stream.
 
 Images are decoded here (not by `datasets`) so a bad file is reported by its path or index. Training
 batches leave the workers as uint8 and are normalised on the device; evaluation uses exactly the image
 processor that is saved with the model, so reported accuracy is what a `pipeline()` user gets.
 
-The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), splits.py
-(finding and loading the train and eval splits, their columns, labels or targets, and what a checkpoint records of
-them), pixels.py (decoding an image, transparency and flat images, the training crop and resize) and loaders.py (the
-datasets, the sampler, batches and loaders, and the normalisation on the device).
+The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), synthetic.py
+(the demo's generated images), labels.py (label files: CSV or JSON Lines naming each image and its labels or
+targets), opening.py (a dataset found and opened), targets.py (a regression's target columns read and checked),
+splits.py (the train and eval splits, their columns, labels or targets, and what a checkpoint records of them),
+pixels.py (decoding an image, transparency and flat images, the training crop and
+resize), loaders.py (the datasets, the sampler, batches and loaders, and the normalisation on the device),
+balance.py (skewed label counts: class weights or a balanced sampler), shards.py (a streamed dataset's shards
+checked and named), streaming.py (a dataset read as a stream of shards while training) and augment.py (the batch augmentations, on the device).
 """
 
 from __future__ import annotations
 
-from ..labels import LABEL_COLUMN_NAMES
+from .labels import LABEL_COLUMN_NAMES
 from .errors import BadImageError, DataError
 from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassificationDataset, PixelNormalizer,
                       blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,
@@ -20,9 +24,9 @@ from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassi
 from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, alpha_card_text, auto_crop_scale, crop_in_words,
                      decode_image, decoding_settings, flat_images, random_resized_crop_box, resample_of, sample_rng,
                      train_transform)
-from .splits import (BUILTIN_SHAPES, CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, cache_dir, detect_column,
-                     files_digest, identity, image_folders, is_label_set, is_local, load_splits, open_dataset,
-                     refuse_unreachable, target_encoding, training_facts, training_facts_notes)
+from .opening import BUILTIN_SHAPES, cache_dir, image_folders, is_local, open_dataset, refuse_unreachable
+from .splits import (CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity,
+                     is_label_set, load_splits, target_encoding, training_facts, training_facts_notes)
 
 __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
            "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",

@@ -16,9 +16,10 @@ import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
 from ..recipe import DataSettings
-from ..recipe.limits import excerpt
+from ..errors import excerpt
 from .errors import BadImageError
-from .splits import Splits, not_the_datasets_file, path_allowed
+from .opening import not_the_datasets_file, path_allowed
+from .splits import Splits
 
 
 # ---------------------------------------------------------------- decoding

@@ -1,30 +1,26 @@
-"""Finding and loading the splits: a Hub id, a saved dataset, a label file or an image folder becomes train and
-eval splits with their image and label columns (classes, label sets, or a regression's targets), an eval part held
-out when the dataset has none, and subsampling; what a checkpoint records of the data; and where a Hub dataset's
-image cells that hold only a path may be read from.
+"""Loading the splits: an opened dataset (opening.py) becomes train and eval splits with their image and label
+columns (classes, label sets, or a regression's targets: targets.py), an eval part held out when the dataset has
+none, and subsampling; and what a checkpoint records of the data.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import hub, labels
-from ..labels import LABEL_COLUMN_NAMES
 from ..recipe import DataSettings
-from ..recipe.limits import REPO_ID_PATTERN, excerpt
-from ..synthetic import ensure_demo_dataset
+from ..errors import excerpt
 from .errors import DataError
+from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
+from .opening import image_folders, open_dataset, refuse_foreign_paths
+from .targets import TARGETS_COLUMN, as_targets, standardisation_notes, target_column, target_values
 
 
-BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")
-TARGETS_COLUMN = "vit_finetune_targets"  # a regression's loaded column: each image's list of target values
 
 
 @dataclass
@@ -36,167 +32,10 @@ class Splits:
     labels: list[str]
     eval_split: str | None = None  # the dataset's split evaluated on; None: held out from train
     image_folders: tuple[Path, ...] | None = None  # where a cell holding only a path may be read: image_folders()
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels), which may be empty
     notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains
-    task: str | None = None  # "regression": `labels` names the targets, each row's label is a list of their values
-
-
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("VIT_FINETUNE_CACHE", Path.home() / ".cache" / "vit_finetune"))
-
-
-def refuse_unreachable(settings: DataSettings) -> None:
-    """A dataset that is neither on this disk nor fetchable from the Hub stops here, the Hub asked once, with the
-    absolute path looked at and the offline fix (an existing folder or file is not asked)."""
-    name = settings.dataset
-    if name.startswith(BUILTIN_SHAPES) or Path(name).expanduser().exists():
-        return
-    could_be_hub_id = not name.startswith((".", "/", "~")) and bool(REPO_ID_PATTERN.match(name))
-    problem = hub.missing_source_problem(name, "dataset", could_be_hub_id)
-    if problem:
-        raise DataError(f"data.dataset={name!r}: {problem}")
-
-
-def open_dataset(settings: DataSettings, notes: list[str] | None = None):
-    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder; what the run
-    should say of it (a label file found multi-label) is added to `notes`."""
-    import datasets
-
-    source = Path(settings.dataset).expanduser()
-    if settings.dataset == BUILTIN_SHAPES:
-        source = ensure_demo_dataset(cache_dir() / "shapes")
-    try:
-        label_file = labels.label_file_of(source)
-        if label_file is not None and settings.task == "regression":
-            loaded = labels.load_target_file(label_file, settings)
-        elif label_file is not None:
-            loaded = labels.load_label_file(label_file, settings, notes)
-        elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
-            loaded = datasets.load_from_disk(str(source))
-        elif source.is_dir():
-            check_image_folder_layout(source, settings.dataset)
-            loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
-        elif source.exists() or settings.dataset.startswith((".", "/", "~")):
-            raise DataError(f"data.dataset={settings.dataset!r} is not a folder; give an image folder, a label file "
-                        "(.csv or .jsonl) or a Hub id")
-        else:
-            refuse_unreachable(settings)
-            loaded = datasets.load_dataset(settings.dataset)
-    except DataError:
-        raise
-    except labels.LabelFileError as error:
-        raise DataError(f"data.dataset={excerpt(settings.dataset)}: {error}") from None
-    except Exception as error:  # datasets raises many types; the user needs the id and the reason
-        raise DataError(
-            f"data.dataset={settings.dataset!r} could not be loaded: {type(error).__name__}: {error}\n"
-            "Fix: give a Hub dataset id, a folder of class sub-folders, or a folder written by save_to_disk."
-        ) from None
-    if isinstance(loaded, datasets.Dataset):
-        loaded = datasets.DatasetDict({settings.train_split: loaded})
-    return loaded
-
-
-def is_local(settings: DataSettings) -> bool:
-    """Whether data.dataset is on the user's own disk (a folder, a label file, or the built-in shapes), not a Hub id."""
-    return settings.dataset == BUILTIN_SHAPES or Path(settings.dataset).exists()
-
-
-def image_folders(settings: DataSettings) -> tuple[Path, ...] | None:
-    """Where an image cell that holds only a path (no bytes) may be read from. A local dataset is the user's: any
-    path (None). A Hub dataset's cells come from whoever wrote the repo: only the files datasets downloaded for it
-    (the repo's folder in the Hub cache, datasets' download folder), never a file the repo names on this disk."""
-    if is_local(settings):
-        return None
-    import datasets
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    downloaded = (Path(HF_HUB_CACHE) / ("datasets--" + settings.dataset.replace("/", "--")),
-                  Path(datasets.config.DOWNLOADED_DATASETS_PATH))
-    # As written (the cells spell them so) and resolved (decode_image resolves a cell's path before comparing).
-    return tuple(dict.fromkeys([*(Path(os.path.abspath(f)) for f in downloaded), *(f.resolve() for f in downloaded)]))
-
-
-def refuse_foreign_paths(split, split_name: str, image_column: str, folders: tuple[Path, ...] | None,
-                         settings: DataSettings) -> None:
-    """Before training: the first image cell of a Hub dataset's split that holds only a path outside `folders` (a
-    file on this machine) stops the run, naming its row. Only the path column is read (Arrow, no image bytes), and
-    paths are compared as written; decode_image checks each image again with links resolved."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if folders is None or settings.skip_bad_images:  # a local dataset; or such cells are skipped as they come
-        return
-    start = 0
-    for chunk in split.data.column(image_column).chunks:
-        if pa.types.is_struct(chunk.type):
-            paths, pathless = chunk.field("path"), pc.is_null(chunk.field("bytes"))
-        else:  # a column of plain strings: each one a path
-            paths, pathless = chunk, pa.array([True] * len(chunk))
-        for row, path in zip(pc.indices_nonzero(pathless).to_pylist(), pc.filter(paths, pathless).to_pylist()):
-            if not path_allowed(path, folders, follow_links=False):
-                raise DataError(f"data.dataset={excerpt(settings.dataset)}: row {start + row} of split {split_name!r} "
-                                + not_the_datasets_file(path))
-        start += len(chunk)
-
-
-def not_the_datasets_file(path: str | None) -> str:
-    """Why a Hub dataset's image cell that holds only a path is refused, and the fix."""
-    return (f"holds no image bytes, only the path {excerpt(path)}, which is not a file of the Hub dataset: a Hub "
-            "dataset's images are read from the dataset, never from this machine's disk. Fix the dataset (embed the "
-            "images, as push_to_hub does), or set data.skip_bad_images=true to skip and count such images")
-
-
-def path_allowed(path: str | None, folders: tuple[Path, ...] | None, follow_links: bool = True) -> bool:
-    """Whether a path-only image cell may be opened: anywhere when `folders` is None, else only inside one of them.
-    `..` never leads out; with `follow_links`, nor does a symlink (the path is resolved first: a syscall per part)."""
-    if folders is None:
-        return True
-    if not path:
-        return False
-    where = Path(path).resolve() if follow_links else Path(os.path.abspath(path))
-    return any(where.is_relative_to(folder) for folder in folders)
-
-
-def names_a_split(folder_name: str) -> bool:
-    """Whether datasets' imagefolder reads a top-level folder of this name as a split (train, test, val, ...)."""
-    from datasets.data_files import SPLIT_KEYWORDS
-
-    first_word = re.split(r"[-._ ]", folder_name)[0]
-    return any(first_word == word for words in SPLIT_KEYWORDS.values() for word in words)
-
-
-def check_image_folder_layout(root: Path, name: str) -> None:
-    """Refuse, saying what is wrong, the class-folder layouts that imagefolder would misread without a word."""
-    from datasets.packaged_modules.imagefolder.imagefolder import ImageFolder
-
-    if any(root.rglob("metadata.*")):  # labels may then come from the metadata file, at any depth
-        return
-    folders = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
-    splits = [f for f in folders if names_a_split(f)]
-    classes = [f for f in folders if not names_a_split(f)]
-    if splits and classes:
-        raise DataError(
-            f"data.dataset={excerpt(name)}: the folder holds class folders {excerpt(classes)} beside {splits}, which "
-            f"datasets reads as a split, not a class. Fix: rename the class folder {splits[0]!r} (e.g. "
-            f"'{splits[0]}_class'), or put all classes under train/ (and validation/ or test/)"
-        )
-    extensions = set(ImageFolder.EXTENSIONS)
-    for split_root in [root / f for f in splits] or [root]:
-        examples: dict[int, Path] = {}  # images' depth below the split -> one of them
-        for path in split_root.rglob("*"):
-            relative = path.relative_to(split_root)
-            if path.suffix.lower() in extensions and not any(part.startswith((".", "__")) for part in relative.parts):
-                examples.setdefault(len(relative.parts), relative)
-        if len(examples) > 1:
-            found = ", ".join(f"'{example.as_posix()}'" for _, example in sorted(examples.items()))
-            raise DataError(
-                f"data.dataset={excerpt(name)}: images sit at different depths below {str(split_root)!r} (e.g. {found}); "
-                "each image's label is the folder that holds it only when all images are one folder deep, so "
-                "datasets would drop the labels. Fix: one folder per class holding its images directly, "
-                "e.g. red/1.png, green/2.png (move nested folders up, or make each its own class folder)"
-            )
+    # what the data holds, as data.task names it: single_label (a class id per row), multi_label (a list of class
+    # ids, a set of labels that may be empty) or regression (`labels` names the targets, a list of values per row)
+    task: str = "single_label"
 
 
 def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[str, ...], feature_type: type) -> str:
@@ -240,8 +79,9 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     folders = image_folders(settings)
     for name in dict.fromkeys([settings.train_split, eval_split or settings.train_split]):
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
-    multi_label = is_label_set(train.features[label_column]) if settings.multi_label is None else settings.multi_label
-    if multi_label and settings.multi_label is None and not notes:  # a label file's note already says why
+    chosen = label_sets_chosen(settings)
+    multi_label = is_label_set(train.features[label_column]) if chosen is None else chosen
+    if multi_label and chosen is None and not notes:  # a label file's note already says why
         notes.append(f"data.dataset={excerpt(settings.dataset)} is multi-label (a set of labels per image: a sigmoid "
                      f"score and a threshold per label) because its label column {label_column!r} is a list of labels")
     if multi_label:
@@ -268,7 +108,7 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
     train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
-                  multi_label=multi_label, notes=notes)
+                  notes=notes, task="multi_label" if multi_label else "single_label")
 
 
 def eval_split_in(loaded, settings: DataSettings) -> str | None:
@@ -311,117 +151,6 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
     evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
     return Splits(train, evaluation, image_column, TARGETS_COLUMN, list(names), eval_split, image_folders=folders,
                   notes=notes, task="regression")
-
-
-def is_numeric(feature) -> bool:
-    """A column of plain numbers (a ClassLabel's ids are classes, not values)."""
-    return getattr(feature, "_type", "") == "Value" and feature.dtype.startswith(("float", "int", "uint"))
-
-
-def target_column(features: dict, wanted: str | None) -> str:
-    """A regression's one target column: data.label_column, else a numeric column with a label's usual name, else
-    the only numeric column."""
-    if wanted is not None:
-        if wanted not in features:
-            raise DataError(f"data.label_column={wanted!r} is not a column of the dataset; its columns are "
-                            f"{list(features)}")
-        return wanted
-    numeric = [name for name, feature in features.items() if is_numeric(feature)]
-    found = [name for name in LABEL_COLUMN_NAMES if name in numeric] or (numeric if len(numeric) == 1 else [])
-    if not found:
-        raise DataError(f"no target column chosen among the dataset's columns {list(features)} (numeric: {numeric}); "
-                        "set data.label_column=<column>, or data.target_columns=[...] for several targets")
-    return found[0]
-
-
-def as_targets(table, image_column: str, names: list[str], split: str):
-    """The image column and TARGETS_COLUMN (each row's target values); a missing, non-numeric or non-finite target is
-    refused, naming the column and the row."""
-    import datasets
-
-    features = table.features  # a deep copy of every column's feature at each read: read once, not per target
-    for name in names:
-        if name not in features:
-            raise DataError(f"data.target_columns: {name!r} is not a column of split {split!r}; its columns are "
-                            f"{excerpt(list(features))}")
-        if not is_numeric(features[name]):
-            raise DataError(f"the target column {name!r} of split {split!r} holds {features[name]}, not numbers; "
-                            "data.task=regression needs a number per image in each target column")
-    columns = table.select_columns(names).with_format("arrow")[:]  # Arrow columns, rows in the split's order
-    values = np.stack([columns.column(name).to_numpy().astype(np.float64) for name in names], axis=1) \
-        if len(table) else np.zeros((0, len(names)))
-    bad = np.flatnonzero(~np.isfinite(values).all(axis=1))
-    if len(bad):
-        row = int(bad[0])
-        found = dict(zip(names, values[row].tolist()))
-        raise DataError(f"row {row} of split {split!r} has a target that is missing or not finite ({excerpt(found)}); "
-                        f"{len(bad)} row(s) do. Give finite numbers, or remove those rows")
-    refuse_huge_targets(values, names, split)
-    return table.select_columns([image_column]).add_column(TARGETS_COLUMN, values.tolist(),
-                                                           feature=datasets.List(datasets.Value("float64")))
-
-
-# A regression's targets are learned in float32 (largest 3.4e38, normal down to 1.2e-38): the loss standardises them
-# as (value - mean) / std and every answer is output x std + mean, both in float32. Values and spreads within these
-# bounds keep eight orders of magnitude of headroom on either side, so neither overflows nor loses its digits.
-TARGET_MAGNITUDE_MAX = 1e30
-TARGET_SPREAD_MIN = 1e-30
-# float32 rounds a value v by up to |v| x 2^-24; standardised, a column whose standard deviation is not at least
-# this many times that rounding would be learned largely as rounding noise.
-TARGET_SPREAD_OVER_ROUNDING = 100
-FLOAT32_ROUNDING = 2.0 ** -24
-
-
-def refuse_huge_targets(values: np.ndarray, names: list[str], split: str) -> None:
-    """A target beyond TARGET_MAGNITUDE_MAX (finite in float64, but overflowing float32 once standardised or undone)
-    is refused, naming its column, row and value, with the fix."""
-    huge = np.abs(values) > TARGET_MAGNITUDE_MAX
-    if huge.any():
-        row, column = (int(i) for i in np.argwhere(huge)[0])
-        raise DataError(f"the target column {names[column]!r} holds {values[row, column]:.6g} (row {row} of split "
-                        f"{split!r}); {int(huge.sum())} value(s) are beyond ±{TARGET_MAGNITUDE_MAX:g}, which float32 "
-                        "training cannot standardise and undo without overflowing. Fix: rescale the column (e.g. "
-                        "divide it by a power of ten, or take its logarithm) and scale the predictions back")
-
-
-def target_values(table) -> np.ndarray:
-    """A loaded regression split's targets as an (images, targets) float64 array, read from Arrow at once."""
-    import pyarrow.compute as pc
-
-    column = table.with_format("arrow")[TARGETS_COLUMN]
-    flat = pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.float64)
-    return flat.reshape(len(table), -1) if len(table) else flat.reshape(0, 0)
-
-
-def standardisation_notes(values: np.ndarray, names: list[str], split: str) -> list[str]:
-    """The training split's targets checked as the task standardises them (tasks.regression): a spread too small for
-    float32 to hold is refused, naming the column and the fix; a constant column is said (it is learned as that
-    constant, its target_std recorded as 1), and refused when every column is constant (nothing to learn)."""
-    if not len(values):
-        return []
-    mean, std, largest = values.mean(axis=0), values.std(axis=0), np.abs(values).max(axis=0)
-    constant = [t for t in range(len(names)) if std[t] == 0]
-    for t in range(len(names)):
-        rounding = largest[t] * FLOAT32_ROUNDING
-        if std[t] == 0 or (std[t] >= TARGET_SPREAD_MIN and std[t] >= TARGET_SPREAD_OVER_ROUNDING * rounding):
-            continue
-        why = (f"below {TARGET_SPREAD_MIN:g}, where float32 (in which targets are learned) loses its digits"
-               if std[t] < TARGET_SPREAD_MIN else
-               f"while float32 (in which targets are learned) rounds values of that size by up to {rounding:.3g}")
-        raise DataError(f"the target column {names[t]!r} of split {split!r} varies by {std[t]:.3g} (standard "
-                        f"deviation) around {mean[t]:.8g}, {why}: standardised, its values would be mostly rounding. "
-                        f"Fix: rescale the column, e.g. subtract {mean[t]:.8g} from every value (and multiply by a "
-                        "power of ten if the spread is still tiny); add it back to the predictions")
-    if not constant:
-        return []
-    shown = excerpt({names[t]: float(mean[t]) for t in constant})
-    if len(constant) == len(names):
-        raise DataError(f"every target is constant on the {len(values)} image(s) of split {split!r} ({shown}): there "
-                        "is nothing to learn. Fix: check data.target_columns (or data.label_column), and give images "
-                        "whose values differ")
-    return [f"{len(constant)} target(s) are constant on the training split ({shown}): each is learned as that value "
-            "(standardised to 0, its target_std saved as 1) and scores R² 0. Fix: remove it from data.target_columns, "
-            "or add training images where it varies"]
 
 
 def is_label_set(feature) -> bool:
@@ -474,11 +203,11 @@ def training_facts(splits: Splits) -> dict:
     if splits.task == "regression":
         return {}  # no classes to count
     column = splits.train.with_format("arrow")[splits.label_column]
-    ids = pc.list_flatten(column) if splits.multi_label else column
+    ids = pc.list_flatten(column) if splits.task == "multi_label" else column
     ids = np.asarray(ids.to_numpy(zero_copy_only=False), dtype=np.int64)
     counts = np.bincount(ids[ids >= 0], minlength=len(splits.labels))  # -1: a ClassLabel's "no label"
     facts = {"labels_without_train_images": [label for label, n in zip(splits.labels, counts) if n == 0]}
-    if splits.multi_label:
+    if splits.task == "multi_label":
         facts["train_images_without_labels"] = int((pc.list_value_length(column).to_numpy() == 0).sum())
     return facts
 
@@ -560,4 +289,4 @@ def subsample(dataset, limit: int | None, seed: int):
 
 def target_encoding(splits) -> str:
     """The TARGET_ENCODINGS entry (loaders.py) of loaded splits (a stream's too)."""
-    return "values" if getattr(splits, "task", None) == "regression" else "set" if splits.multi_label else "class"
+    return {"multi_label": "set", "regression": "values"}.get(splits.task, "class")

@@ -1,24 +1,25 @@
 """Recipes: the typed schema of a run, YAML loading, dotted overrides and error reporting.
 
 A recipe is the single source of truth for a run. Every error of a recipe is reported at once, each naming the key,
-the value and the fix, before anything expensive starts. The package's modules, lowest first: limits.py (where
-recipes live, the limits input must fit, excerpts for messages), checks.py (every rule between keys), schema.py (the
-sections and their fields), loading.py (find, read, override, validate, write, and the keys' meanings).
+the value and the fix, before anything expensive starts. The package's modules, lowest first: limits.py (the limits
+input must fit), checks.py (every rule between keys), fields.py (the field types), train_section.py (the train
+section), schema.py (the other sections and the recipe), loading.py (find, read, override, validate, write, and the
+keys' meanings).
 """
 
 from __future__ import annotations
 
-from .checks import (flatten, pixel_drawing_settings, probe_unused_settings, step_only_settings,
-                     weight_selection_settings, without_pixel_draws)
-from .limits import ASSETS_DIR, BUILTIN_PREFIX, RECIPE_DIRS, REPO_ID_PATTERN, excerpt
-from .loading import (RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
+from .checks import (flatten, fold_older_spellings, pixel_drawing_settings, probe_unused_settings,
+                     step_only_settings, weight_selection_settings, without_pixel_draws)
+from .loading import (RECIPE_DIRS, RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
                       key_descriptions, load_recipe, read_yaml, recipe_files, to_yaml, validate, write_recipe)
-from .schema import (HOME_PATH_KEYS, KEEP_BEST_GOALS, AugmentSettings, DataSettings, DistillSettings, HubSettings,
-                     LoraSettings, ModelSettings, Recipe, TrainSettings)
+from .fields import HOME_PATH_KEYS
+from .schema import AugmentSettings, DataSettings, HubSettings, LoraSettings, ModelSettings, Recipe
+from .train_section import DistillSettings, TrainSettings
 
-__all__ = ["ASSETS_DIR", "BUILTIN_PREFIX", "HOME_PATH_KEYS", "KEEP_BEST_GOALS", "RECIPE_DIRS", "REPO_ID_PATTERN",
+__all__ = ["HOME_PATH_KEYS", "RECIPE_DIRS",
            "AugmentSettings", "DataSettings", "DistillSettings", "HubSettings", "LoraSettings", "ModelSettings",
            "Recipe", "RecipeError", "TrainSettings", "apply_overrides", "available_recipes", "default_values",
-           "excerpt", "find_recipe", "flatten", "format_keys", "key_descriptions", "load_recipe",
+           "find_recipe", "flatten", "fold_older_spellings", "format_keys", "key_descriptions", "load_recipe",
            "pixel_drawing_settings", "probe_unused_settings", "read_yaml", "recipe_files", "step_only_settings", "to_yaml", "validate",
            "weight_selection_settings", "without_pixel_draws", "write_recipe"]

@@ -11,23 +11,24 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import yaml
+from pydantic import TypeAdapter, ValidationError
 
 from ..methods import METHODS
-from .limits import _is_dir, excerpt
+from ..errors import excerpt
+from .limits import _is_dir
 
 if TYPE_CHECKING:
-    from .schema import DataSettings, Recipe, TrainSettings
+    from .schema import DataSettings, Recipe
+    from .train_section import TrainSettings
 
 # A rule's problems leave in one ValueError (pydantic takes one per validator), apart, and are listed one by one.
 PROBLEMS_APART = "\n"
 
 
 def check_data_section(data: DataSettings) -> None:
-    """The data section's rules, raising every one `data` breaks in one message. data.task=single_label or
-    multi_label also sets data.multi_label, which the loaders read (the assignment validates the section again)."""
+    """The data section's rules, raising every one `data` breaks in one message. data.multi_label is data.task's
+    older spelling (fold_older_spellings): it is left set only where it contradicts data.task."""
     problems = []
-    chosen_multi = {"single_label": False, "multi_label": True}.get(data.task)
-    multi_label = data.multi_label if chosen_multi is None or data.multi_label is not None else chosen_multi
     # What a stream cannot do without reading it whole first: subsample it, carve an eval part from it, or
     # count its classes for balancing.
     unsupported = {"max_train_samples": data.max_train_samples, "max_eval_samples": data.max_eval_samples,
@@ -36,10 +37,10 @@ def check_data_section(data: DataSettings) -> None:
     if data.streaming and given:
         problems.append(f"data.streaming=true cannot be combined with {', '.join(given)} (a stream is not read "
                         "whole before training); set them to null, or data.streaming=false")
-    if multi_label and data.class_balance == "sampler":
+    if data.task == "multi_label" and data.class_balance == "sampler":
         problems.append("data.class_balance=sampler draws images by their one class; with data.multi_label "
                         "use class_balance=weights (a positive weight per class) or null")
-    if chosen_multi is not None and data.multi_label is not None and data.multi_label != chosen_multi:
+    if data.multi_label is not None and data.task in TASK_OF_MULTI_LABEL.values():
         problems.append(f"data.task={data.task} and data.multi_label={str(data.multi_label).lower()} contradict "
                         "each other; set data.multi_label=null")
     if data.task == "regression":
@@ -64,8 +65,39 @@ def check_data_section(data: DataSettings) -> None:
         problems.append(f"data.label_names={excerpt(data.label_names)} must hold at least two distinct names")
     if problems:
         raise ValueError(PROBLEMS_APART.join(problems))
-    if multi_label != data.multi_label:  # the loaders read data.multi_label
-        data.multi_label = multi_label
+
+
+# data.multi_label, data.task's older spelling, and the task each value stands for.
+TASK_OF_MULTI_LABEL = {True: "multi_label", False: "single_label"}
+BOOLEAN = TypeAdapter(bool)
+
+
+def fold_older_spellings(section: dict) -> dict:
+    """A data section as given, data.multi_label folded into data.task: true reads as data.task=multi_label, false as
+    single_label, and data.multi_label is then null. Left as given where the two contradict (the section's rules
+    name it) or the value is not a boolean (its field's check names it)."""
+    given = as_boolean(section.get("multi_label"))
+    if given is None or section.get("task", "auto") not in ("auto", TASK_OF_MULTI_LABEL[given]):
+        return section
+    return {**section, "task": TASK_OF_MULTI_LABEL[given], "multi_label": None}
+
+
+def as_boolean(value: Any) -> bool | None:
+    """`value` as the schema reads a boolean (true, "yes", 1...); None for null or anything it would refuse."""
+    try:
+        return None if value is None else BOOLEAN.validate_python(value)
+    except ValidationError:
+        return None
+
+
+def older_spellings(data: dict) -> list[str]:
+    """What a recipe mapping, as given, spells the older way: one line each, saying how it is read."""
+    section = data.get("data") if isinstance(data, dict) else None
+    given = as_boolean(section.get("multi_label")) if isinstance(section, dict) else None
+    if given is None:
+        return []
+    return [f"data.multi_label={str(given).lower()}: read as data.task={TASK_OF_MULTI_LABEL[given]} "
+            "(data.multi_label is the older spelling of data.task)"]
 
 
 def check_train_section(train: TrainSettings) -> None:
@@ -91,7 +123,7 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.train.early_stopping_patience is not None and recipe.train.keep_best is None:
         problems.append("train.early_stopping_patience needs train.keep_best (the metric whose gain it waits "
                         "for), e.g. train.keep_best=eval_accuracy")
-    if recipe.train.distill is not None and recipe.data.multi_label:
+    if recipe.train.distill is not None and recipe.data.task == "multi_label":
         problems.append("train.distill works with single-label classification only (a teacher's top class or "
                         "softmax); set train.distill=null for data.multi_label=true")
     if recipe.data.task == "regression":

@@ -1,25 +1,16 @@
-"""The fixed facts a recipe is read against: where recipes and shipped models live, the Hub's pattern for repo ids,
-the limits a recipe's input must fit, and the short excerpt every message quotes a value by.
+"""The limits a recipe's input must fit: its size and depth, the longest name a file system takes, and the bound of
+each whole-number key.
 
-The lowest layer of the recipe package: it imports nothing of the package.
+The lowest layer of the recipe package.
 """
 
 from __future__ import annotations
 
-import re
-import reprlib
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent  # vit_finetune/
-BUILTIN_PREFIX = "builtin:"  # models shipped inside the package, e.g. builtin:tiny-vit-32 for the offline demo
-ASSETS_DIR = PACKAGE_DIR / "assets"
-# A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
-RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
-# recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.
-ACCELERATE_CONFIGS = "accelerate"
-# The Hub's own rule for repo ids: an optional namespace and a name, no spaces, at most 96 characters.
-REPO_ID_PATTERN = re.compile(r"^(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}$")
+from ..errors import excerpt
+
 # A recipe has ~60 keys. A YAML alias bomb ("billion laughs") loads in milliseconds as shared references, then
 # expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.
 MAX_RECIPE_VALUES = 10_000
@@ -64,16 +55,6 @@ UNBOUNDED_WHOLE_NUMBERS = {
     "data.min_image_side": "compared with each image's side in Python: too large, every image is named as too small",
     "data.max_image_pixels": "compared with each image's pixel count in Python",
 }
-EXCERPT = reprlib.Repr()
-EXCERPT.maxlevel, EXCERPT.maxstring, EXCERPT.maxother, EXCERPT.maxlong = 2, 60, 60, 40
-EXCERPT.maxlist = EXCERPT.maxtuple = EXCERPT.maxdict = EXCERPT.maxset = 4
-
-
-def excerpt(value: Any) -> str:
-    """A short repr for messages: never the whole of a huge or deeply nested value (reprlib stops early)."""
-    return EXCERPT.repr(value)
-
-
 def names_fit(value: str | None) -> str | None:
     """A path's every name within NAME_MAX bytes; a longer one fails in the file system (ENAMETOOLONG) at first use."""
     for name in (value or "").split("/"):

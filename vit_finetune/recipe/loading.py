@@ -16,10 +16,17 @@ from pydantic_core import to_jsonable_python
 
 from ..errors import EXIT_USAGE, VitFinetuneError
 from ..layout import RECIPE_FILE
-from .checks import PROBLEMS_APART, as_yaml_value, flatten
-from .limits import (ACCELERATE_CONFIGS, MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, RECIPE_DIRS, _is_dir,
-                     _is_file, count_values, deepest, excerpt)
+from .checks import PROBLEMS_APART, as_yaml_value, flatten, older_spellings
+from ..errors import excerpt
+from ..sources import PACKAGE_DIR
+from .limits import MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, _is_dir, _is_file, count_values, deepest
 from .schema import Recipe
+
+
+# A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.
+RECIPE_DIRS = (PACKAGE_DIR.parent / "recipes", PACKAGE_DIR / "recipes")
+# recipes/accelerate/ holds Accelerate's own config files (`accelerate launch --config_file`), not recipes.
+ACCELERATE_CONFIGS = "accelerate"
 
 
 class RecipeError(VitFinetuneError):
@@ -309,8 +316,9 @@ def validate(data: dict[str, Any], source: str = "recipe", overridden: tuple[str
         raise RecipeError(problems, source) from None
 
 
-def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
-    """Find, read, override and validate a recipe; with no name, the schema's defaults."""
+def load_recipe(name_or_path: str | None, overrides: list[str] = (), notes: list[str] | None = None) -> Recipe:
+    """Find, read, override and validate a recipe; with no name, the schema's defaults. `notes` receives a line for
+    each key the recipe spells the older way, saying how it was read (a run says them once)."""
     data: dict[str, Any] = {}
     source = "recipe"
     if name_or_path:
@@ -319,7 +327,11 @@ def load_recipe(name_or_path: str | None, overrides: list[str] = ()) -> Recipe:
     overridden = tuple(override.partition("=")[0].strip() for override in overrides)
     if overridden:
         source = f"{source} with the command line's overrides"
-    return validate(apply_overrides(data, list(overrides)), source, overridden)
+    data = apply_overrides(data, list(overrides))
+    recipe = validate(data, source, overridden)
+    if notes is not None:
+        notes.extend(older_spellings(data))
+    return recipe
 
 
 def to_yaml(recipe: Recipe) -> str:

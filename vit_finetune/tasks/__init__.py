@@ -4,6 +4,7 @@ task is one module and one entry in TASKS."""
 
 from __future__ import annotations
 
+from ..recipe import TrainSettings
 from .base import Answers, SplitPredictions, Task
 from .multi_label import MultiLabel
 from .regression import Regression
@@ -17,9 +18,10 @@ BY_PROBLEM_TYPE: dict[str | None, type[Task]] = {
 __all__ = ["TASKS", "Answers", "MultiLabel", "Regression", "SingleLabel", "SplitPredictions", "Task", "for_training", "of_config", "of_metrics"]
 
 
-def of_config(config) -> Task:
-    """The task of a saved (or just built) model, from its config.problem_type."""
-    return BY_PROBLEM_TYPE.get(getattr(config, "problem_type", None), SingleLabel).from_config(config)
+def of_config(config, train: TrainSettings | None = None) -> Task:
+    """The task of a saved (or just built) model, from its config.problem_type; `train`: its run's train section, to
+    evaluate on the run's own split as the run did (Task.from_config)."""
+    return BY_PROBLEM_TYPE.get(getattr(config, "problem_type", None), SingleLabel).from_config(config, train)
 
 
 def of_metrics(metrics: dict) -> type[Task]:
@@ -29,11 +31,8 @@ def of_metrics(metrics: dict) -> type[Task]:
     return BY_PROBLEM_TYPE.get(metrics.get("task"), SingleLabel)
 
 
-def name_of(splits) -> str:
-    """The task the loaded data holds (data.load_splits, streaming.open_streams decided it from data.task)."""
-    return getattr(splits, "task", None) or ("multi_label" if splits.multi_label else "single_label")
-
-
-def for_training(splits, loss_kind: str = "mse") -> Task:
-    """The task of a new run, with what it learns from the training split (a regression's standardisation)."""
-    return TASKS[name_of(splits)].for_training(splits, loss_kind)
+def for_training(splits, train: TrainSettings) -> Task:
+    """The task of a new run, as the loaded data holds it (data.task, or what the data showed), with what it learns
+    from the training split (a regression's standardisation) and the recipe's train section (multi-label's rule for
+    its thresholds, a regression's loss)."""
+    return TASKS[splits.task].for_training(splits, train)

@@ -9,9 +9,11 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import balance, pictures
+from .. import pictures
 from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
+from ..data import balance
 from ..evaluation import SplitPredictions
+from ..recipe import TrainSettings
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Answers:
     kind: str  # what the agreement counts, in words
     decide: Callable[[torch.Tensor], torch.Tensor]
     matches: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    real: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
+    kept: Callable[[torch.Tensor], torch.Tensor]  # labels -> the images not skipped as unreadable
     metric: str = "accuracy"  # what `score` measures, as metrics.json names it
     metric_name: str = "accuracy"  # ... and as the console writes it
     # (answers, labels) -> each image's score; None: 1 where the answer matches the label, else 0
@@ -41,7 +43,7 @@ class Task:
     name: ClassVar[str]  # the recipe's data.task value
     problem_type: ClassVar[str | None]  # config.problem_type (None: transformers' single-label default)
     selection_metric: ClassVar[str]  # chooses raw against EMA weights when train.keep_best is not set
-    keep_best_metrics: ClassVar[frozenset[str]]  # the train.keep_best names this task measures
+    keep_best_metrics: ClassVar[frozenset[str]]  # the train.keep_best names this task measures (metric_goals.py)
     ema_compared: ClassVar[str] = "accuracy"  # the metric the card gives for the raw and the EMA weights
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
@@ -52,13 +54,15 @@ class Task:
     distills: ClassVar[bool] = False
 
     @classmethod
-    def for_training(cls, splits, loss_kind: str) -> Task:
-        """The task of a new run on `splits` (data.Splits), with what it learns from the training split."""
+    def for_training(cls, splits, train: TrainSettings) -> Task:
+        """The task of a new run on `splits` (data.Splits), with what it learns from the training split and what the
+        recipe's train section says of it."""
         return cls()
 
     @classmethod
-    def from_config(cls, config) -> Task:
-        """The task of a saved model, with what it carries in its config."""
+    def from_config(cls, config, train: TrainSettings | None = None) -> Task:
+        """The task of a saved model, with what it carries in its config; `train`: its run's train section, where
+        evaluating on its run's own split chooses what the final evaluation chose, as it chose it."""
         return cls()
 
     def configure(self, config) -> None:
@@ -70,8 +74,8 @@ class Task:
 
     # ------------------------------------------------------------ training
 
-    def real(self, labels: torch.Tensor) -> torch.Tensor:
-        """Which images of a batch hold a label: False for one skipped as unreadable (it kept its place)."""
+    def kept(self, labels: torch.Tensor) -> torch.Tensor:
+        """Which images of a batch are kept, holding a label: False for one skipped as unreadable (it kept its place)."""
         raise NotImplementedError
 
     def per_image_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -114,16 +118,17 @@ class Task:
         """(what the split keeps of each image's output, its reference, its loss) for one batch, on the device."""
         raise NotImplementedError
 
-    def joined(self, batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
+    def predictions_of(self, batches: list[tuple[torch.Tensor, ...]], k: int) -> SplitPredictions:
         """SplitPredictions from per-batch batch_outputs, in order, on the CPU."""
         raise NotImplementedError
 
-    def first_part(self, predictions: SplitPredictions) -> torch.Tensor:
-        """What batch_outputs gave first, for gathering a split's shares (streaming) back through joined()."""
+    def kept_outputs(self, predictions: SplitPredictions) -> torch.Tensor:
+        """What the split keeps of each image's output (batch_outputs' first part), for gathering a split's shares
+        (streaming) back through predictions_of()."""
         return predictions.ranked
 
-    def report(self, predictions: SplitPredictions, labels: list[str], rule) -> dict:
-        """Everything metrics.json says of a split's predictions; `rule`: multilabel.ThresholdRule, where used."""
+    def report(self, predictions: SplitPredictions, labels: list[str]) -> dict:
+        """Everything metrics.json says of a split's predictions."""
         raise NotImplementedError
 
     def headline(self, metrics: dict) -> str:
@@ -140,7 +145,7 @@ class Task:
         """Each output's value for predict, explain and the page."""
         raise NotImplementedError
 
-    def given(self, scores: list[float], labels: list[str], top_k: int | None) -> list[tuple[str, float]]:
+    def labels_given(self, scores: list[float], labels: list[str], top_k: int | None) -> list[tuple[str, float]]:
         """What the model gives one image, best first: (label or target name, score or value) pairs."""
         raise NotImplementedError
 
@@ -182,7 +187,7 @@ class Task:
     # evaluate --dataset matches another dataset's labels to the model's by name; a task that cannot says why here
     other_dataset_refusal: ClassVar[str | None] = None
     label_encoding: ClassVar[str] = "class"  # data.TARGET_ENCODINGS: how its labels reach the loss
-    ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what `given` decides (thresholds, targets)
+    ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what labels_given decides (thresholds, targets)
 
     def saved_thresholds(self) -> dict[str, float] | None:
         """The per-label thresholds the model decides by, if its task has them (explain draws them)."""

@@ -1,5 +1,5 @@
-"""Multi-label classification: a set of labels per image, a sigmoid per class and a threshold per class
-(the arithmetic lives in vit_finetune/multilabel.py)."""
+"""Multi-label classification: a set of labels per image, a sigmoid per class and a threshold per class, chosen by
+the task's own rule (the arithmetic lives in label_sets.py)."""
 
 from __future__ import annotations
 
@@ -9,37 +9,41 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import multilabel, pictures
+from .. import pictures
 from ..data import DataError
 from ..layout import PRECISION_RECALL_FILE
+from ..metric_goals import MULTI_LABEL_GOALS
+from ..recipe import TrainSettings
 from ..text import printable
+from . import label_sets
 from .base import SKIPPED, Answers, SplitPredictions, Task
+from .label_sets import ThresholdRule
 
 
 class MultiLabel(Task):
     name = "multi_label"
-    problem_type = multilabel.PROBLEM_TYPE  # pipeline() applies a sigmoid per class for it
+    problem_type = label_sets.PROBLEM_TYPE  # pipeline() applies a sigmoid per class for it
     selection_metric = "eval_map"  # exact match is too coarse to rank by
-    keep_best_metrics = frozenset({"eval_accuracy", "eval_macro_f1", "eval_loss", "eval_map", "eval_micro_f1"})
+    keep_best_metrics = frozenset(MULTI_LABEL_GOALS)
     metric_names = {"accuracy": "Exact-match accuracy", "macro_f1": "Macro F1", "map": "mAP", "micro_f1": "Micro F1"}
     curve = ("eval_accuracy", "Eval exact-match accuracy", (0, 1))
     label_sets = True
     label_encoding = "set"
     ranks = False
 
-    def real(self, labels):
+    def kept(self, labels):
         return labels[:, 0] != SKIPPED
 
     def per_image_loss(self, logits, labels):
-        return multilabel.per_image_loss(logits, labels)
+        return label_sets.per_image_loss(logits, labels)
 
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
-        return multilabel.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
+        return label_sets.loss(logits, targets if soft_targets is None else soft_targets, class_weights,
                                label_smoothing)
 
     def mixed_targets(self, labels, own, partner, partner_weight, num_classes, label_smoothing):
-        """Blended 0/1 rows (multilabel.mixed_rows); the loss applies label smoothing to them as to unmixed rows."""
-        return multilabel.mixed_rows(labels, own, partner, partner_weight)
+        """Blended 0/1 rows (label_sets.mixed_rows); the loss applies label smoothing to them as to unmixed rows."""
+        return label_sets.mixed_rows(labels, own, partner, partner_weight)
 
     def flat_image_suspect(self, label):
         """A blank image with no label is a deliberate negative (docs/multilabel.md); one holding labels is not."""
@@ -55,7 +59,7 @@ class MultiLabel(Task):
         rows = torch.zeros(len(splits.train), len(splits.labels))
         for row, class_ids in zip(rows, splits.train[splits.label_column]):
             row[class_ids] = 1
-        return None, multilabel.positive_weights(rows)
+        return None, label_sets.positive_weights(rows)
 
     def probe_weights(self, labels, class_weights):
         """1 each: its class weights are BCE's positive weights, which weigh a label's positives, not an image."""
@@ -68,22 +72,24 @@ class MultiLabel(Task):
     def batch_outputs(self, logits, labels, k):
         return logits.sigmoid(), labels, self.per_image_loss(logits, labels)
 
-    def joined(self, batches, k):
+    def predictions_of(self, batches, k):
         if not batches:
             return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long),
                                     torch.empty(0))
         scores, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
         return SplitPredictions(scores.topk(k, dim=-1).indices, references, losses, scores=scores)
 
-    def first_part(self, predictions):
+    def kept_outputs(self, predictions):
         return predictions.scores
 
-    def report(self, predictions, labels, rule):
-        kept = predictions.kept_for_metrics()
+    def report(self, predictions, labels):
+        """The metrics at thresholds chosen by the task's rule (a new run's, or its run's own split again: chosen
+        for train.threshold_metric on the eval split; another split: the model's saved thresholds)."""
+        kept, rule = predictions.kept_for_metrics(), self.rule
         if rule.holdout is not None and rule.fixed is None and int(kept.sum()) < 2:
             raise DataError(f"train.threshold_holdout={rule.holdout} splits the eval images in two, but there is "
                             f"{int(kept.sum())}; evaluate on more images or set train.threshold_holdout=null")
-        metrics = multilabel.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+        metrics = label_sets.summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
                                        predictions.losses[kept].numpy(), labels, rule)
         metrics["eval_skipped_images"] = int((~kept).sum())
         return metrics
@@ -94,23 +100,29 @@ class MultiLabel(Task):
 
     def draw(self, predictions, dataset, labels, folder, metrics):
         kept = predictions.kept.numpy()
-        multilabel.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
+        pictures.draw_precision_recall(predictions.scores[kept].double().numpy(), predictions.references[kept].numpy(),
                                          labels, metrics.get("thresholds"), Path(folder) / PRECISION_RECALL_FILE)
         return [PRECISION_RECALL_FILE]
 
     def scores(self, logits):
         return logits.sigmoid()
 
-    def given(self, scores, labels, top_k):
-        return multilabel.labels_given(scores, labels, self.thresholds, top_k)
+    def labels_given(self, scores, labels, top_k):
+        return label_sets.labels_given(scores, labels, self.thresholds, top_k)
 
-    def __init__(self, labels: list[str] | None = None, thresholds: list[float] | None = None):
+    def __init__(self, labels: list[str] | None = None, thresholds: list[float] | None = None,
+                 rule: ThresholdRule | None = None):
         self.labels, self.thresholds = labels or [], thresholds or []  # saved with a model; a new one has none yet
+        self.rule = rule or ThresholdRule(fixed=tuple(self.thresholds))  # how report() comes to its thresholds
 
     @classmethod
-    def from_config(cls, config) -> MultiLabel:
+    def for_training(cls, splits, train):
+        return cls(rule=choosing(train))
+
+    @classmethod
+    def from_config(cls, config, train=None) -> MultiLabel:
         labels = [config.id2label[i] for i in range(config.num_labels)]
-        return cls(labels, multilabel.saved_thresholds(config, labels))
+        return cls(labels, label_sets.saved_thresholds(config, labels), None if train is None else choosing(train))
 
     def saved_thresholds(self):
         return dict(zip(self.labels, self.thresholds))
@@ -132,7 +144,7 @@ class MultiLabel(Task):
 
     def finish_config(self, config, metrics: dict) -> None:
         """The thresholds chosen on the eval split travel with the model (predict reads them)."""
-        setattr(config, multilabel.THRESHOLDS_KEY, metrics["thresholds"])
+        setattr(config, label_sets.THRESHOLDS_KEY, metrics["thresholds"])
 
     def write_csv(self, rows, path, top_k, open_writer):
         """Each image's labels over their thresholds and their scores, ';'-joined."""
@@ -149,9 +161,15 @@ class MultiLabel(Task):
 
     @classmethod
     def card_section(cls, metrics, escape):
-        return multilabel.card_section(metrics, escape)
+        return label_sets.card_section(metrics, escape)
 
     def answers(self, config):
         thresholds = torch.tensor(np.asarray(self.thresholds, dtype=np.float32))
         return Answers("label-set", lambda logits: logits.sigmoid() >= thresholds,
-                       lambda a, b: (a == b.bool()).all(-1), self.real, metric_name="exact-match accuracy")
+                       lambda a, b: (a == b.bool()).all(-1), self.kept, metric_name="exact-match accuracy")
+
+
+def choosing(train: TrainSettings) -> ThresholdRule:
+    """The rule a run's train section sets: each threshold chosen on the eval split for train.threshold_metric (on a
+    seeded train.threshold_holdout share of it, the metrics then on the rest)."""
+    return ThresholdRule(train.threshold_metric, train.threshold_holdout, train.seed)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import layout, pictures
+from ..metric_goals import REGRESSION_GOALS
 from ..text import printable
 from .base import Answers, SplitPredictions, Task
 
@@ -31,7 +32,7 @@ class Regression(Task):
     name = "regression"
     problem_type = PROBLEM_TYPE
     selection_metric = "eval_rmse"
-    keep_best_metrics = frozenset({"eval_mae", "eval_rmse", "eval_r2", "eval_loss"})
+    keep_best_metrics = frozenset(REGRESSION_GOALS)
     ema_compared = "rmse"
     metric_names = {"mae": "MAE", "rmse": "RMSE", "r2": "R²"}
     curve = ("eval_rmse", "Eval RMSE", None)
@@ -58,11 +59,11 @@ class Regression(Task):
         return cls(values.mean(axis=0).tolist(), np.where(std > 0, std, 1.0).tolist(), loss_kind)
 
     @classmethod
-    def for_training(cls, splits, loss_kind):
-        return cls.from_targets(np.asarray(splits.train[splits.label_column], dtype=np.float64), loss_kind)
+    def for_training(cls, splits, train):
+        return cls.from_targets(np.asarray(splits.train[splits.label_column], dtype=np.float64), train.regression_loss)
 
     @classmethod
-    def from_config(cls, config) -> Regression:
+    def from_config(cls, config, train=None) -> Regression:
         count = config.num_labels
         return cls(getattr(config, MEAN_KEY, None) or [0.0] * count, getattr(config, STD_KEY, None) or [1.0] * count,
                    getattr(config, LOSS_KEY, None) or "mse")
@@ -75,23 +76,23 @@ class Regression(Task):
 
     # ------------------------------------------------------------ training
 
-    def real(self, labels):
+    def kept(self, labels):
         """A skipped image's row is NaN."""
         return ~labels[:, 0].float().isnan()
 
     def per_image_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The loss of each image on the standardised scale, the mean over targets; 0 for a skipped image (NaN row)."""
-        real = self.real(targets)
+        kept = self.kept(targets)
         standard = (targets.float().nan_to_num() - self.mean.to(logits.device)) / self.std.to(logits.device)
         if self.loss_kind == "huber":
             per_value = torch.nn.functional.huber_loss(logits.float(), standard, reduction="none", delta=1.0)
         else:
             per_value = torch.nn.functional.mse_loss(logits.float(), standard, reduction="none")
-        return per_value.mean(dim=-1) * real
+        return per_value.mean(dim=-1) * kept
 
     def loss(self, logits, targets, soft_targets, class_weights, label_smoothing):
         """The mean over the batch's real images; 0 with a zero gradient when all were skipped."""
-        total = self.real(targets).float().sum()
+        total = self.kept(targets).float().sum()
         return self.per_image_loss(logits, targets).sum() / torch.where(total > 0, total, torch.ones_like(total))
 
     # ------------------------------------------------------------ evaluation
@@ -103,7 +104,7 @@ class Regression(Task):
     def batch_outputs(self, logits, labels, k):
         return self.values(logits), labels, self.per_image_loss(logits, labels)
 
-    def joined(self, batches, k):
+    def predictions_of(self, batches, k):
         if not batches:
             return SplitPredictions(torch.empty(0, 0, dtype=torch.long), torch.empty(0, len(self.mean)),
                                     torch.empty(0), scores=torch.empty(0, len(self.mean)))
@@ -111,10 +112,10 @@ class Regression(Task):
         return SplitPredictions(torch.empty(len(values), 0, dtype=torch.long), references.float(), losses,
                                 scores=values)
 
-    def first_part(self, predictions):
+    def kept_outputs(self, predictions):
         return predictions.scores
 
-    def report(self, predictions, labels, rule):
+    def report(self, predictions, labels):
         kept = predictions.kept_for_metrics()
         metrics = summarise(predictions.scores[kept].double().numpy(), predictions.references[kept].double().numpy(),
                             labels)
@@ -138,7 +139,7 @@ class Regression(Task):
     def scores(self, logits):
         return self.values(logits)
 
-    def given(self, scores, labels, top_k):
+    def labels_given(self, scores, labels, top_k):
         """Every target's value, in the targets' order (there is nothing to rank)."""
         return list(zip(labels, scores))
 
@@ -197,7 +198,7 @@ class Regression(Task):
         tolerance = AGREEMENT_SHARE_OF_STD * self.std
         largest_std = float(self.std.max()) if len(self.std) else 1.0
         return Answers(f"values within {AGREEMENT_SHARE_OF_STD:.0%} of each target's std",
-                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1), self.real,
+                       self.values, lambda a, b: ((a - b.float()).abs() <= tolerance).all(-1), self.kept,
                        metric="mae", metric_name="MAE", score=lambda a, b: (a - b.float()).abs().mean(-1),
                        in_own_terms=lambda difference: (f", at most {difference * largest_std:.3g} in the targets' "
                                                         "units (x target_std)"))

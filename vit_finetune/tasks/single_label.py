@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .. import evaluation, pictures
+from ..metric_goals import SINGLE_LABEL_GOALS
 from .base import SKIPPED, Answers, SplitPredictions, Task
 
 DEFAULT_TOP_K = 5  # the labels predict lists per image when --top-k is not given
@@ -16,13 +17,13 @@ class SingleLabel(Task):
     name = "single_label"
     problem_type = None
     selection_metric = "eval_accuracy"
-    keep_best_metrics = frozenset({"eval_accuracy", "eval_top5_accuracy", "eval_macro_f1", "eval_loss"})
+    keep_best_metrics = frozenset(SINGLE_LABEL_GOALS)
     metric_names = {"accuracy": "Accuracy", "top5_accuracy": "Top-5 accuracy", "macro_f1": "Macro F1"}
     curve = ("eval_accuracy", "Eval accuracy", (0, 1))
     distills = True
     wise_ft_measured = True
 
-    def real(self, labels):
+    def kept(self, labels):
         return labels != SKIPPED
 
     def per_image_loss(self, logits, labels):
@@ -59,14 +60,14 @@ class SingleLabel(Task):
     def batch_outputs(self, logits, labels, k):
         return logits.topk(k, dim=-1).indices, labels, self.per_image_loss(logits, labels)
 
-    def joined(self, batches, k):
+    def predictions_of(self, batches, k):
         if not batches:
             return SplitPredictions(torch.empty(0, k, dtype=torch.long), torch.empty(0, dtype=torch.long),
                                     torch.empty(0))
         ranked, references, losses = (torch.cat([part.cpu() for part in parts]) for parts in zip(*batches))
         return SplitPredictions(ranked, references, losses)
 
-    def report(self, predictions, labels, rule):
+    def report(self, predictions, labels):
         metrics = evaluation.summarise(predictions, len(labels))
         if "confusion_matrix" in metrics:
             metrics.update(evaluation.label_report(metrics["confusion_matrix"], labels))
@@ -87,7 +88,7 @@ class SingleLabel(Task):
     def scores(self, logits):
         return logits.softmax(-1)
 
-    def given(self, scores, labels, top_k):
+    def labels_given(self, scores, labels, top_k):
         ranked = sorted(range(len(scores)), key=lambda index: -scores[index])[:top_k or DEFAULT_TOP_K]
         return [(labels[index], scores[index]) for index in ranked]
 
@@ -110,7 +111,7 @@ class SingleLabel(Task):
         return f"### Per class\n| class | precision | recall | F1 | eval images |\n|---|---|---|---|---|\n{rows}\n"
 
     def answers(self, config):
-        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b, self.real)
+        return Answers("top-1", lambda logits: logits.argmax(-1), lambda a, b: a == b, self.kept)
 
 
 def evaluate_model(model, loader, accelerator, normalize, num_classes: int) -> dict:

@@ -1,8 +1,6 @@
-"""Final outputs: model (safetensors), image processor, recipe, metrics, curves and model card.
-
-Everything is written into a staging folder first and moved into `output_dir` file by file, with
-`metrics.json` last: its presence is what marks a finished run, so a crash mid-export never leaves a
-folder that looks finished.
+"""The model card (README.md of an output folder): what the model is, how to use it, its results and pictures, and
+how it was trained, every string a user gave written in as inert Markdown; and the card's usage lines, which a later
+push points at the repo it went to.
 """
 
 from __future__ import annotations
@@ -10,39 +8,26 @@ from __future__ import annotations
 import html
 import json
 import re
-import shutil
-import statistics
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from . import distill, methods, tasks
 from .data import alpha_card_text
 from .families import FAMILIES
-from .layout import (ADAPTER_DIR, CARD_FILE, CONFUSION_FILE, CURVES_FILE, HISTORY_FILE, METRICS_FILE, MISCLASSIFIED_FILE,
-                     PICTURE_FILES, POSITION_FILE, PRECISION_RECALL_FILE, PREDICTED_VS_TRUE_FILE, PROCESSOR_FILE,
-                     RECIPE_FILE, RUN_INFO_FILE, STAGING, move_into, record)
-from .outputs import OutputDirError, drop_previous_run, set_previous_run_aside, unwritable
-from .recipe import Recipe, write_recipe
-from .recipe.limits import REPO_ID_PATTERN
+from .layout import (ADAPTER_DIR, CONFUSION_FILE, CURVES_FILE, MISCLASSIFIED_FILE, POSITION_FILE, PRECISION_RECALL_FILE,
+                     PREDICTED_VS_TRUE_FILE, RECIPE_FILE, RUN_INFO_FILE)
+from .recipe import Recipe
+from .sources import REPO_ID_PATTERN
 from .text import printable
 
-VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
-# What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
-TRAINING_ONLY_METRICS = ("steps", "skipped_images", "labels_without_train_images", "train_images_without_labels",
-                         "distillation", "method", "probe")
+
+
 def metric_names(metrics: dict) -> dict[str, str]:
     """The card's name of each metric, as the task the metrics were measured for names them."""
     return tasks.of_metrics(metrics).metric_names
-
-
-def is_finished(output_dir: Path) -> bool:
-    return (Path(output_dir) / METRICS_FILE).is_file()
 
 
 def is_hub_id(value: str) -> bool:
@@ -50,47 +35,6 @@ def is_hub_id(value: str) -> bool:
     return not Path(value).expanduser().exists() and not value.startswith((".", "/", "~")) and bool(
         REPO_ID_PATTERN.match(value)
     )
-
-
-def plot_curves(history: list[dict], path: Path, task: type[tasks.Task] = tasks.SingleLabel) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training machines
-    import matplotlib.pyplot as plt
-
-    train = [h for h in history if "loss" in h]
-    key, title, limits = task.curve  # the task's own metric: accuracy, or a regression's RMSE
-    evals = [h for h in history if key in h]
-    figure, (loss_axis, metric_axis) = plt.subplots(1, 2, figsize=(10, 3.5))
-    loss_axis.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss")
-    if evals:
-        loss_axis.plot([h["step"] for h in evals], [h["eval_loss"] for h in evals], "o-", label="eval loss")
-        metric_axis.plot([h["step"] for h in evals], [h[key] for h in evals], "o-", color="tab:green")
-    loss_axis.set(xlabel="optimiser step", ylabel="loss", title="Loss")
-    loss_axis.legend()
-    metric_axis.set(xlabel="optimiser step", ylabel=key.removeprefix("eval_"), title=title)
-    if limits:
-        metric_axis.set_ylim(*limits)
-    figure.tight_layout()
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-
-
-def run_info(device: str, processes: int, mixed_precision: str, history: list[dict], training_seconds: float,
-             resumed_from: Path | None = None, metrics: dict | None = None) -> dict:
-    """How the model was made, beside the recipe: run_info.json and the card's Training section."""
-    rates = [entry["images_per_s"] for entry in history if "images_per_s" in entry]
-    return {
-        "weights": saved_weights(metrics or {}),
-        "training_seconds": round(training_seconds, 1),  # this process's loop only: a resumed run counts its part
-        "resumed_from": str(resumed_from) if resumed_from else None,
-        "device": device,
-        "processes": processes,
-        "mixed_precision": mixed_precision,
-        "images_per_s": round(statistics.median(rates), 1) if rates else None,  # median over the logged windows
-        "versions": {name: metadata.version(name) for name in VERSIONED_PACKAGES},
-        "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
 
 
 # The model goes in as a Python string literal (json.dumps writes one), so no folder name can break out of it.
@@ -297,63 +241,3 @@ def eval_set_text(metrics: dict, recipe: Recipe) -> str:
     return f"{size} eval images, split {markdown_code(metrics.get('eval_split', recipe.data.eval_split))}"
 
 
-def save_image_processor(processor, folder: Path) -> None:
-    """save_pretrained, with preprocessor_config.json naming the class that was used: transformers 5 writes a PIL
-    processor under its family's name (ViTImageProcessorPil as ViTImageProcessor), which a machine with
-    torchvision would load as the torchvision one, not the processor the reported metrics were measured with."""
-    processor.save_pretrained(folder)
-    path = Path(folder) / PROCESSOR_FILE
-    settings = json.loads(path.read_text())
-    settings["image_processor_type"] = type(processor).__name__
-    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
-
-
-def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: dict, history: list[dict],
-                  labels: list[str], adapter_model=None, run_info: dict | None = None,
-                  draw_pictures: Callable[[Path], list[str]] | None = None) -> None:
-    """Stage every final file, then move them into output_dir with metrics.json last."""
-    output_dir = Path(output_dir)
-    staging = output_dir / STAGING
-    record(output_dir, [STAGING])
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    save_image_processor(processor, staging)
-    if adapter_model is not None:
-        adapter_model.save_pretrained(staging / ADAPTER_DIR, safe_serialization=True)
-        # peft writes a stub card whose base_model may be a local path, which the Hub rejects; the root card covers it.
-        (staging / ADAPTER_DIR / CARD_FILE).unlink(missing_ok=True)
-    write_recipe(recipe, staging)
-    (staging / HISTORY_FILE).write_text(json.dumps(history, indent=1))
-    if recipe.pictures:
-        plot_curves(history, staging / CURVES_FILE, tasks.of_metrics(metrics))
-    if run_info is not None:
-        (staging / RUN_INFO_FILE).write_text(json.dumps(run_info, indent=1))
-    if draw_pictures is not None:
-        draw_pictures(staging)
-    pictures = tuple(name for name in (CURVES_FILE, *PICTURE_FILES)
-                     if (staging / name).is_file() or (output_dir / name).is_file())
-    name = recipe.hub.repo_id or output_dir.name
-    model_card(recipe, metrics, labels, name, adapter_model is not None, usage_id(recipe, output_dir), run_info,
-               pictures, model.config.model_type).save(staging / CARD_FILE)
-    (staging / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
-
-    record(output_dir, [entry.name for entry in staging.iterdir()])
-    move_into(staging, output_dir, last=METRICS_FILE)
-    drop_previous_run(output_dir)  # overwrite=true: the run these outputs replace goes only now
-
-
-def begin_outputs(output_dir: Path, recipe: Recipe, overwrite: bool,
-                  draw_positions: Callable[[Path], None] | None = None) -> None:
-    """The run's first writes, once every check before training has passed: with overwrite=true the previous run
-    is set aside first (outputs.set_previous_run_aside), then recipe.yaml and the position-embedding picture."""
-    output_dir = Path(output_dir)
-    if overwrite:
-        set_previous_run_aside(output_dir)
-    try:
-        record(output_dir, [RECIPE_FILE] + ([POSITION_FILE] if draw_positions else []))
-        write_recipe(recipe, output_dir)
-    except OSError as error:
-        raise OutputDirError(unwritable(output_dir, error)) from None
-    if draw_positions is not None:
-        draw_positions(output_dir / POSITION_FILE)

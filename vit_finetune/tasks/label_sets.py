@@ -1,4 +1,4 @@
-"""Multi-label classification: a set of labels per image, a sigmoid per class.
+"""The multi-label task's arithmetic (tasks/multi_label.py): a set of labels per image, a sigmoid per class.
 
 The loss is binary cross-entropy per class (with data.class_balance=weights, each class's positives weighted by
 its negatives / positives). The labels reach the loss as (B, C) rows of 0/1 (-1 for a bad image skipped, which
@@ -16,17 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .figures import pyplot, save_figure
 
 PROBLEM_TYPE = "multi_label_classification"  # config.problem_type: pipeline() applies a sigmoid for it
 THRESHOLDS_KEY = "label_thresholds"  # config.json: {label: threshold}, read by predict
 DEFAULT_THRESHOLD = 0.5
 SKIPPED = -1  # data.SKIPPED_LABEL
 BETAS = {"f1": 1.0, "f2": 2.0, "f0.5": 0.5}  # train.threshold_metric -> the F-beta it maximises
-
-
-def is_multi_label(config) -> bool:
-    return getattr(config, "problem_type", None) == PROBLEM_TYPE
 
 
 # ---------------------------------------------------------------- training
@@ -222,33 +217,3 @@ def unlabelled_text(metrics: dict, escape, shown: int = 20) -> str:
     return text
 
 
-def precision_recall_curve(scores: np.ndarray, truth: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(recall, precision) at each distinct score threshold, highest first."""
-    order = np.argsort(-scores, kind="mergesort")
-    ordered, hits = scores[order], np.cumsum(truth[order])
-    cuts = np.r_[np.flatnonzero(np.diff(ordered)), len(ordered) - 1]
-    return hits[cuts] / max(1, truth.sum()), hits[cuts] / (cuts + 1)
-
-
-def draw_precision_recall(scores: np.ndarray, rows: np.ndarray, labels: list[str], thresholds: dict, path) -> None:
-    """One precision-recall curve per label (up to 20), each with a dot at its chosen threshold."""
-    plt = pyplot()
-    shown = range(min(20, len(labels)))
-    columns = min(5, len(shown))
-    rows_of_plots = -(-len(shown) // columns)
-    figure, axes = plt.subplots(rows_of_plots, columns, figsize=(2.6 * columns, 2.5 * rows_of_plots), squeeze=False)
-    for axis in axes.flat:
-        axis.set_axis_off()
-    for axis, c in zip(axes.flat, shown):
-        axis.set_axis_on()
-        truth = rows[:, c] == 1
-        if truth.any():
-            recall, precision = precision_recall_curve(scores[:, c], truth)
-            axis.step(recall, precision, where="post")
-            chosen = scores[:, c] >= thresholds[labels[c]]
-            hits = (chosen & truth).sum()
-            axis.plot(hits / truth.sum(), hits / max(1, chosen.sum()), "o", color="tab:red")
-        axis.set(xlim=(0, 1.02), ylim=(0, 1.02), title=str(labels[c])[:24], xlabel="recall", ylabel="precision")
-    figure.suptitle("Precision-recall per label (dot: the chosen threshold)")
-    figure.tight_layout()
-    save_figure(figure, path, dpi=80)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .recipe import DataSettings
-from .recipe.limits import excerpt
+from ..recipe import DataSettings
+from ..errors import excerpt
 
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
 # A label file's or a dataset's label column, when data.label_column does not name it (cls: WebDataset).
@@ -81,7 +81,7 @@ READERS: dict[str, Callable[[Path], Iterator[Row | str]]] = {".csv": read_csv, "
 
 
 class LabelFileError(ValueError):
-    """Problems found in a label file; data/splits.py reports them as a DataError."""
+    """Problems found in a label file; data/opening.py reports them as a DataError."""
 
 
 def label_file_of(source: Path) -> Path | None:
@@ -132,6 +132,15 @@ def choose_column(columns: list[str], wanted: str | None, names: tuple[str, ...]
         raise LabelFileError(f"no {kind} column among the label file's columns {columns}; name one "
                              f"{' or '.join(names[:3])}, or set {key}=<column>")
     return found[0]
+
+
+# data.task's word on label sets: multi_label, a set per image; single_label, one label; auto: the data says.
+LABEL_SETS_OF_TASK = {"multi_label": True, "single_label": False}
+
+
+def label_sets_chosen(settings: DataSettings) -> bool | None:
+    """Whether data.task says each image holds a set of labels (True) or one (False); None: auto, the data says."""
+    return LABEL_SETS_OF_TASK.get(settings.task)
 
 
 @dataclass
@@ -233,7 +242,8 @@ def read_label_file(path: Path, settings: DataSettings) -> LabelTable:
                             "be read as one label; write it one way throughout (as text or as a number)")
     problems += label_set_problems(table, settings, unlabelled_lines, label_column)
     refuse_problems(path, problems)
-    table.multi_label = table.multi_label if settings.multi_label is None else settings.multi_label
+    chosen = label_sets_chosen(settings)
+    table.multi_label = table.multi_label if chosen is None else chosen
     table.rows_without_labels = len(unlabelled_lines)
     table.names = sorted({value for values in table.labels for value in values})
     fraction = fractional_labels(table) if settings.task == "auto" else None
@@ -310,8 +320,8 @@ def load_target_file(path: Path, settings: DataSettings):
 def label_set_problems(table: LabelTable, settings: DataSettings, unlabelled_lines: list[int],
                        label_column: str) -> list[str]:
     """Rows that only a multi-label run can take: several labels, or none (an empty set), in a run that is not."""
-    multi = table.multi_label if settings.multi_label is None else settings.multi_label
-    if multi:
+    chosen = label_sets_chosen(settings)
+    if table.multi_label if chosen is None else chosen:
         return []
     problems = [f"line {line}: no label in column {label_column!r}; an image with none of the labels needs "
                 "data.multi_label=true (a set of labels per image, which may be empty), or remove the row"
@@ -325,8 +335,8 @@ def label_set_problems(table: LabelTable, settings: DataSettings, unlabelled_lin
 
 def multi_label_note(table: LabelTable, path: Path, settings: DataSettings) -> str | None:
     """The console's word on a label file detected as multi-label: which cell made it so, and how to keep one label
-    per image (None when the recipe chose with data.multi_label, or the file is single-label)."""
-    if settings.multi_label is not None or table.first_label_set is None:
+    per image (None when the recipe chose with data.task, or the file is single-label)."""
+    if label_sets_chosen(settings) is not None or table.first_label_set is None:
         return None
     line, cell = table.first_label_set
     joined = isinstance(cell, str) and not cell.lstrip().startswith("[")
@@ -369,7 +379,7 @@ def check_path(cell: Any, folder: Path, column: str, where: str, problems: list[
 def load_label_file(path: Path, settings: DataSettings, notes: list[str] | None = None):
     """A DatasetDict (the file's path and label columns) from a checked label file: one split per `split` value, else
     data.train_split. Labels are a ClassLabel, or a list of ClassLabel for a multi-label file (rows holding lists, or
-    data.multi_label=true), where a row may hold none. What the run should say of the file is added to `notes`."""
+    data.task=multi_label), where a row may hold none. What the run should say of the file is added to `notes`."""
     import datasets
 
     table = read_label_file(path, settings)

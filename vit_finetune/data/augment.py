@@ -1,5 +1,5 @@
 """Batch augmentation on the device, DeiT's toolbox through kornia: a policy (RandAugment or TrivialAugment),
-random erasing, then Mixup or CutMix, whose targets the task mixes (Task.mixed_targets: soft targets for class ids).
+random erasing, then Mixup or CutMix, whose targets the task mixes (its mixed_targets: soft targets for class ids).
 
 It runs on whole training batches after they reach the device, on pixels in [0, 1] before the mean/std
 normalisation; evaluation never passes through it. Its randomness comes from a generator seeded by
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .recipe import AugmentSettings
+from ..recipe import AugmentSettings
 
-if TYPE_CHECKING:  # annotations only: the augmenter asks the task for a mixed batch's targets
-    from .tasks import Task
+# (labels, own, partner, partner_weight, num_classes, label_smoothing) -> a mixed batch's targets: the task's
+# mixed_targets, which knows what its labels are
+MixTargets = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
 
 
 def _kornia():
@@ -57,12 +58,12 @@ class BatchAugmenter:
     mixed)."""
 
     def __init__(self, settings: AugmentSettings, num_classes: int, seed: int, total_epochs: int,
-                 process_index: int = 0, label_smoothing: float = 0.0, *, task: Task):
+                 process_index: int = 0, label_smoothing: float = 0.0, *, mix_targets: MixTargets):
         self.settings = settings
         self.num_classes = num_classes
         self.seed, self.process_index = seed, process_index
         self.label_smoothing = label_smoothing
-        self.task = task  # turns a mixed batch's pairs into its targets
+        self.mix_targets = mix_targets  # turns a mixed batch's pairs into its targets
         self.mix_until_epoch = total_epochs - settings.mix_off_epochs  # epochs from here on are never mixed
         make_policy = POLICIES[settings.policy]
         self.policy = make_policy(settings) if make_policy else None
@@ -94,9 +95,9 @@ class BatchAugmenter:
             # batch's shape alone, and its (own, partner, lambda) rows then say which images each one blends.
             pixels, mixed = self.mixes[mix](pixels, torch.arange(len(labels), device=labels.device))
         mixed = mixed.view(-1, 3)
-        return pixels, self.task.mixed_targets(labels, mixed[:, 0].long(), mixed[:, 1].long(),
-                                               MIXES[mix].partner_weight(mixed[:, 2]).float(), self.num_classes,
-                                               self.label_smoothing)
+        return pixels, self.mix_targets(labels, mixed[:, 0].long(), mixed[:, 1].long(),
+                                        MIXES[mix].partner_weight(mixed[:, 2]).float(), self.num_classes,
+                                        self.label_smoothing)
 
     def choose_mix(self, epoch: int) -> str | None:
         """Which mix this batch gets, drawn from the seeded global generator inside __call__; None: not mixed."""

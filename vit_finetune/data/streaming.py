@@ -1,7 +1,7 @@
 """Streaming (data.streaming=true): train and evaluate from parquet shards read while training, from a Hub dataset
 or a local folder, for datasets larger than the disk.
 
-Each process reads its own share of a split (datasets.distributed.split_dataset_by_node: whole shards when the shard
+The shards are checked and named by shards.py. Each process reads its own share of a split (datasets.distributed.split_dataset_by_node: whole shards when the shard
 count is a multiple of the process count, every n-th row otherwise) as an endless series of passes, each shuffled
 with a seeded buffer (IterableDataset.shuffle, set_epoch(pass)). The main process reads the stream and only hands
 the encoded rows out; DataLoader workers decode and augment them as data/loaders.py does for a map-style dataset.
@@ -11,7 +11,7 @@ pass, its place in the stream) alone.
 Exact resume. IterableDataset.state_dict() is not enough: datasets documents that a shuffle buffer's content is not
 in it (a resumed stream refills its buffer from later rows), and a DataLoader reads ahead of training, so the
 dataset's state when a checkpoint is written is not the position of the rows trained on. A checkpoint therefore
-stores each process's position as (pass, rows of that pass trained on); a resume reads that pass again from its
+stores each process's position as (pass, rows of that pass trained on: loop.StreamPositions); a resume reads that pass again from its
 start and fast-forwards over those rows without decoding them: the same buffer, the same next batch. The cost: up to
 one pass over the process's shards read again (bytes only).
 """
@@ -19,28 +19,22 @@ one pass over the process's shards read again (bytes only).
 from __future__ import annotations
 
 import itertools
-import json
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from PIL import Image
 from torch.utils.data import Sampler
 
-from . import data, evaluation, hub
-from .callbacks import Callback
-from .checkpoint import CheckpointError
-from .data import CONTENT_HASH_LIMIT_BYTES, DataError, files_digest
-from .layout import STREAM_POSITION_FILE
-from .processes import any_process
-from .recipe import DataSettings, Recipe
-from .recipe.limits import excerpt
-
-# The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls
-# label per sample key; their labels are plain integers, named by data.label_names).
-SHARD_SUFFIXES = (".parquet", ".tar")
+from ..errors import excerpt
+from ..recipe import DataSettings, Recipe
+from . import loaders
+from .errors import DataError
+from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
+from .shards import SHARD_SUFFIXES, check_shards, online_unless_the_user_is_offline, shard_identity
+from .opening import is_local
+from .splits import IMAGE_COLUMN_NAMES, detect_column, is_label_set, target_encoding
 
 
 @dataclass
@@ -57,7 +51,8 @@ class StreamedSplits:
     eval_rows: int | None
     identity: dict  # the labels and the shards read, as each checkpoint records them
     image_folders: tuple[Path, ...] | None  # None: a local stream's path-only cells are read; a Hub stream's never
-    multi_label: bool = False  # each row's label is a list of class ids (a set of labels, possibly empty)
+    task: str = "single_label"  # multi_label: each row's label is a list of class ids (a set, possibly empty)
+    notes: list[str] = field(default_factory=list)  # what the run should say of the data before it trains (none yet)
 
 
 @dataclass
@@ -69,12 +64,6 @@ class Position:
 
 
 # ---------------------------------------------------------------- opening
-
-
-def online_unless_the_user_is_offline():
-    """Every process reads its own shards, so every process may talk to the Hub while opening and reading them, even
-    one the run kept offline (hub.offline_unless); only the user's HF_HUB_OFFLINE keeps them all offline."""
-    return hub.hub_offline(hub.offline_by_user())
 
 
 def unsupported(settings: DataSettings, why: str) -> DataError:
@@ -127,12 +116,13 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
         train = builder.as_streaming_dataset(split=settings.train_split)
         evaluation_stream = builder.as_streaming_dataset(split=eval_split)
     features = train.features
-    image_column = data.detect_column(features, settings.image_column, "image", data.IMAGE_COLUMN_NAMES, datasets.Image)
-    label_column = data.detect_column(features, settings.label_column, "label", data.LABEL_COLUMN_NAMES,
+    image_column = detect_column(features, settings.image_column, "image", IMAGE_COLUMN_NAMES, datasets.Image)
+    label_column = detect_column(features, settings.label_column, "label", LABEL_COLUMN_NAMES,
                                       datasets.ClassLabel)
     labels = class_names(features[label_column], label_column, settings)
-    multi_label = data.is_label_set(features[label_column]) if settings.multi_label is None else settings.multi_label
-    if data.is_label_set(features[label_column]) and not multi_label:
+    chosen = label_sets_chosen(settings)
+    multi_label = is_label_set(features[label_column]) if chosen is None else chosen
+    if is_label_set(features[label_column]) and not multi_label:
         raise DataError(f"data.multi_label=false, but the label column {label_column!r} holds a list of labels per "
                         "row; set data.multi_label=true (or null)")
     # Every shard is looked at before training: a damaged one would otherwise end in a library's traceback, or in
@@ -147,10 +137,11 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     identity = {"labels": labels, "train": shard_identity(files[settings.train_split]),
                 "eval": shard_identity(files[eval_split])}
     # A streamed Hub dataset downloads no image files: a cell holding only a path names one on this machine.
-    folders = None if data.is_local(settings) else ()
+    folders = None if is_local(settings) else ()
     return StreamedSplits(share(train), share(evaluation_stream), image_column, label_column, labels, eval_split,
                           split_rows(builder, settings.train_split, counted[settings.train_split]),
-                          split_rows(builder, eval_split, counted[eval_split]), identity, folders, multi_label)
+                          split_rows(builder, eval_split, counted[eval_split]), identity, folders,
+                          "multi_label" if multi_label else "single_label")
 
 
 def class_names(feature, label_column: str, settings: DataSettings) -> list[str]:
@@ -159,7 +150,7 @@ def class_names(feature, label_column: str, settings: DataSettings) -> list[str]
     the class index)."""
     import datasets
 
-    feature = getattr(feature, "feature", feature) if data.is_label_set(feature) else feature
+    feature = getattr(feature, "feature", feature) if is_label_set(feature) else feature
     if isinstance(feature, datasets.ClassLabel):
         if settings.label_names is not None and list(settings.label_names) != feature.names:
             raise DataError(f"data.label_names={excerpt(settings.label_names)} differs from the label column's own "
@@ -190,119 +181,6 @@ def split_rows(builder, split: str, counted: int | None) -> int | None:
     if known is not None and known.num_examples:
         return known.num_examples
     return counted
-
-
-def check_shards(files: list[str], split: str, columns: tuple[str, str], settings: DataSettings) -> int | None:
-    """Stop before training at the first damaged shard of `split`, naming it and what is wrong: a parquet shard's
-    footer must open (a small ranged read on the Hub) and list rows and the image and label columns; a local tar
-    shard must hold each of its members whole. Returns the parquet shards' total rows (None for tar shards, which
-    have no count short of reading them)."""
-    total = 0
-    for file in files:
-        name = file.rsplit("/", 1)[-1]
-        where = f"data.dataset={excerpt(settings.dataset)}: the shard {name!r} of split {split!r}"
-        fix = "Fix: replace the shard with a whole copy, or remove it from the dataset"
-        if file.endswith(".parquet"):
-            rows, problem = parquet_rows(file, columns)
-            total += rows
-        else:
-            problem = tar_problem(file)
-        if problem:
-            raise DataError(f"{where} {problem}. {fix}")
-    return total if all(file.endswith(".parquet") for file in files) else None
-
-
-def parquet_rows(file: str, columns: tuple[str, str]) -> tuple[int, str | None]:
-    """(rows, None) for a usable parquet shard, else (0, what is wrong with it); only its footer is read."""
-    import fsspec
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        with online_unless_the_user_is_offline(), fsspec.open(file, "rb") as handle:
-            footer = pq.ParquetFile(handle)
-            rows, names = footer.metadata.num_rows, footer.schema_arrow.names
-    except pa.ArrowException as error:  # no footer: cut short, empty, or not parquet at all
-        return 0, f"is not a readable parquet file (truncated, empty or damaged: {error})"
-    except (OSError, ValueError) as error:
-        return 0, f"cannot be read ({type(error).__name__}: {error})"
-    missing = [column for column in columns if column not in names]
-    if missing:
-        return 0, f"has no column {missing[0]!r}: its columns are {excerpt(names)}, the other shards' {list(columns)}"
-    if rows == 0:
-        return 0, "holds no rows"
-    return rows, None
-
-
-def tar_problem(file: str) -> str | None:
-    """What is wrong with a tar shard (None if nothing). A local one: its headers are read and each member's data is
-    checked to end inside the file (a truncated tar otherwise ends early without a word). A Hub one, which reading
-    whole would download: its last two blocks are read (one small ranged request) and must be the empty blocks
-    that close every tar file, so one cut short is refused unless the cut happens to fall after a run of zeros."""
-    import tarfile
-
-    if "://" in file:
-        return hub_tar_problem(file)
-    try:
-        size = os.path.getsize(file)
-        with tarfile.open(file) as archive:  # headers only: each member's data is seeked over, not read
-            for member in archive:
-                if member.offset_data + member.size > size:
-                    return (f"is truncated: its member {member.name!r} needs {member.offset_data + member.size:,} "
-                            f"bytes, the file has {size:,}")
-    except (tarfile.TarError, OSError) as error:
-        return f"is not a readable tar file (truncated or damaged: {error})"
-    return None
-
-
-TAR_BLOCK = 512  # a tar file is whole 512-byte blocks, closed by two empty ones
-
-
-def hub_tar_problem(file: str) -> str | None:
-    """tar_problem for a shard on the Hub, from its size and its last two blocks."""
-    import fsspec
-
-    try:
-        with online_unless_the_user_is_offline(), fsspec.open(file, "rb") as handle:
-            size = handle.size
-            if size < 2 * TAR_BLOCK or size % TAR_BLOCK:
-                return f"is truncated: its {size:,} bytes are not a whole number of {TAR_BLOCK}-byte tar blocks"
-            handle.seek(size - 2 * TAR_BLOCK)
-            closing = handle.read(2 * TAR_BLOCK)
-    except (OSError, ValueError) as error:
-        return f"cannot be read ({type(error).__name__}: {error})"
-    if closing.strip(b"\0"):
-        return f"is truncated: its {size:,} bytes do not end with the two empty blocks that close a tar file"
-    return None
-
-
-def shard_identity(files: list[str]) -> list[str]:
-    """What a checkpoint records of a split's shards: what each one holds, not where it was read. A Hub shard is
-    named by its path in the repo, its size and its content hash from the Hub's metadata (the commit it was
-    resolved at is left out: a commit that changes other files leaves it as it was); a local one by its size and a
-    hash of its bytes while the local shards total at most data.CONTENT_HASH_LIMIT_BYTES (so a shard changed in
-    place with its size and modification time kept is noticed), beyond that by its size and modification time
-    (datasets' own rule for local files)."""
-    import fsspec
-
-    hashed = sum(os.path.getsize(file) for file in files if "://" not in file) <= CONTENT_HASH_LIMIT_BYTES
-    named = []
-    for file in files:
-        if "://" not in file:
-            stat = os.stat(file)
-            named.append(f"{file} {stat.st_size} {files_digest([file]) if hashed else stat.st_mtime_ns}")
-            continue
-        filesystem, path = fsspec.core.url_to_fs(file)
-        try:
-            with online_unless_the_user_is_offline():
-                info = filesystem.info(path)
-        except (OSError, ValueError) as error:
-            raise DataError(f"the shard {excerpt(file)} cannot be described by the Hub ({type(error).__name__}: "
-                            f"{error}); check the connection, then run again") from None
-        content = (info.get("lfs") or {}).get("sha256") or info.get("blob_id")  # the git blob's hash if not in LFS
-        where = filesystem.resolve_path(path)  # HfFileSystem: the repo and the path in it, the commit apart
-        named.append(f"{where.repo_type}s/{where.repo_id}/{where.path_in_repo} {info.get('size')} {content}")
-    return named
 
 
 def epoch_rows(splits: StreamedSplits, recipe: Recipe, processes: int) -> int:
@@ -356,7 +234,7 @@ class StreamReader(Sampler):
                                 "are processes. Use fewer processes, or more data")
 
 
-class StreamedImages(data.ImageClassificationDataset):
+class StreamedImages(loaders.ImageClassificationDataset):
     """Decodes, in DataLoader workers, the (row, pass, offset) items StreamReader hands out; yields what the
     map-style dataset yields, plus the position after the row."""
 
@@ -375,7 +253,7 @@ class StreamedImages(data.ImageClassificationDataset):
 
 
 def collate(samples: list) -> dict:
-    batch = data.collate([sample[:3] for sample in samples])
+    batch = loaders.collate([sample[:3] for sample in samples])
     batch["stream_next"] = samples[-1][3]
     return batch
 
@@ -388,7 +266,7 @@ class StreamLoader:
                  seed: int, device: torch.device):
         self.reader, self.dataset, self.batch_size, self.device = reader, dataset, batch_size, device
         self.position = Position()
-        self.loader = data.make_loader(dataset, batch_size, False, seed, workers, pin, sampler=reader, collate_fn=collate)
+        self.loader = loaders.make_loader(dataset, batch_size, False, seed, workers, pin, sampler=reader, collate_fn=collate)
 
     def batches(self, count: int | None) -> Iterator[dict]:
         """`count` batches from `position` on (None: to the end of the pass), each on the device."""
@@ -413,12 +291,12 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     preprocessed by the saved image processor)."""
     rank, processes, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     common = dict(image_column=splits.image_column, label_column=splits.label_column, settings=settings,
-                  image_folders=splits.image_folders, encoding=data.target_encoding(splits),
+                  image_folders=splits.image_folders, encoding=target_encoding(splits),
                   outputs=len(splits.labels))
     train_set = StreamedImages(splits.train_rows, rank, processes, make_pixels=train_pixels,
-                               placeholder=data.blank_pixels(image_size, training=True), **common)
-    eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=data.eval_pixels_from_processor(processor),
-                              placeholder=data.blank_pixels(image_size, training=False), **common)
+                               placeholder=loaders.blank_pixels(image_size, training=True), **common)
+    eval_set = StreamedImages(splits.eval_rows, rank, processes, make_pixels=loaders.eval_pixels_from_processor(processor),
+                              placeholder=loaders.blank_pixels(image_size, training=False), **common)
     pin = device.type == "cuda"
 
     def check(row: dict, where: str) -> None:
@@ -429,69 +307,3 @@ def make_loaders(splits: StreamedSplits, settings: DataSettings, seed: int, batc
     evaluation_loader = StreamLoader(StreamReader(splits.eval, None, check), eval_set, batch_size, workers, pin, seed,
                                      device)
     return train, evaluation_loader
-
-
-# ---------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def predict_stream(model, loader: StreamLoader, accelerator, normalize: Callable, task,
-                   num_classes: int) -> evaluation.SplitPredictions:
-    """Each process predicts its own share (shares differ in length: no padding), then the shares are gathered
-    once, rank after rank, so each image counts exactly once."""
-    from accelerate.utils import gather_object
-
-    was_training = model.training
-    model.eval()
-    k = min(evaluation.TOP_K, num_classes)
-    blank = {"pixel_values": loader.dataset.placeholder[None].to(accelerator.device),
-             "labels": torch.tensor([loader.dataset.target(data.SKIPPED_LABEL)], device=accelerator.device)}
-    batches = []
-    for batch in in_lockstep(loader.whole_split(), accelerator):
-        predicted = evaluation.batch_predictions(model, blank if batch is None else batch, accelerator, normalize, task, k)
-        if batch is not None:
-            batches.append(tuple(part.cpu() for part in predicted))
-    model.train(was_training)
-    mine = task.joined(batches, k)
-    # joined() takes per-batch parts: the task says which part came first (ranked ids, or every output's score)
-    shares = gather_object([(task.first_part(mine), mine.references, mine.losses)])
-    return task.joined(shares, k)
-
-
-def in_lockstep(batches: Iterable[dict], accelerator) -> Iterator[dict | None]:
-    """This process's batches, then None until every process has run out: a forward of a DDP or sharded (FSDP)
-    model is a collective, so all processes forward the same number of times; a None is a blank forward."""
-    remaining = iter(batches)
-    while True:
-        batch = next(remaining, None)
-        if not any_process(accelerator, batch is not None):
-            return
-        yield batch
-
-
-# ---------------------------------------------------------------- checkpoints
-
-
-class StreamPositions(Callback):
-    """Saves each process's train-stream position in every checkpoint, and restores it on a resume."""
-
-    def __init__(self, loader: StreamLoader):
-        self.loader = loader
-
-    def on_save_checkpoint(self, run, folder: Path) -> None:
-        position = self.loader.position
-        (folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)).write_text(json.dumps(
-            {"pass": position.pass_, "offset": position.offset, "epoch": run.state.epoch,
-             "batches_done": run.state.batches_done}))
-
-    def on_load_checkpoint(self, run, folder: Path) -> None:
-        path = folder / STREAM_POSITION_FILE.format(rank=run.accelerator.process_index)
-        try:
-            saved = json.loads(path.read_text())
-            self.loader.position = Position(int(saved["pass"]), int(saved["offset"]))
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(
-                f"cannot resume from {folder}: this process's stream position {path.name} cannot be read "
-                f"({type(error).__name__}: {error}); it was written by a run without data.streaming, or is damaged. "
-                "Resume from another checkpoint with train.resume=<its folder>, or start again with overwrite=true"
-            ) from None

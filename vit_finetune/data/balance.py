@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .data import EpochSampler, Splits
+from .loaders import EpochSampler
+from .splits import Splits
 
 
 def class_counts(labels: list[int], num_classes: int) -> torch.Tensor:

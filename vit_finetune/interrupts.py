@@ -1,0 +1,101 @@
+"""SIGINT/SIGTERM during training: heard as a flag, agreed on by every process at a step's end (or between two
+forward passes, where the step's partial work is dropped), then a checkpoint and an exit with the shell's code."""
+
+from __future__ import annotations
+
+import random
+import signal
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from . import checkpoint
+from .callbacks import TrainingRun
+from .errors import VitFinetuneError
+from .processes import any_process
+from .recipe import Recipe
+from .train_log import TrainLog
+
+
+class Interrupted(VitFinetuneError):
+    """SIGINT/SIGTERM stopped training (after a checkpoint, if checkpoints are on); the shell's code for Ctrl-C."""
+
+    exit_code = 130
+
+
+class InterruptFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step, or, with gradient accumulation,
+    at the next forward pass (see StepBoundary), and exits.
+
+    `heard`: this process received a signal. `raised`: the run stops, because some process heard one (all processes
+    agree on it at a step's end). Only a second signal heard *here* means "stop now": Ctrl-C or a killed launcher
+    reach every process, but not at the same instant, and the late one must still checkpoint with the others."""
+
+    def __init__(self):
+        self.heard = self.raised = False
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore(self) -> None:
+        """After the loop, Ctrl-C must stop evaluation, export or a push at once, as usual."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.heard:  # a second Ctrl-C means: stop now
+            raise KeyboardInterrupt
+        self.heard = self.raised = True
+
+
+class StepBoundary:
+    """What moves between two optimiser steps and is saved in a checkpoint: the position in the epoch,
+    Accelerate's accumulation counter, the random generators (dropout draws from them) and the count of skipped
+    images. Taken before each step's first forward pass; put back when a stop between two forward passes drops
+    the step's partial gradients, so that the checkpoint then written resumes exactly as one written at the step's start would.
+    The weights, optimiser and scheduler do not move between steps."""
+
+    def __init__(self, accelerator: Accelerator, state: checkpoint.TrainState, log: TrainLog):
+        self.accelerator, self.state, self.log = accelerator, state, log
+
+    def take(self) -> None:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        self.saved = (self.state.batches_done, self.accelerator.step, self.log.skipped_here,
+                      len(self.log.skipped_this_epoch), random.getstate(), np.random.get_state(),
+                      torch.get_rng_state(), cuda)
+
+    def restore(self, model: torch.nn.Module) -> None:
+        (self.state.batches_done, self.accelerator.step, self.log.skipped_here, skipped_names, python, numpy,
+         torch_cpu, cuda) = self.saved
+        del self.log.skipped_this_epoch[skipped_names:]
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(torch_cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        # The dropped step's partial gradients (Accelerate's optimizer.zero_grad does nothing between two steps).
+        model.zero_grad(set_to_none=True)
+
+
+def stops_between_passes(run: TrainingRun) -> bool:
+    """Whether a stop is heard between two forward passes of one optimiser step. Not with one pass per step
+    (the step's end is as soon), nor under DeepSpeed (its engine counts passes itself) or with data.streaming (the
+    stream's position is not put back): there a stop waits for the step's end."""
+    return (run.recipe.train.grad_accum > 1 and not run.recipe.data.streaming
+            and run.accelerator.distributed_type != DistributedType.DEEPSPEED)
+
+
+def any_process_interrupted(flag: InterruptFlag, accelerator: Accelerator) -> bool:
+    # Every rank must agree to stop at the same step, or the others wait forever in the next collective.
+    flag.raised = any_process(accelerator, flag.raised)
+    return flag.raised
+
+
+def interrupt_message(recipe: Recipe, state: checkpoint.TrainState) -> str:
+    if state.step == 0:  # stopped between two forward passes of the first step
+        return "interrupted before the first optimiser step ended; nothing was trained or saved"
+    if recipe.train.checkpoint_every_steps:
+        return (f"interrupted at step {state.step}; a checkpoint was saved in {recipe.output_dir}/checkpoints. "
+                f"Resume with: python -m vit_finetune --recipe <recipe> output_dir={recipe.output_dir} train.resume=auto")
+    return (f"interrupted at step {state.step}; no checkpoint was saved because train.checkpoint_every_steps is "
+            "not set. Set it to make runs resumable")

@@ -1,0 +1,211 @@
+"""The schema's train section: the optimiser, schedule and method, what is kept (checkpoints, the best weights, EMA),
+stopping, the precision and devices, and distillation from a teacher (DistillSettings).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictInt, field_validator, model_validator
+
+from ..methods import METHODS
+from ..metric_goals import KEEP_BEST_GOALS  # each task's, for train.keep_best
+from .checks import check_train_section
+from .fields import Bounded, Float, HomePath, Strict
+from .limits import SEED_MAX
+
+
+class DistillSettings(Strict):
+    """Knowledge distillation from a trained classifier of the same labels (DeiT, arXiv 2012.12877)."""
+
+    teacher: HomePath = Field(..., description=(
+        "the teacher: a run's output_dir, a folder saved with save_pretrained or a Hub id of an image classifier "
+        "with the dataset's labels; it runs frozen, at its own resolution and normalisation"))
+    weight: Float = Field(0.5, ge=0, le=1, description=(
+        "share of the loss that follows the teacher (the rest follows the labels); a DeiT student's distillation "
+        "head follows the teacher, its class head the labels, both weighted so"))
+    temperature: Float = Field(1.0, gt=0, description=(
+        "soft targets: both logits are divided by it before the softmax (higher = flatter, timm uses 4); the loss "
+        "is multiplied by its square"))
+    mode: Literal["soft", "hard"] = Field("hard", description=(
+        "hard: cross-entropy on the teacher's top class (DeiT's better choice); soft: KL divergence to the "
+        "teacher's softened probabilities"))
+    cache_logits: bool = Field(False, description=(
+        "the teacher labels every training image once before training instead of every batch, so a step costs "
+        "about what one without distillation does; only when the training pixels are the same every epoch (no crop, "
+        "flip, policy, erasing, Mixup/CutMix, no streaming). Memory: one float32 row of class scores per training "
+        "image, in each process's host memory"))
+
+
+class TrainSettings(Strict):
+    epochs: Bounded("train.epochs") = Field(1, gt=0, description="passes over the training split")
+    max_steps: Bounded("train.max_steps", StrictInt | None) = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
+    batch_size: Bounded("train.batch_size") = Field(32, gt=0, description="images per device per forward pass")
+    grad_accum: Bounded("train.grad_accum") = Field(1, gt=0,
+        description="forward passes per optimiser step (batch = batch_size x devices x grad_accum)")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="adamw or sgd (with train.momentum)")
+    lr: Float | Literal["auto"] = Field("auto", description=(
+        "peak learning rate, reached after the warm-up; auto (AdamW only): optim.auto_lr, by the base's size for full "
+        "fine-tuning (2e-5 from 1M parameters on, 2e-3 below) and 1e-3 for LoRA, printed; a pinned lr 10x away from "
+        "that gets a warning"))
+    momentum: Float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only)")
+    weight_decay: Float | Literal["auto"] = Field("auto", description=(
+        "decoupled weight decay; never on biases, norms, CLS or position embeddings; auto: optim.auto_weight_decay, "
+        "none (every auto value was measured without it), printed"))
+    warmup_steps: Bounded("train.warmup_steps", StrictInt | Literal["auto"]) = Field("auto", description=(
+        "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
+        "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
+        description="lr decay after the warm-up: cosine, linear or constant")
+    max_grad_norm: Float | None = Field(1.0, gt=0,
+        description="clip the global gradient norm to this; null = no clipping")
+    label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
+    seed: StrictInt = Field(0, description=(
+        "seeds weights of the head, data order, augmentation and the carved eval split; 0 to 4294967295"))
+    cpu_threads: Bounded("train.cpu_threads", StrictInt | None) = Field(None, gt=0, description=(
+        "torch threads of a run on CPU; a result's last bits depend on the thread count, so a fixed count gives "
+        "the same figures on every machine; null = torch's default (one per core)"))
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field("auto", description=(
+        "no, bf16 or fp16 autocast; weights stay float32; fp16 (CUDA only) has a loss scaler, whose skipped steps "
+        "are counted (skipped_steps); auto: bf16 where the device computes bfloat16 natively (a CUDA GPU that has "
+        "it, a CPU with AVX512-BF16 or AMX), fp16 on a CUDA GPU with tensor cores but no bfloat16 (V100, T4), else no "
+        "(precision.auto_mixed_precision), printed"))
+    log_every_steps: Bounded("train.log_every_steps") = Field(10, gt=0,
+        description="log loss, lr and images/s every this many steps (the loss is read back from the device only then)")
+    eval_every_steps: Bounded("train.eval_every_steps", StrictInt | Literal["auto"] | None) = Field("auto", description=(
+        "evaluate during training every this many steps; null = at the end of every epoch; auto: every epoch when "
+        "that costs little, else every few epochs or only at the end, so evaluations take at most about 10% of the "
+        "training (evaluation.auto_eval_every_steps; every epoch with keep_best, early stopping or an EMA), "
+        "printed. The final evaluation is always on the whole eval split"))
+    checkpoint_every_steps: Bounded("train.checkpoint_every_steps", StrictInt | None) = Field(None, gt=0,
+        description="save a resumable checkpoint every this many steps; null = none")
+    keep_checkpoints: Bounded("train.keep_checkpoints") = Field(2, gt=0, description="how many of the newest checkpoints to keep")
+    resume: HomePath | None = Field(None,
+        description="null, auto (the latest checkpoint in output_dir) or a checkpoint folder")
+    resume_ignore_changes: list[str] = Field(
+        [], description="recipe keys allowed to differ from the checkpoint's on resume, e.g. [train.epochs]")
+    report_to: list[Literal["tensorboard", "trackio", "wandb", "mlflow"]] = Field(
+        [], description="experiment trackers that follow the run live, through Accelerate, e.g. [tensorboard] "
+                        "(files in output_dir/runs); each needs its package installed")
+    collective_timeout_s: Bounded("train.collective_timeout_s") = Field(
+        600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
+                               "stops with the stuck rank named (a frozen process would hang the rest forever)")
+    ema_decay: Float | None = Field(None, gt=0, lt=1, description=(
+        "keep an EMA of the weights, e.g. 0.999 (it forgets over ~1/(1-decay) steps: keep that well below the run's "
+        "steps); evaluated beside the raw weights, the better is saved; null = off"))
+    keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
+        "save the weights of the best evaluation by this metric (eval_accuracy, eval_loss, eval_macro_f1, "
+        "eval_top5_accuracy) instead of the last; null = the last"))
+    early_stopping_patience: Bounded("train.early_stopping_patience", StrictInt | None) = Field(None, gt=0, description=(
+        "stop after this many evaluations without gain in train.keep_best; null = never"))
+    layer_decay: Float | None = Field(None, gt=0, le=1, description=(
+        "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
+        "blocks + 1; null = one lr"))
+    method: Literal[("auto", *METHODS)] = Field("auto", description=(
+        "finetune: train every weight (or LoRA's) from a new head; linear_probe: fit only the head, on the frozen "
+        "backbone's features of each training image, computed once; lp_ft: that probe, then fine-tuning from its "
+        "head; auto: chosen from the data and the schedule (methods.auto_method), printed with its reason"))
+    head_lr: Float | Literal["auto"] = Field("auto", description=(
+        "peak lr of the new classifier head (it starts from nothing, the backbone from pretraining); auto: "
+        "optim.auto_head_lr, printed with its reason (AdamW: at least 2e-3; SGD: train.lr)"))
+    wise_ft_alpha: Float | Literal["auto"] = Field("auto", description=(
+        "after train.method=lp_ft the saved weights are alpha x the fine-tuned ones + (1 - alpha) x the probe's "
+        "model (WiSE-FT), in (0, 1]; 1 keeps the fine-tuned weights; auto: wise_ft.auto_alpha, 0.75 after LP-FT "
+        "where that was measured (0.5 under 0.6 epoch of fine-tuning), else 1, printed with its reason"))
+
+    @field_validator("lr", "head_lr", mode="before")
+    @classmethod
+    def _lr_number_or_auto(cls, value):
+        """One clear problem for a misspelt lr, not one per member of the union."""
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a number; give a number or auto, e.g. 2e-5")
+        if isinstance(value, str) and value != "auto":
+            try:
+                return float(value)  # YAML 1.1 reads 1e-4 as a string
+            except ValueError:
+                raise ValueError(f"must be a number or auto, got {value!r}; e.g. 2e-5") from None
+        return value
+
+    @field_validator("wise_ft_alpha", mode="before")
+    @classmethod
+    def _alpha_number_or_auto(cls, value):
+        """A number in (0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
+        if isinstance(value, str) and value != "auto":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"must be a number in (0, 1] or auto, got {value!r}; e.g. 0.75") from None
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
+                             "0 would be the probe alone (train.method=linear_probe); e.g. 0.75")
+        return value
+
+    # Beyond 1e6 the lr overflows inside the optimiser.
+    @field_validator("lr", "head_lr")
+    @classmethod
+    def _lr_positive(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0 < value <= 1e6:
+            raise ValueError(f"must be a learning rate above 0 (at most 1e6) or auto, got {value}; e.g. 0.002")
+        return value
+
+    @model_validator(mode="after")
+    def _keys_agree(self) -> TrainSettings:
+        check_train_section(self)
+        return self
+
+    distill: DistillSettings | None = Field(None, description=(
+        "null = off; {teacher, weight, temperature, mode, cache_logits} = train against a teacher's predictions as well as the labels"))
+
+    regression_loss: Literal["mse", "huber"] = Field("mse", description=(
+        "data.task=regression: the loss of the standardised targets; huber = squared below one standard deviation, "
+        "linear beyond (less pulled by outliers)"))
+    threshold_metric: Literal["f1", "f2", "f0.5"] = Field("f1", description=(
+        "multi-label: each class's threshold is chosen on the eval split to maximise this (f2 favours recall, f0.5 "
+        "precision); saved with the model and used by predict"))
+    threshold_holdout: Float | None = Field(None, gt=0, lt=1, description=(
+        "multi-label: share of the eval split (seeded) on which the thresholds are chosen; the metrics are then "
+        "measured on the rest. null = chosen on the same images they are scored on (optimistic; metrics.json "
+        "says so)"))
+
+    @field_validator("weight_decay", mode="before")
+    @classmethod
+    def _decay_number_or_auto(cls, value):
+        """A number of 0 or more (a string of one too: YAML 1.1 reads 1e-4 as one) or auto, in one clear problem."""
+        if isinstance(value, bool):
+            raise ValueError("a boolean is not a number; give a number or auto, e.g. 0.05")
+        if isinstance(value, str) and value != "auto":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"must be a number, 0 or more, or auto, got {value!r}; e.g. 0.05") from None
+        if isinstance(value, (int, float)) and not value >= 0:
+            raise ValueError(f"must be a number, 0 or more, or auto, got {value}; e.g. 0.05")
+        return value
+
+    @field_validator("warmup_steps")
+    @classmethod
+    def _warmup_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"must be a number of steps, 0 or more, or auto, got {value}")
+        return value
+
+    @field_validator("eval_every_steps")
+    @classmethod
+    def _eval_every_positive(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"must be a number of steps above 0, null (every epoch) or auto, got {value}")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_in_range(cls, value: int) -> int:
+        if not 0 <= value <= SEED_MAX:
+            raise ValueError(f"must be between 0 and {SEED_MAX} (the seeds NumPy's generators take), e.g. 0")
+        return value
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no_is_a_string(cls, value: Any) -> Any:
+        return "no" if value is False else value  # YAML 1.1 reads a bare `no` as false
