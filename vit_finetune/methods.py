@@ -94,9 +94,15 @@ def card_text(method: str, metrics: dict, tuning: str) -> str:
     if method not in METHODS or not METHODS[method].probes:
         return tuning
     probe = metrics.get("probe") or {}
-    probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features of "
-                  f"{probe.get('images', 0):,} training images, C={probe.get('c', float('nan')):.3g}"
-                  + (f" chosen by {probe['folds']}-fold cross-validation)" if probe.get("folds") else ")"))
+    images = f"{probe.get('images', 0):,} training images"
+    if probe.get("fit") == "ridge":
+        probe_text = (f"a linear probe (the backbone frozen; the head fitted as a ridge regression on its features of "
+                      f"{images}, alpha={probe.get('alpha', float('nan')):.3g} chosen by leave-one-out "
+                      "cross-validation)")
+    else:
+        probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features "
+                      f"of {images}, C={probe.get('c', float('nan')):.3g}"
+                      + (f" chosen by {probe['folds']}-fold cross-validation)" if probe.get("folds") else ")"))
     if method == "linear_probe":
         return probe_text
     alpha = metrics.get("wise_ft_alpha")

@@ -68,7 +68,7 @@ def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
     averages = facts.unaveraged is None if asked == "auto" else asked < 1
     return methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
                                recipe.data.streaming, needs_optimiser_steps(recipe),
-                               None if facts.task.probe_fits else facts.task.name, averages)
+                               None if facts.task.methods_measured else facts.task.name, averages)
 
 
 def _eval_every_steps(recipe: Recipe, facts: RunFacts) -> tuple[int | None, str]:
