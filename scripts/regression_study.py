@@ -30,7 +30,7 @@ leave-one-out cross-validation on the training split) on the frozen base's featu
 what the toolkit's DINOv2 head reads) at the cell's size.
 Cells: (arm, set, size, steps, seed), batch 16, one torch thread, no loader workers; 40 steps = 1 epoch of the 640
 training images, 400 = 10. Each fine-tuned model is saved and scored on validation and test through `python -m
-vit_finetune predict OUT --dataset SET --split S`; ridge (deterministic) is one cell per set and size. Results are
+vit_finetune predict OUT SET/images/S-*.png`; ridge (deterministic) is one cell per set and size. Results are
 appended to scripts/regression_study_results.jsonl, one line per cell as it ends, with its wall and CPU seconds; a
 recorded cell is not redone (the latest line of a cell counts), so a stopped study resumes where it stopped.
 """
@@ -347,12 +347,13 @@ TOOLKIT_ARMS = [name for name, arm in ARMS.items() if arm.run is run_toolkit]
 
 
 def predicted_values(out: Path, data: Path, split: str) -> np.ndarray:
-    """The saved model's value for every image of `split`, through `python -m vit_finetune predict`, in the label
-    file's order."""
+    """The saved model's value for every image of `split`, through `python -m vit_finetune predict` on the split's
+    image files, in the label file's order. (Not `--dataset SET --split S`: predict reads the label file with
+    data.task=auto, which refuses a column of fractions such as ELPV's.)"""
     from vit_finetune.cli import main
 
     written = out / f"predictions-{split}.jsonl"
-    argv = ["predict", str(out), "--dataset", str(data), "--split", split, "--output", str(written), "--overwrite",
+    argv = ["predict", str(out), str(data / "images" / f"{split}-*.png"), "--output", str(written), "--overwrite",
             "--batch-size", "64"]
     if main(argv) != 0:
         raise SystemExit(f"predict {out} on {split} failed")
