@@ -530,8 +530,8 @@ def picture(results: list[dict], root: Path, path: Path) -> None:
             axis.set_xticks(range(len(arms)), arms, rotation=60, ha="right", fontsize=7)
             axis.set_title(f"{name}: {size} px, {steps} steps", fontsize=9)
             axis.set_ylabel(f"test MAE ({SETS[name].unit})" if column == 0 else "", fontsize=8)
-    figure.suptitle("Regression on a real DINOv2-S/14: test MAE per arm (bar = mean over seeds, dots = seeds, "
-                    "dashed = predicting the training mean)", fontsize=9)
+    figure.suptitle("Image regression on a real DINOv2-S/14: test MAE per arm\nbar = mean over seeds, dots = seeds, "
+                    "dashed line = predicting the training mean", fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
