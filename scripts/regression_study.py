@@ -243,6 +243,45 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
             "target_std": config["target_std"], "metrics_json_eval_mae": metrics["mae"]}
 
 
+def run_probe(cell: Cell, base: Path, data: Path, out: Path) -> dict:
+    """`python -m vit_finetune train.method=linear_probe`: the toolkit's ridge head on the frozen features, the
+    model LP-FT starts from (and WiSE-FT's average goes back toward)."""
+    from vit_finetune.cli import main
+
+    argv = ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
+            "data.task=regression", "data.num_workers=0", "train.method=linear_probe", f"train.batch_size={BATCH}",
+            "train.cpu_threads=1", "pictures=false", f"output_dir={out}", "overwrite=true"]
+    print("$ python -m vit_finetune " + " ".join(argv), flush=True)
+    if main(argv) != 0:
+        raise SystemExit(f"cell {cell.name()} failed")
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"method_used": "linear_probe", "alpha": metrics["probe"]["alpha"], "metrics_json_eval_mae": metrics["mae"]}
+
+
+# WiSE-FT after LP-FT, scored afterwards: alpha x the LP-FT run's weights + (1 - alpha) x the probe run's (its model
+# LP-FT started from, its head fitted on float32 features where LP-FT's own probe read bf16 ones).
+AVERAGED_ALPHAS = (0.5,)
+
+
+def averaged_scores(cell: Cell, out: Path, probe_out: Path, data: Path) -> dict:
+    """Each AVERAGED_ALPHAS average of an lp_ft cell's model with the probe's, scored on validation and test."""
+    from safetensors.torch import load_file, save_file
+
+    tuned, start = load_file(str(out / "model.safetensors")), load_file(str(probe_out / "model.safetensors"))
+    scored = {}
+    for alpha in AVERAGED_ALPHAS:
+        folder = out.parent / f"{out.name}-wise{alpha:g}"
+        folder.mkdir(exist_ok=True)
+        for name in ("config.json", "preprocessor_config.json"):
+            shutil.copyfile(out / name, folder / name)
+        save_file({name: alpha * value + (1 - alpha) * start[name] if value.is_floating_point() else value
+                   for name, value in tuned.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        for name, split in (("eval", "validation"), ("test", "test")):
+            scored |= {f"wise{alpha:g}_{name}_{key}": value for key, value in
+                       scores(predicted_values(folder, data, split), read_split(data, split)[1]).items()}
+    return scored
+
+
 def run_trainer(cell: Cell, base: Path, data: Path, out: Path) -> dict:
     """The Trainer with a regression head on the raw targets, each image resized to the cell's size (the toolkit's
     image processor for it, saved with the model), AdamW, linear schedule without warm-up, at the arm's lr."""
@@ -336,9 +375,12 @@ ARMS = {
     "as_trainer": Arm(run_toolkit, TRAINER_LEVERS, standardised=False,
                       description="the toolkit with every lever set as the Trainer has it: lr 5e-5 for all, raw "
                                   "targets, linear schedule, random head, float32"),
+    "lp_ft": Arm(run_toolkit, ("train.method=lp_ft",),
+                 description="the defaults from the probe's ridge head (LP-FT): the head fitted on the frozen features"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
     "trainer_2e-5": Arm(run_trainer, lr=2e-5, description="transformers' Trainer at the example README's lr"),
     "ridge": Arm(run_ridge, description="ridge regression on the frozen base's features"),
+    "probe": Arm(run_probe, description="the toolkit's linear probe: its ridge head on the frozen base's features"),
 }
 TOOLKIT_ARMS = [name for name, arm in ARMS.items() if arm.run is run_toolkit]
 
@@ -377,6 +419,12 @@ def run_cell(cell: Cell, base: Path, root: Path, commit: str) -> dict:
         for name, split in (("eval", "validation"), ("test", "test")):
             outcome |= {f"{name}_{key}": value for key, value in
                         scores(predicted_values(out, data, split), read_split(data, split)[1]).items()}
+    if cell.arm == "lp_ft":
+        probe_cell = Cell("probe", cell.set, cell.size, 0, 0)
+        probe_out = root / "runs" / probe_cell.name()
+        if not (probe_out / "model.safetensors").exists():
+            run_probe(probe_cell, base, data, probe_out)
+        outcome |= averaged_scores(cell, out, probe_out, data)
     torch.set_num_threads(1)  # whatever a run left behind: every cell runs on one thread
     result = {"arm": cell.arm, "set": cell.set, "size": cell.size, "steps": cell.steps, "seed": cell.seed,
               "batch": BATCH, "train_images": SPLITS["train"], "seconds": round(seconds, 1),
@@ -396,7 +444,7 @@ def cells(args) -> list[Cell]:
             for steps in map(int, args.steps.split(",")):
                 for name in args.sets.split(","):
                     for arm in args.arms.split(","):
-                        listed.append(Cell(arm, name, size, 0, 0) if arm == "ridge" else
+                        listed.append(Cell(arm, name, size, 0, 0) if arm in ("ridge", "probe") else
                                       Cell(arm, name, size, steps, seed))
     return list(dict.fromkeys(listed))
 
