@@ -197,10 +197,11 @@ def test_lp_ft_warms_up_over_a_tenth_of_its_steps_and_fine_tuning_from_a_new_hea
     assert yaml.safe_load((plain / "recipe.yaml").read_text())["train"]["warmup_steps"] == 0
 
 
-def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_only():
+def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_or_from_random_weights_only():
     assert optim.auto_warmup_steps(True, 60)[0] == 6 and optim.auto_warmup_steps(True, 32)[0] == 3
     assert optim.auto_warmup_steps(True, 9)[0] == 0  # under ten steps, none: a warm-up must end before the run does
     assert optim.auto_warmup_steps(False, 600)[0] == 0
+    assert optim.auto_warmup_steps(False, 600, pretrained=False)[0] == 60  # random weights warm up, head or not
     # A number given is kept; a negative one is refused when the recipe is read.
     assert load_recipe(None, ["train.warmup_steps=4"]).train.warmup_steps == 4
     with pytest.raises(Exception, match="train.warmup_steps"):

@@ -148,6 +148,7 @@ def test_an_average_with_a_method_auto_did_not_choose_lp_ft_for_is_refused_befor
     captured = capsys.readouterr()
     assert code != 0
     assert "train.method=auto -> finetune" in captured.out
+    assert "train.warmup_steps=auto -> 1: a tenth of the 12 steps: from random weights" in captured.out
     assert "train.method=auto chose finetune for this run" in captured.err
     assert not (out / "model.safetensors").exists() and "train step" not in captured.out
 

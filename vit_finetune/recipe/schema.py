@@ -286,7 +286,8 @@ class TrainSettings(Strict):
         "none (every auto value was measured without it), printed"))
     warmup_steps: Bounded("train.warmup_steps", StrictInt | Literal["auto"]) = Field("auto", description=(
         "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
-        "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
+        "after a linear probe (train.method=lp_ft) or from random weights (model.pretrained=false), else 0, printed "
+        "with its reason"))
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
         description="lr decay after the warm-up: cosine, linear or constant")
     max_grad_norm: Float | None = Field(1.0, gt=0,
