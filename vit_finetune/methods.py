@@ -34,16 +34,15 @@ def fits_head_first(method: str) -> bool:
 # what every reference recipe does at scale: a probe's gain was measured on small data and short schedules only.
 MEASURED_IMAGES_PER_CLASS = (10, 400)
 MEASURED_IMAGES_SEEN = (320, 9600)
-# The probe alone wins while fine-tuning is short in steps: at 320 images seen it beat LP-FT and fine-tuning on all five
-# datasets, at 960 LP-FT led on most.
+# The probe alone wins while fine-tuning is short in steps: below this many images seen it beat LP-FT and fine-tuning
+# on every dataset of the transfer study; above it LP-FT led on most (docs/studies/transfer.md, "The methods side by
+# side").
 PROBE_ALONE_BELOW_IMAGES_SEEN = 960
-# Short in passes over the data (many images, few steps) is another matter. On mnist and Fashion-MNIST with 200 and 400
-# images per class, 3 seeds each, at 0.4 and 0.48 epochs the probe alone led Fashion-MNIST (0.863 against LP-FT's
-# 0.838, 0.843 against 0.816) and LP-FT led mnist (0.960 against 0.933, 0.941 against 0.917): neither arm is safe
-# there. LP-FT with its weights averaged halfway back to the probe's model (wise_ft.py) was within noise of the better
-# of the two on those four cells, and so on six cells measured after this rule was chosen (mnist and Fashion-MNIST at
-# 112 and 224 px and 0.48 epochs, and with 300 per class at 0.43). Below this many epochs auto takes LP-FT with that
-# average; from 0.6 epochs on, LP-FT led or tied the probe alone.
+# Short in passes over the data (many images, few steps) is another matter: there the probe alone led on some datasets
+# and LP-FT on others, so neither arm is safe; LP-FT with its weights averaged halfway back to the probe's model
+# (wise_ft.py) was within noise of the better of the two on every such cell, including cells measured after the rule
+# was chosen. Below this many epochs auto takes LP-FT with that average; from it on, LP-FT led or tied the probe alone
+# (docs/studies/transfer.md, "What the defaults chose, cell by cell").
 SHORT_BELOW_EPOCHS = 0.6
 
 

@@ -42,8 +42,8 @@ FOLDS = 5
 # a few thousand images the chosen strength hardly moves, and each fit costs time linear in the images.
 CV_IMAGES = 8192
 # L-BFGS stops after this many iterations, or once no gradient entry exceeds GRADIENT_TOLERANCE (scikit-learn's lbfgs
-# defaults: 100 and 1e-4); tighter settings moved the chosen C and the accuracy on the transfer study's sets by nothing,
-# a looser tolerance (1e-3) fitted twice as fast but lost accuracy on 13 of its 23 probe cells (mean -0.005).
+# defaults: 100 and 1e-4); on the transfer study's sets tighter settings moved the chosen C and the accuracy by
+# nothing, and a looser tolerance fitted faster but lost accuracy on most probe cells.
 MAX_ITERATIONS = 100
 GRADIENT_TOLERANCE = 1e-4
 # Ridge's alphas (its penalty on the sum of squares, standardised features), 1e-2 to 1e6: 33 values, 4 per decade.
@@ -107,10 +107,10 @@ def head_inputs(model: nn.Module, loader, accelerator: Accelerator, mixed_precis
     is being built, where no process may wait for another (the main process of each machine loads first).
 
     `mixed_precision`: the forward pass under the run's autocast (bf16 where it runs so), else float32. A head that
-    is the final model is fitted on float32 features: on bf16 ones it lost 1 to 4 of 300 eval images on 8 of 24 of
-    the transfer study's probe cells and gained on none. A head that fine-tuning goes on training (LP-FT) is not:
-    in bf16 the pass took a third of float32's time, and LP-FT's accuracy moved by nothing beyond its seeds' spread
-    (docs/training.md)."""
+    is the final model is fitted on float32 features: on bf16 ones it lost eval images on a third of the transfer
+    study's probe cells and gained on none. A head that fine-tuning goes on training (LP-FT) is not: in bf16 the pass
+    is several times faster, and LP-FT's accuracy moved by nothing beyond its seeds' spread (docs/studies/transfer.md,
+    "Precision: bf16 against float32")."""
     captured: list[torch.Tensor] = []
     hook = head_module(model).register_forward_hook(lambda module, inputs, output: captured.append(inputs[0]))
     was_training = model.training
