@@ -85,20 +85,26 @@ def digits_0_9():
     return to_uint8(images), labels
 
 
-def elpv_solar_cells():
+def elpv_rows() -> list[tuple[Path, float]]:
     """ELPV (PyPI elpv-dataset; images CC BY-NC-SA 4.0): 2,624 electroluminescence images of solar cells, 300x300
-    grey, with an expert's defect probability 0, 1/3, 2/3 or 1. Three classes: functional (p = 0), possibly
-    defective (1/3 or 2/3) and defective (1): 1,508 / 401 / 715 images."""
+    grey, each with an expert's defect probability 0, 1/3, 2/3 or 1: (image file, probability)."""
     try:
         import elpv_dataset
     except ImportError:
         raise SystemExit("the elpv dataset needs: pip install elpv-dataset") from None
-    from PIL import Image
-
     root = Path(elpv_dataset.__file__).parent / "data"
     rows = [line.split() for line in (root / "labels.csv").read_text().splitlines() if line.strip()]
-    images = np.stack([np.asarray(Image.open(root / path).convert("L"), np.uint8) for path, _, _ in rows])
-    probability = np.array([float(p) for _, p, _ in rows])
+    return [(root / path, float(probability)) for path, probability, _ in rows]
+
+
+def elpv_solar_cells():
+    """ELPV as three classes: functional (p = 0), possibly defective (1/3 or 2/3) and defective (1): 1,508 / 401 /
+    715 images."""
+    from PIL import Image
+
+    rows = elpv_rows()
+    images = np.stack([np.asarray(Image.open(path).convert("L"), np.uint8) for path, _ in rows])
+    probability = np.array([p for _, p in rows])
     return images, np.where(probability == 0, 0, np.where(probability == 1, 2, 1))
 
 

@@ -24,7 +24,7 @@ from tiny import REPO
 from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
-from vit_finetune.tasks import SingleLabel
+from vit_finetune.tasks import Regression, SingleLabel
 from vit_finetune.plan import RunSize, plan_run
 
 HEAD = ("classifier.weight", "classifier.bias")
@@ -197,10 +197,11 @@ def test_lp_ft_warms_up_over_a_tenth_of_its_steps_and_fine_tuning_from_a_new_hea
     assert yaml.safe_load((plain / "recipe.yaml").read_text())["train"]["warmup_steps"] == 0
 
 
-def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_only():
+def test_auto_warm_up_is_a_tenth_of_the_steps_after_a_probe_or_from_random_weights_only():
     assert optim.auto_warmup_steps(True, 60)[0] == 6 and optim.auto_warmup_steps(True, 32)[0] == 3
     assert optim.auto_warmup_steps(True, 9)[0] == 0  # under ten steps, none: a warm-up must end before the run does
     assert optim.auto_warmup_steps(False, 600)[0] == 0
+    assert optim.auto_warmup_steps(False, 600, pretrained=False)[0] == 60  # random weights warm up, head or not
     # A number given is kept; a negative one is refused when the recipe is read.
     assert load_recipe(None, ["train.warmup_steps=4"]).train.warmup_steps == 4
     with pytest.raises(Exception, match="train.warmup_steps"):
@@ -299,6 +300,25 @@ def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, caps
 def test_a_probe_refuses_a_stream(method):
     with pytest.raises(Exception, match=f"train.method={method} reads every training image once"):
         load_recipe(None, [f"train.method={method}", "data.streaming=true", "data.eval_split=validation"])
+
+
+def test_auto_takes_lp_ft_for_a_regression_only_where_the_regression_study_measured_it():
+    low, high = methods.REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = methods.REGRESSION_MEASURED_IMAGES_SEEN
+
+    def auto(images: int, seen: int, **options) -> str:
+        return methods.auto_method_for_regression(images, seen, seen / images,
+                                                  **{"pretrained": True, "streaming": False, **options})[0]
+
+    assert [auto(low, shortest), auto(high, longest), auto(800, 3200)] == ["lp_ft"] * 3
+    # Outside the measured range on either axis, without pretrained features or without the whole split: fine-tuning.
+    assert [auto(low - 1, shortest), auto(high + 1, longest), auto(low, shortest - 1), auto(high, longest + 1)] == \
+        ["finetune"] * 4
+    assert auto(800, 3200, pretrained=False) == "finetune" and auto(800, 3200, streaming=True) == "finetune"
+    assert methods.AUTO_RULES[Regression.method_rule] is methods.auto_method_for_regression
+    # LP-FT's end keeps the probe's model where it scores no worse (alpha 0); a setting not measured keeps 1.
+    assert wise_ft.auto_alpha("lp_ft", None, 2.0, Regression.wise_ft_auto_alpha)[0] == 0
+    assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0, Regression.wise_ft_auto_alpha)[0] == 1
 
 
 def test_auto_is_conservative_outside_what_was_measured():

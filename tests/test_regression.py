@@ -89,9 +89,9 @@ def test_auto_refuses_to_read_fractional_numbers_as_classes(made, tmp_path, caps
 
 def test_settings_that_need_classes_are_refused_with_regression(tmp_path, capsys):
     assert main(["data.dataset=builtin:shapes", "data.task=regression", "train.label_smoothing=0.1",
-                 "train.method=linear_probe", f"output_dir={tmp_path / 'out'}"]) != 0
+                 "augment.mixup=true", f"output_dir={tmp_path / 'out'}"]) != 0
     err = capsys.readouterr().err
-    assert "train.label_smoothing works on class labels" in err and "train.method=linear_probe fits a classifier" in err
+    assert "train.label_smoothing works on class labels" in err and "augment.mixup works on class labels" in err
 
 
 def write_values(root: Path, columns: dict[str, list[float]]) -> Path:
@@ -209,6 +209,82 @@ def test_a_regression_run_saves_its_standardisation_metrics_picture_and_card(tra
     assert "| RMSE |" in card and "`output * target_std + target_mean`" in card
     assert f'AutoModelForImageClassification.from_pretrained("{trained}")' in card
 
+
+def test_the_ridge_probes_leave_one_out_error_is_that_of_refitting_without_each_image():
+    from vit_finetune import probe
+
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(24, 5, generator=generator, dtype=torch.float64)
+    targets = features[:, :2] * torch.tensor([1.0, -2.0], dtype=torch.float64) + torch.randn(24, 2, generator=generator)
+    alpha, error = probe.ridge_leave_one_out(features, targets)
+    residuals = []
+    for left_out in range(24):
+        kept = torch.arange(24) != left_out
+        weight, bias = probe.fit_ridge(features[kept], targets[kept], alpha)
+        residuals.append(targets[left_out] - (features[left_out].float() @ weight.T + bias).double())
+    assert error == pytest.approx(float(torch.stack(residuals).square().mean()), rel=1e-4)
+    others = [probe.ridge_leave_one_out(features, targets)[1]]  # deterministic: the same choice again
+    assert others == [error] and alpha in probe.RIDGE_ALPHAS[1:-1]  # the noise needs some, not the most, shrinkage
+
+
+def test_a_probed_regression_head_predicts_the_standardised_targets_from_the_raw_features():
+    from vit_finetune import probe
+
+    generator = torch.Generator().manual_seed(1)
+    features = torch.randn(80, 6, generator=generator) * 4 + 10  # far from standard: the fold-back is exercised
+    values = torch.stack([features[:, 0] * 3 + 7, -features[:, 1]], dim=1)
+    values[5] = float("nan")  # a skipped image: left out of the fit
+    task = Regression.from_targets(values[~values[:, 0].isnan()].numpy(), "mse")
+    weight, bias, alpha, error, images = probe.fit_head(features, values, 2, task)
+    assert weight.shape == (2, 6) and images == 79 and error < 0.01
+    kept = torch.arange(80) != 5
+    assert torch.allclose(task.values(features[kept] @ weight.T + bias), values[kept], atol=0.05 * float(task.std.max()))
+
+
+@pytest.fixture(scope="module")
+def probed(made) -> Path:
+    out = made["root"] / "probed"
+    recipe = [key for key in RECIPE if not key.startswith("train.log_every_steps")]  # a probe takes no step to log
+    assert train([*recipe, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={out}",
+                  "train.method=linear_probe"]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_a_regressions_linear_probe_saves_a_ridge_head_that_predict_and_the_metrics_agree_on(probed, made, trained):
+    metrics = json.loads((probed / "metrics.json").read_text())
+    assert metrics["method"] == "linear_probe" and metrics["steps"] == 0
+    assert metrics["probe"]["fit"] == "ridge" and metrics["probe"]["images"] == 24
+    from vit_finetune import probe
+
+    assert metrics["probe"]["alpha"] in probe.RIDGE_ALPHAS
+    assert "ridge regression" in (probed / "README.md").read_text()
+    # Fitted on the frozen features of the brightness/redness images: better than the training mean on eval.
+    assert metrics["r2"] > 0
+
+
+@pytest.mark.slow
+def test_lp_ft_of_a_regression_saves_the_probes_model_only_where_it_scores_no_worse(probed, made, capsys):
+    from safetensors.torch import load_file
+
+    out = made["root"] / "lp_ft"
+    assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={out}",
+                  "train.method=lp_ft"]) == 0
+    said = capsys.readouterr().out
+    assert "train.wise_ft_alpha=auto -> 0: the probe's model where it scores no worse" in said
+    metrics = json.loads((out / "metrics.json").read_text())
+    choice = metrics["wise_ft"]
+    assert choice["alpha"] == 0 and choice["chosen_by"].startswith("eval_rmse")
+    probe_rmse, tuned_rmse = choice["average"]["eval_rmse"], choice["fine_tuned"]["eval_rmse"]
+    saved, probe_model = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
+    same_as_probe = all(torch.equal(saved[name], probe_model[name]) for name in saved)
+    # Float32 features both ways: LP-FT's probe is the linear_probe run's head, so its start is that very model.
+    if probe_rmse <= tuned_rmse:
+        assert choice["kept"] == "average" and same_as_probe and metrics["rmse"] == pytest.approx(probe_rmse)
+        assert "saved: the probe's model, as fine-tuning scored no better" in said
+    else:
+        assert choice["kept"] == "fine_tuned" and not same_as_probe and metrics["rmse"] == pytest.approx(tuned_rmse)
+        assert "saved: the fine-tuned weights, as the probe's model scored lower" in said
 
 @pytest.mark.slow
 def test_predict_gives_the_values_the_cards_transformers_call_gives(trained, made, tmp_path):

@@ -18,7 +18,7 @@ from runs import train
 from vit_finetune import methods, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
-from vit_finetune.tasks import MultiLabel, SingleLabel
+from vit_finetune.tasks import MultiLabel, Regression, SingleLabel
 
 
 def metrics_of(output: Path) -> dict:
@@ -110,8 +110,8 @@ def test_an_average_that_scores_lower_is_not_saved_and_both_scores_are_said(args
 def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(args, tmp_path, capsys):
     out = tmp_path / "best"
     assert train([*args, "train.method=lp_ft", "train.keep_best=eval_accuracy", f"output_dir={out}"]) == 0
-    assert ("train.wise_ft_alpha=auto -> 1: the average was measured on full fine-tuning of single-label classifiers, "
-            "not with train.keep_best=eval_accuracy") in capsys.readouterr().out
+    assert ("train.wise_ft_alpha=auto -> 1: the average was measured on full fine-tuning of single-label classifiers "
+            "and regressions, not with train.keep_best=eval_accuracy") in capsys.readouterr().out
     assert "wise_ft_alpha" not in metrics_of(out)
     assert wise_ft.auto_alpha("lp_ft", None, 2.0)[0] == wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0)[0] == 1.0
@@ -121,8 +121,8 @@ def test_auto_keeps_the_fine_tuned_weights_where_the_average_was_not_measured(ar
     assert wise_ft.auto_alpha("lp_ft", None, short)[0] == wise_ft.SHORT_SCHEDULE_ALPHA < wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", None, methods.SHORT_BELOW_EPOCHS)[0] == wise_ft.AUTO_ALPHA
     assert wise_ft.auto_alpha("lp_ft", "model.lora", short)[0] == 1.0
-    # Measured on single-label classifiers only: label sets keep their fine-tuned weights under auto.
-    assert [task.wise_ft_measured for task in (SingleLabel, MultiLabel)] == [True, False]
+    # Measured on single-label classifiers and regressions only: label sets keep their fine-tuned weights under auto.
+    assert [task.wise_ft_measured for task in (SingleLabel, MultiLabel, Regression)] == [True, False, True]
     # A sharded run splits the weights across its processes: refused when it asks for an average, known at launch.
     assert "launch without FSDP" in wise_ft.refusal("lp_ft", 0.5, sharded=True)
     assert wise_ft.refusal("lp_ft", 0.5, sharded=False) is None and wise_ft.refusal("lp_ft", 1.0, sharded=True) is None
@@ -148,14 +148,16 @@ def test_an_average_with_a_method_auto_did_not_choose_lp_ft_for_is_refused_befor
     captured = capsys.readouterr()
     assert code != 0
     assert "train.method=auto -> finetune" in captured.out
+    assert "train.warmup_steps=auto -> 1: a tenth of the 12 steps: from random weights" in captured.out
     assert "train.method=auto chose finetune for this run" in captured.err
     assert not (out / "model.safetensors").exists() and "train step" not in captured.out
 
 
-@pytest.mark.parametrize("value", ["0", "1.5", "true", "half"])
+@pytest.mark.parametrize("value", ["-0.1", "1.5", "true", "half"])
 def test_an_alpha_outside_zero_to_one_is_refused_with_the_range(value):
-    with pytest.raises(Exception, match=r"train.wise_ft_alpha[\s\S]*must be a number in \(0, 1\] or auto"):
+    with pytest.raises(Exception, match=r"train.wise_ft_alpha[\s\S]*must be a number in \[0, 1\] or auto"):
         load_recipe(None, [f"train.wise_ft_alpha={value}"])
+    assert load_recipe(None, ["train.wise_ft_alpha=0"]).train.wise_ft_alpha == 0  # the probe's model, where no worse
 
 
 def test_interpolate_moves_each_floating_weight_and_only_those_the_start_holds():

@@ -34,29 +34,24 @@ def fits_head_first(method: str) -> bool:
 # what every reference recipe does at scale: a probe's gain was measured on small data and short schedules only.
 MEASURED_IMAGES_PER_CLASS = (10, 400)
 MEASURED_IMAGES_SEEN = (320, 9600)
-# The probe alone wins while fine-tuning is short in steps: at 320 images seen it beat LP-FT and fine-tuning on all five
-# datasets, at 960 LP-FT led on most.
+# The probe alone wins while fine-tuning is short in steps: below this many images seen it beat LP-FT and fine-tuning
+# on every dataset of the transfer study; above it LP-FT led on most (docs/studies/transfer.md, "The methods side by
+# side").
 PROBE_ALONE_BELOW_IMAGES_SEEN = 960
-# Short in passes over the data (many images, few steps) is another matter. On mnist and Fashion-MNIST with 200 and 400
-# images per class, 3 seeds each, at 0.4 and 0.48 epochs the probe alone led Fashion-MNIST (0.863 against LP-FT's
-# 0.838, 0.843 against 0.816) and LP-FT led mnist (0.960 against 0.933, 0.941 against 0.917): neither arm is safe
-# there. LP-FT with its weights averaged halfway back to the probe's model (wise_ft.py) was within noise of the better
-# of the two on those four cells, and so on six cells measured after this rule was chosen (mnist and Fashion-MNIST at
-# 112 and 224 px and 0.48 epochs, and with 300 per class at 0.43). Below this many epochs auto takes LP-FT with that
-# average; from 0.6 epochs on, LP-FT led or tied the probe alone.
+# Short in passes over the data (many images, few steps) is another matter: there the probe alone led on some datasets
+# and LP-FT on others, so neither arm is safe; LP-FT with its weights averaged halfway back to the probe's model
+# (wise_ft.py) was within noise of the better of the two on every such cell, including cells measured after the rule
+# was chosen. Below this many epochs auto takes LP-FT with that average; from it on, LP-FT led or tied the probe alone
+# (docs/studies/transfer.md, "What the defaults chose, cell by cell").
 SHORT_BELOW_EPOCHS = 0.6
 
 
 def auto_method(images_per_class: float, images_seen: int, epochs: float, pretrained: bool, streaming: bool,
-                needs_steps: str | None = None, unprobed_task: str | None = None,
-                averages: bool = False) -> tuple[str, str]:
-    """The method train.method=auto stands for, and why. `needs_steps`: a setting that only optimiser steps serve
-    (LoRA's adapters, a teacher), which rules the probe alone out; `unprobed_task`: a task the probe cannot fit or
-    that the study did not measure; `averages`: whether an LP-FT run would average its weights with the probe's
-    model as wise_ft.auto_alpha says (where that was measured), which makes LP-FT safe on short schedules."""
-    if unprobed_task:
-        return "finetune", (f"the task is {unprobed_task.replace('_', ' ')}: the methods were measured on "
-                            "classification only, and the probe fits a classifier's head")
+                needs_steps: str | None = None, averages: bool = False) -> tuple[str, str]:
+    """The method train.method=auto stands for with a classifier, and why. `needs_steps`: a setting that only
+    optimiser steps serve (LoRA's adapters, a teacher), which rules the probe alone out; `averages`: whether an LP-FT
+    run would average its weights with the probe's model as wise_ft.auto_alpha says (where that was measured), which
+    makes LP-FT safe on short schedules."""
     if streaming:
         return "finetune", "a stream is not read whole before training, which the probe needs"
     if not pretrained:
@@ -88,18 +83,58 @@ def auto_method(images_per_class: float, images_seen: int, epochs: float, pretra
     return "linear_probe", f"{size}: {short} {why}"
 
 
+# Regression: where the regression study measured the methods (docs/regression.md): three real sets, 640 and 2,000
+# training images, 40 to 400 steps of 16 images. There LP-FT from the probe's ridge head, with the probe's model saved
+# instead where it scored no worse on the eval split (wise_ft_alpha 0), was within noise of the best arm in every cell,
+# and fine-tuning from a new head (what auto chose before) lost to it on short schedules. Outside, fine-tuning.
+REGRESSION_MEASURED_TRAINING_IMAGES = (640, 2000)
+REGRESSION_MEASURED_IMAGES_SEEN = (640, 6400)
+
+
+def auto_method_for_regression(training_images: float, images_seen: int, epochs: float, pretrained: bool,
+                               streaming: bool, needs_steps: str | None = None,
+                               averages: bool = False) -> tuple[str, str]:
+    """The method train.method=auto stands for with a regression, and why (auto_method's arguments; a regression's
+    one "class" makes images per class its training images)."""
+    if streaming:
+        return "finetune", "a stream is not read whole before training, which the probe needs"
+    if not pretrained:
+        return "finetune", "model.pretrained=false: random features are not worth probing"
+    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
+    size = f"{training_images:,.0f} training images, {images_seen:,} seen ({epochs:,.1f} epochs)"
+    if not (low <= training_images <= high and shortest <= images_seen <= longest):
+        return "finetune", (f"{size}: the regression study measured {low:,}-{high:,} training images and "
+                            f"{shortest:,}-{longest:,} seen, not here, so fine-tuning")
+    kept = (", the probe's model kept where it scores no worse on the eval split" if averages else "")
+    return "lp_ft", (f"{size}: the probe's ridge head, then fine-tuning{kept}, was within noise of the best arm on "
+                     "every set of the regression study")
+
+
+AUTO_RULES = {"classifier": auto_method, "regressor": auto_method_for_regression}  # Task.method_rule -> its rule
+
+
 def card_text(method: str, metrics: dict, tuning: str) -> str:
     """The card's line on how the model was trained; `tuning`: what the fine-tuning trained (full or LoRA's)."""
     method = metrics.get("method", method)  # a card written from the recipe as given names the method as run
     if method not in METHODS or not METHODS[method].probes:
         return tuning
     probe = metrics.get("probe") or {}
-    probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features of "
-                  f"{probe.get('images', 0):,} training images, C={probe.get('c', float('nan')):.3g}"
-                  + (f" chosen by {probe['folds']}-fold cross-validation)" if probe.get("folds") else ")"))
+    images = f"{probe.get('images', 0):,} training images"
+    if probe.get("fit") == "ridge":
+        probe_text = (f"a linear probe (the backbone frozen; the head fitted as a ridge regression on its features of "
+                      f"{images}, alpha={probe.get('alpha', float('nan')):.3g} chosen by leave-one-out "
+                      "cross-validation)")
+    else:
+        probe_text = (f"a linear probe (the backbone frozen; the head fitted as a logistic regression on its features "
+                      f"of {images}, C={probe.get('c', float('nan')):.3g}"
+                      + (f" chosen by {probe['folds']}-fold cross-validation)" if probe.get("folds") else ")"))
     if method == "linear_probe":
         return probe_text
     alpha = metrics.get("wise_ft_alpha")
-    averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model (WiSE-FT)"
-                if alpha is not None else "")
+    if alpha == 0:
+        averaged = ", the saved weights the probe's model, which scored no worse on the eval split than the fine-tuned ones"
+    else:
+        averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model "
+                    "(WiSE-FT)" if alpha is not None else "")
     return f"{probe_text}, then {tuning} from that head{averaged}"

@@ -149,19 +149,26 @@ def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False, head_kept
 
 
 # train.warmup_steps=auto. After the linear probe (train.method=lp_ft) the head already fits the training images, and
-# AdamW's first update moves every weight by the full lr whatever its gradient (its moment estimates hold one sample):
-# on a real DINOv2-S/14 at 112 px (ELPV), the training loss was 0.70 on the first batch and 4.06 on the second, after
-# one such step at 2e-5. A linear warm-up over a tenth of the steps lets the estimates form first. In the transfer study
-# it decided the result where the runs did not recover (digits at 224 px: 0.899 -> 0.956; ELPV at 112 px, batch 32:
-# 0.564 -> 0.651) and moved the other cells within noise (docs/training.md, "Transfer on a real base"). Fine-tuning
-# from a new head keeps 0, as the study measured it: the head starts at zero, so the first step moves no backbone
-# weight.
+# AdamW's first update moves every weight by the full lr whatever its gradient (its moment estimates hold one sample),
+# which on a real DINOv2-S/14 undid the probe's fit in one step. A linear warm-up over a tenth of the steps lets the
+# estimates form first. In the transfer study it decided the result where the runs did not recover and moved the other
+# cells within noise (docs/studies/transfer.md, "The methods side by side"). Fine-tuning from a new head keeps
+# 0, as the study measured it: the head starts at zero, so the first step moves no backbone weight.
 AUTO_WARMUP_SHARE_AFTER_PROBE = 0.1
+# From random weights (model.pretrained=false) nothing is small at the start: every recipe that trains a ViT from
+# scratch warms up (DeiT: 5 of 300 epochs). The same tenth of the steps; on the demo it is what lifted random weights
+# above chance (docs/training.md, "The demo's learning rate").
+AUTO_WARMUP_SHARE_FROM_RANDOM = 0.1
 
 
-def auto_warmup_steps(head_fitted: bool, total_steps: int, head_kept: bool = False) -> tuple[int, str]:
+def auto_warmup_steps(head_fitted: bool, total_steps: int, head_kept: bool = False,
+                      pretrained: bool = True) -> tuple[int, str]:
     """The warm-up steps train.warmup_steps=auto stands for, and why; `head_fitted`: a linear probe fitted the head;
-    `head_kept`: a student kept its teacher's trained head."""
+    `head_kept`: a student kept its teacher's trained head; `pretrained`: model.pretrained."""
+    if not pretrained:
+        steps = int(total_steps * AUTO_WARMUP_SHARE_FROM_RANDOM)
+        return steps, (f"a tenth of the {total_steps:,} steps: from random weights every weight moves by the full lr "
+                       "from the first step, and training from scratch warms up")
     if not head_fitted:
         if head_kept:
             return 0, "none, as every student of the student study (docs/training.md), each keeping its head, trained"

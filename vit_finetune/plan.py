@@ -66,9 +66,9 @@ class RunFacts:
 def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
     asked, size = recipe.train.wise_ft_alpha, facts.size
     averages = facts.unaveraged is None if asked == "auto" else asked < 1
-    return methods.auto_method(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
-                               recipe.data.streaming, needs_optimiser_steps(recipe),
-                               None if facts.task.probe_fits else facts.task.name, averages)
+    rule = methods.AUTO_RULES[facts.task.method_rule]
+    return rule(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
+                recipe.data.streaming, needs_optimiser_steps(recipe), averages)
 
 
 def _eval_every_steps(recipe: Recipe, facts: RunFacts) -> tuple[int | None, str]:
@@ -92,9 +92,9 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
         recipe.train.optimizer, recipe.train.lr, head_fitted=methods.fits_head_first(recipe.train.method),
         head_kept=facts.head_kept),
     "train.warmup_steps": lambda recipe, facts: optim.auto_warmup_steps(
-        methods.fits_head_first(recipe.train.method), facts.size.total_steps, facts.head_kept),
+        methods.fits_head_first(recipe.train.method), facts.size.total_steps, facts.head_kept, recipe.model.pretrained),
     "train.wise_ft_alpha": lambda recipe, facts: wise_ft.auto_alpha(recipe.train.method, facts.unaveraged,
-                                                                     facts.size.epochs),
+                                                                     facts.size.epochs, facts.task.wise_ft_auto_alpha),
     "train.eval_every_steps": _eval_every_steps,
 }
 # A linear probe takes no optimiser step: of the choices above only these two concern it.

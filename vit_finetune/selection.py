@@ -205,8 +205,13 @@ def describe_average(report: dict) -> str:
     metric = report["chosen_by"].split()[0]
     alpha = report["alpha"]
     scores = ", ".join(f"{kind.replace('_', '-')} {report[kind][metric]:.4f}" for kind in ("average", "fine_tuned"))
-    kept = (f"saved: {alpha:g} x the fine-tuned weights + {1 - alpha:g} x the probe's model"
-            if report["kept"] == "average" else "saved: the fine-tuned weights, as the average scored lower")
+    if alpha == 0:  # the "average" is the probe's model itself
+        scores = scores.replace("average", "the probe's model", 1)
+        kept = ("saved: the probe's model, as fine-tuning scored no better" if report["kept"] == "average" else
+                "saved: the fine-tuned weights, as the probe's model scored lower")
+    else:
+        kept = (f"saved: {alpha:g} x the fine-tuned weights + {1 - alpha:g} x the probe's model"
+                if report["kept"] == "average" else "saved: the fine-tuned weights, as the average scored lower")
     return f"WiSE-FT: {metric} on the eval split {scores}; {kept}"
 
 

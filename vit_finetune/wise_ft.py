@@ -20,30 +20,31 @@ from torch import nn
 
 from . import methods
 
-# train.wise_ft_alpha=auto after LP-FT. On the transfer study's real DINOv2-S/14 (docs/training.md, "Transfer on a
-# real base"), every LP-FT cell (53 cells, 10 to 400 images per class, 20 to 600 steps, 56 to 224 px, 3 seeds) was
-# evaluated at alpha 0.75, 0.5, 0.25 and 1 in the same runs. Against 1, 0.75: mean +0.004 over 153 pairs (80 up, 45
-# down), toward the probe where the probe led (faces, Fashion-MNIST, short schedules), at most -0.022 in a cell's mean
-# (ELPV). 0.5 and 0.25 gained more where the probe led but lost more where fine-tuning moved far from it (at 224 px
-# -0.023 and -0.048), so the conservative 0.75.
+# train.wise_ft_alpha=auto after LP-FT. On the transfer study's real DINOv2-S/14, every LP-FT cell was evaluated at
+# alpha 0.75, 0.5, 0.25 and 1 in the same runs (docs/studies/transfer.md, "What the defaults chose, cell by cell").
+# 0.75 moved toward the probe where the probe led and cost little where it did not; 0.5 and 0.25 gained more where the
+# probe led but lost more where fine-tuning moved far from it, so the conservative 0.75.
 AUTO_ALPHA = 0.75
 # Under methods.SHORT_BELOW_EPOCHS (many images, few steps) fine-tuning has not seen the data once and the probe alone
-# led on some datasets: halfway. On the study's four such cells (mnist and Fashion-MNIST at 56 px, 200 and 400 images
-# per class, 3 seeds) 0.5 was within noise of the better of the probe alone and LP-FT at 0.75 on each (mean +0.005 over
-# 0.75; Fashion-MNIST +0.014 and +0.009), as on six cells measured after the rule was chosen (112 and 224 px, and 300
-# images per class at 0.43 epochs).
+# led on some datasets: halfway, which was within noise of the better of the probe alone and LP-FT on every such cell
+# of the study, including cells measured after the rule was chosen.
 SHORT_SCHEDULE_ALPHA = 0.5
-MEASURED_TEXT = "measured on full fine-tuning of single-label classifiers"
+MEASURED_TEXT = "measured on full fine-tuning of single-label classifiers and regressions"
 
 
-def auto_alpha(method: str, unmeasured: str | None, epochs: float) -> tuple[float, str]:
+def auto_alpha(method: str, unmeasured: str | None, epochs: float,
+               task_alpha: float | None = None) -> tuple[float, str]:
     """train.wise_ft_alpha=auto: the alpha for this run, and why. `unmeasured`: a setting of the run the average was
-    not measured with (LoRA, a teacher, weight selection, sharding, a task other than single-label), or None;
-    `epochs`: passes over the training images the fine-tuning makes."""
+    not measured with (LoRA, a teacher, weight selection, sharding, a task whose study did not measure it), or None;
+    `epochs`: passes over the training images the fine-tuning makes; `task_alpha`: the alpha the task's own study
+    chose (Task.wise_ft_auto_alpha), or None."""
     if method != "lp_ft":
         return 1.0, f"train.method={method}: there is no probe's model to average with"
     if unmeasured:
         return 1.0, f"the average was {MEASURED_TEXT}, not with {unmeasured}, so the fine-tuned weights as they are"
+    if task_alpha == 0:
+        return 0.0, ("the probe's model where it scores no worse on the eval split than the fine-tuned weights: on "
+                     "short schedules the regression study's probe alone often led (docs/regression.md)")
     if epochs < methods.SHORT_BELOW_EPOCHS:
         alpha = SHORT_SCHEDULE_ALPHA
         return alpha, (f"under {methods.SHORT_BELOW_EPOCHS:g} epoch of fine-tuning, {alpha:g} x the fine-tuned weights + "

@@ -219,13 +219,10 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
 # ---------------------------------------------------------------- the training crop and resize
 
 # data.crop_scale=auto: the crop area from the training images a run will see (optimiser steps x images per step).
-# Measured (docs/training.md, "Small data"): against no crop, every random-resized-crop range tried lost or tied up to
-# AUTO_CROP_MEASURED_UP_TO images seen: 5-100 %, 35-100 % and 60-100 % at 1,280 (three real sets, tiny ViT) and
-# 75-100 % at 7,040 (held-out digits 5-9: 0.47 vs 0.63 from one digits-0-4 pretraining, 0.859 vs 0.865 from
-# scripts/heldout_digits.py's; with the head at train.head_lr=auto 0.880 vs 0.870, two images of 192, a tie, and
-# with the fused AdamW 0.891 vs 0.938; one seed each). No crop range is measured to help clearly anywhere,
-# and longer runs are not measured: there auto stays conservative (no crop) rather than extrapolate toward the
-# ViT paper's 5-100 % over 250k+ images.
+# Measured (docs/studies/small-data.md, "The crop rule"): against no crop, every random-resized-crop range tried lost
+# or tied up to AUTO_CROP_MEASURED_UP_TO images seen, on three real sets and on held-out digits. No crop range is
+# measured to help clearly anywhere, and longer runs are not measured: there auto stays conservative (no crop) rather
+# than extrapolate toward the ViT paper's 5-100 % over 250k+ images.
 AUTO_CROP_MEASURED_UP_TO = 7_040  # training images seen: the longest run where crops were compared with none
 
 
@@ -248,7 +245,7 @@ def crop_in_words(scale: tuple[float, float]) -> str:
 # The image processor's resampling filter (PIL's number) -> torch's uint8 kernel for it, which gives PIL's antialiased
 # resize to within one grey level, about 3x faster on one core for ~512 px photos to 384 px. Training must resize
 # as evaluation (the saved processor, which pipeline() runs) does: on 8 px digits upscaled to 56 px a head fitted on
-# bicubic pixels scored 0.863 on bilinear ones against 0.950 on bicubic. Filters not listed resize with PIL itself.
+# bicubic pixels lost accuracy on bilinear ones (docs/data.md). Filters not listed resize with PIL itself.
 TORCH_RESIZE = {Image.Resampling.BILINEAR: "bilinear", Image.Resampling.BICUBIC: "bicubic"}
 
 

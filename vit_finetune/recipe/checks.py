@@ -142,15 +142,12 @@ def check_recipe(recipe: Recipe) -> None:
 
 
 def _regression_problems(recipe: Recipe) -> list[str]:
-    """What only classes give meaning to: soft labels, a teacher's classes, a probe's logistic head."""
+    """What only classes give meaning to: soft labels, a teacher's classes."""
     t, a = recipe.train, recipe.augment
     given = {"train.label_smoothing": t.label_smoothing or None, "augment.mixup": a.mixup or None,
              "augment.cutmix": a.cutmix or None, "train.distill": t.distill}
     problems = [f"{key} works on class labels; data.task=regression has none: remove it"
                 for key, value in given.items() if value is not None]
-    if t.method in ("linear_probe", "lp_ft"):
-        problems.append(f"train.method={t.method} fits a classifier's head (logistic regression) on the frozen "
-                        "features, not a regression's; use train.method=finetune (or auto) with data.task=regression")
     return problems
 
 

@@ -54,7 +54,8 @@ class TrainSettings(Strict):
         "none (every auto value was measured without it), printed"))
     warmup_steps: Bounded("train.warmup_steps", StrictInt | Literal["auto"]) = Field("auto", description=(
         "optimiser steps of linear warm-up from 0 to train.lr; auto: optim.auto_warmup_steps, a tenth of the steps "
-        "after a linear probe (train.method=lp_ft), else 0, printed with its reason"))
+        "after a linear probe (train.method=lp_ft) or from random weights (model.pretrained=false), else 0, printed "
+        "with its reason"))
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
         description="lr decay after the warm-up: cosine, linear or constant")
     max_grad_norm: Float | None = Field(1.0, gt=0,
@@ -110,8 +111,10 @@ class TrainSettings(Strict):
         "optim.auto_head_lr, printed with its reason (AdamW: at least 2e-3; SGD: train.lr)"))
     wise_ft_alpha: Float | Literal["auto"] = Field("auto", description=(
         "after train.method=lp_ft the saved weights are alpha x the fine-tuned ones + (1 - alpha) x the probe's "
-        "model (WiSE-FT), in (0, 1]; 1 keeps the fine-tuned weights; auto: wise_ft.auto_alpha, 0.75 after LP-FT "
-        "where that was measured (0.5 under 0.6 epoch of fine-tuning), else 1, printed with its reason"))
+        "model (WiSE-FT), in [0, 1], kept only where they score no worse on the eval split than the fine-tuned "
+        "ones; 1 keeps the fine-tuned weights, 0 the probe's model where it scores no worse; auto: "
+        "wise_ft.auto_alpha, 0.75 after LP-FT of a classifier where that was measured (0.5 under 0.6 epoch of "
+        "fine-tuning), 0 for a regression, else 1, printed with its reason"))
 
     @field_validator("lr", "head_lr", mode="before")
     @classmethod
@@ -129,17 +132,17 @@ class TrainSettings(Strict):
     @field_validator("wise_ft_alpha", mode="before")
     @classmethod
     def _alpha_number_or_auto(cls, value):
-        """A number in (0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
+        """A number in [0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
         if isinstance(value, str) and value != "auto":
             try:
                 value = float(value)
             except ValueError:
-                raise ValueError(f"must be a number in (0, 1] or auto, got {value!r}; e.g. 0.75") from None
+                raise ValueError(f"must be a number in [0, 1] or auto, got {value!r}; e.g. 0.75") from None
         if value == "auto":
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
-                             "0 would be the probe alone (train.method=linear_probe); e.g. 0.75")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"must be a number in [0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
+                             "0 the probe's model where it scores no worse; e.g. 0.75")
         return value
 
     # Beyond 1e6 the lr overflows inside the optimiser.

@@ -47,9 +47,12 @@ class Task:
     ema_compared: ClassVar[str] = "accuracy"  # the metric the card gives for the raw and the EMA weights
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)
-    probe_fits: ClassVar[bool] = True  # whether train.method's linear probe can fit this task's head
+    probe_fit: ClassVar[str] = "logistic"  # how the linear probe fits this task's head (probe.FITS)
+    method_rule: ClassVar[str] = "classifier"  # which of methods.AUTO_RULES train.method=auto follows
     # whether train.wise_ft_alpha=auto averages LP-FT's weights with the probe's model: where the average was measured
     wise_ft_measured: ClassVar[bool] = False
+    # the alpha train.wise_ft_alpha=auto takes on every schedule, where the task's study chose one (None: wise_ft's rule)
+    wise_ft_auto_alpha: ClassVar[float | None] = None
     # whether distillation serves it: a teacher of this task teaches a student of it by its top class or softmax
     distills: ClassVar[bool] = False
 
@@ -102,7 +105,7 @@ class Task:
         """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
         return balance.balancing(kind, splits, seed)
 
-    # ------------------------------------------------------------ the linear probe (probe.py), where probe_fits
+    # ------------------------------------------------------------ the linear probe (probe.py)
 
     def probe_weights(self, labels: torch.Tensor, class_weights: torch.Tensor | None) -> torch.Tensor:
         """Each image's float32 weight in the probe's loss, given data.class_balance=weights' class weights or None."""
@@ -110,6 +113,10 @@ class Task:
 
     def probe_strata(self, labels: torch.Tensor) -> torch.Tensor:
         """Each image's group (an id >= 0) that the probe's cross-validation deals evenly into its folds."""
+        raise NotImplementedError
+
+    def probe_targets(self, labels: torch.Tensor) -> torch.Tensor:
+        """What a least-squares head learns for each image, as a float (images, outputs) table (probe_fit "ridge")."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ evaluation

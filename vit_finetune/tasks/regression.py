@@ -40,7 +40,10 @@ class Regression(Task):
     label_encoding = "values"
     other_dataset_refusal = ("evaluate --dataset matches class labels by name; evaluate a regression model on its own "
                              "run's eval split (no --dataset), which its recipe.yaml names")
-    probe_fits = False  # the probe fits a logistic regression; a least-squares head is not built
+    probe_fit = "ridge"  # least squares, as the head is trained
+    method_rule = "regressor"
+    wise_ft_measured = True
+    wise_ft_auto_alpha = 0.0  # the probe's model where it scores no worse than LP-FT's weights (methods.py)
 
     def __init__(self, mean: list[float], std: list[float], loss_kind: str = "mse"):
         self.mean = torch.tensor(mean, dtype=torch.float32)
@@ -94,6 +97,10 @@ class Regression(Task):
         """The mean over the batch's real images; 0 with a zero gradient when all were skipped."""
         total = self.kept(targets).float().sum()
         return self.per_image_loss(logits, targets).sum() / torch.where(total > 0, total, torch.ones_like(total))
+
+    def probe_targets(self, labels):
+        """The targets standardised, as per_image_loss compares them to the head's outputs."""
+        return (labels.float() - self.mean) / self.std
 
     # ------------------------------------------------------------ evaluation
 
