@@ -140,7 +140,7 @@ def test_distillation_keys_are_validated_together(args, tmp_path):
 
 
 def test_multi_label_runs_refuse_distillation(base, wrong_teacher, tmp_path, capsys):
-    explicit = train([f"model.base={base}", f"data.dataset={tmp_path}", "data.multi_label=true",
+    explicit = train([f"model.base={base}", f"data.dataset={tmp_path}", "data.task=multi_label",
                       f"train.distill.teacher={wrong_teacher}", f"output_dir={tmp_path / 'a'}"])
     error = capsys.readouterr().err
     assert explicit == 2 and "single-label" in error, error[-2000:]

@@ -69,7 +69,7 @@ def test_a_folder_with_metadata_csv_is_read_as_the_label_file(tmp_path):
 
 def test_multi_label_false_refuses_rows_that_hold_several_labels(tmp_path):
     path = write_label_sets(tmp_path, images=6)
-    assert "data.multi_label=false" in problems_of(path, multi_label=False)
+    assert "data.task=single_label" in problems_of(path, multi_label=False)
 
 
 def test_every_bad_row_is_reported_at_once_with_its_line(tmp_path):
@@ -91,7 +91,7 @@ def test_every_bad_row_is_reported_at_once_with_its_line(tmp_path):
     for line, words in expected.items():
         assert words in lines[line], (line, lines[line])
     assert "'Cat' (line 2)" in lines[3] and "7 problem(s)" in message and "/etc/passwd" in lines[4]
-    assert "data.multi_label=true" in lines[7]  # the way to give an image no label
+    assert "data.task=multi_label" in lines[7]  # the way to give an image no label
 
 
 @pytest.mark.timeout(120)  # a FIFO read would wait for a writer: the test fails instead of hanging
@@ -213,7 +213,7 @@ def test_an_image_with_no_label_in_a_single_label_file_names_the_key_that_allows
     path = write_csv(tmp_path / "data" / "labels.csv", "file_name,label", rows)
     assert run(base, path, tmp_path / "out") == 1
     error = capsys.readouterr().err
-    assert "line 5: no label in column 'label'" in error and "data.multi_label=true" in error
+    assert "line 5: no label in column 'label'" in error and "data.task=multi_label" in error
     assert run(base, path, tmp_path / "out", "data.multi_label=true", "data.eval_fraction=0.5") == 0
     said = capsys.readouterr().out
     assert said.count("data.multi_label=true: read as data.task=multi_label") == 1  # the older key still works

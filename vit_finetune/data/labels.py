@@ -324,12 +324,12 @@ def label_set_problems(table: LabelTable, settings: DataSettings, unlabelled_lin
     if table.multi_label if chosen is None else chosen:
         return []
     problems = [f"line {line}: no label in column {label_column!r}; an image with none of the labels needs "
-                "data.multi_label=true (a set of labels per image, which may be empty), or remove the row"
+                "data.task=multi_label (a set of labels per image, which may be empty), or remove the row"
                 for line in unlabelled_lines]
     if table.first_label_set is not None:
         line, cell = table.first_label_set
         problems.append(f"line {line}: {excerpt(cell)} holds several labels ({table.rows_with_label_sets} row(s) do) "
-                        "but data.multi_label=false; set it to true (or null), or give each image one label")
+                        "but data.task=single_label; set data.task=multi_label (or auto), or give each image one label")
     return problems
 
 
@@ -342,7 +342,7 @@ def multi_label_note(table: LabelTable, path: Path, settings: DataSettings) -> s
     joined = isinstance(cell, str) and not cell.lstrip().startswith("[")
     how = (f"labels joined by data.label_separator={settings.label_separator!r}" if joined else "a JSON list of labels")
     keep = ((f"data.label_separator='' reads such a cell as one label, or " if joined else "")
-            + "data.multi_label=false refuses those rows, naming their lines")
+            + "data.task=single_label refuses those rows, naming their lines")
     return (f"{path.name} is multi-label (a set of labels per image: a sigmoid score and a threshold per label) because "
             f"line {line}'s cell {excerpt(cell)} holds {how}; {table.rows_with_label_sets} of {len(table.paths)} rows "
             f"hold several labels. To keep one label per image: {keep}")

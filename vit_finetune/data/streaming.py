@@ -123,8 +123,8 @@ def open_streams(settings: DataSettings, rank: int, processes: int) -> StreamedS
     chosen = label_sets_chosen(settings)
     multi_label = is_label_set(features[label_column]) if chosen is None else chosen
     if is_label_set(features[label_column]) and not multi_label:
-        raise DataError(f"data.multi_label=false, but the label column {label_column!r} holds a list of labels per "
-                        "row; set data.multi_label=true (or null)")
+        raise DataError(f"data.task=single_label, but the label column {label_column!r} holds a list of labels per "
+                        "row; set data.task=multi_label (or auto)")
     # Every shard is looked at before training: a damaged one would otherwise end in a library's traceback, or in
     # rows silently missing, partway through a run.
     counted = {split: check_shards(files[split], split, (image_column, label_column), settings)

@@ -125,7 +125,7 @@ def check_recipe(recipe: Recipe) -> None:
                         "for), e.g. train.keep_best=eval_accuracy")
     if recipe.train.distill is not None and recipe.data.task == "multi_label":
         problems.append("train.distill works with single-label classification only (a teacher's top class or "
-                        "softmax); set train.distill=null for data.multi_label=true")
+                        "softmax); set train.distill=null for data.task=multi_label")
     if recipe.data.task == "regression":
         problems.extend(_regression_problems(recipe))
     if recipe.train.distill is not None and recipe.train.distill.cache_logits:

@@ -53,7 +53,7 @@ class MultiLabel(Task):
         """data.class_balance=weights weighs each class's positives by its negatives / positives (BCE's pos_weight)."""
         if kind is None:
             return None, None
-        if kind == "sampler":  # the recipe refuses it with data.multi_label=true; a detected label set lands here
+        if kind == "sampler":  # the recipe refuses it with data.task=multi_label; a detected label set lands here
             raise DataError("data.class_balance=sampler draws images by their one class, but this dataset's images "
                             "hold label sets (multi-label); use data.class_balance=weights or null")
         rows = torch.zeros(len(splits.train), len(splits.labels))
