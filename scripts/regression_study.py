@@ -6,7 +6,7 @@ transformers' Trainer and ridge regression on frozen features, all scored on hel
     python scripts/regression_study.py --sizes 112 --steps 40 --arms defaults,trainer_5e-5,trainer_2e-5,ridge
     python scripts/regression_study.py --table                 # the tables, and docs/regression_study.png
 
-Needs `pip install -e ".[study,real_base]"`, `pip install elpv-dataset`, Debian's dataset-fashion-mnist and the real
+Needs `pip install -e ".[study,realbase]"`, `pip install elpv-dataset`, Debian's dataset-fashion-mnist and the real
 base (python scripts/make_real_base.py). As in scripts/transfer_study.py, the DINOv2-S/14 is moved once to the 84 px
 reference grid, and every cell fine-tunes from that folder at 56 or 112 px.
 
