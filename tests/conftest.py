@@ -158,12 +158,12 @@ def args(base, images) -> list[str]:
 # (--no-loadscope-reorder), so the longest files go first: the two workers then end within a short file of each
 # other, instead of one still running a multi-process file that was handed out last. Longest first as measured
 # with `pytest --durations=0`; the files not named keep their alphabetical order after these.
-LONGEST_FILES_FIRST = ("test_stopping.py", "test_serving.py", "test_launch.py", "test_streaming.py", "test_resume.py",
-                       "test_sharded.py", "test_resume_safety.py", "test_readme_commands.py", "test_hub_roundtrip.py",
-                       "test_first_minutes.py", "test_multiprocess.py", "test_safety_io.py", "test_distill.py",
-                       "test_multiprocess_errors.py", "test_unreachable_hub.py", "test_device_switches.py",
-                       "test_multilabel.py", "test_bench.py", "test_hostile_recipes.py", "test_families.py",
-                       "test_methods.py", "test_output_dir.py", "test_model.py")
+LONGEST_FILES_FIRST = ("test_streaming.py", "test_launch.py", "test_serving.py", "test_resume.py", "test_methods.py",
+                       "test_stopping.py", "test_hub_roundtrip.py", "test_readme_commands.py", "test_sharded.py",
+                       "test_safety_io.py", "test_multilabel.py", "test_resume_safety.py", "test_bench.py",
+                       "test_device_switches.py", "test_first_minutes.py", "test_unreachable_hub.py", "test_distill.py",
+                       "test_multiprocess.py", "test_families.py", "test_security.py", "test_overwrite.py",
+                       "test_multiprocess_errors.py", "test_hostile_configs.py", "test_model.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -8,8 +8,9 @@ A fresh `python -m vit_finetune` spends about 5.5 CPU-s importing torch, transfo
 its first step, and torchrun imports torch once more for itself: a tiny two-process run costs about 16 CPU-s, of which
 about 3 are training. The tests whose subject is what the ranks do together (sharding, streaming, distributed
 evaluation, one rank talking to the Hub) launch through this; the tests of the launchers themselves keep the real
-ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py, the frozen rank of
-test_resume_safety.py, and the shared FSDP run of test_sharded.py, launched by `accelerate launch --config_file`).
+ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py's schema mistake, the
+frozen rank of test_resume_safety.py, and the shared FSDP run of test_sharded.py, launched by `accelerate launch
+--config_file`).
 With --serve, one launcher serves a test module's launches one after another: the import is paid once for them all,
 and a launch that would change a variable some library read at import is refused (READ_AT_RUN_TIME).
 
