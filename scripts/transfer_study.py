@@ -387,8 +387,8 @@ LP_FT_ALPHA = 0.75
 SAME_AS_LP_FT = "lp_ft_warmup10pct"
 # Since the average is kept only where it scores no worse on the eval split, an lp_ft row records that choice
 # (wise_ft_kept): read back as lp_ft_no_worse, an arm of its own, so that the tables' LP-FT column stays the average
-# every LP-FT row before measured. The toolkit before the rule (lp_ft_always_average) ran that average: read back with
-# those rows, as lp_ft (or its alpha's option).
+# every LP-FT row before measured. The rows of the toolkit before the rule (lp_ft_always_average) ran that average and
+# gave those rows' accuracy to the last digit; they keep their own name, so the tables' seconds stay those measured.
 NO_WORSE_ROWS = "lp_ft_no_worse"
 
 
@@ -410,9 +410,6 @@ def read_results(root: Path) -> list[dict]:
             run["option"] = NO_AVERAGE_ROWS
         elif run["option"] == "lp_ft" and "wise_ft_kept" in run:
             run["option"] = NO_WORSE_ROWS
-        elif run["option"] == "lp_ft_always_average":
-            alpha = run["wise_ft_alpha_used"]
-            run["option"] = "lp_ft" if alpha == LP_FT_ALPHA else f"lp_ft_wise{alpha:g}"
         elif run["option"] == "lp_ft" and run["wise_ft_alpha_used"] != LP_FT_ALPHA:
             run["option"] = f"lp_ft_wise{run['wise_ft_alpha_used']:g}"  # auto's alpha for a short schedule
         elif run["option"] == SAME_AS_LP_FT:
@@ -564,17 +561,20 @@ def choice_table(results: list[dict], size: int = 56, compact: bool = False) -> 
     return "\n".join(out)
 
 
+def mean3(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f}"
+
+
 def rule_table(results: list[dict]) -> str:
-    """WiSE-FT's rule on the test split, per cell where lp_ft_no_worse, lp_ft_wise1 and the average (lp_ft or
-    lp_ft_wise0.5, the toolkit before the rule) were run at the same seeds and scored on test: each rule's test
-    accuracy (mean over seeds), how often the rule kept the fine-tuned weights, and the optimism of the eval figure it
-    reports (the kept weights' eval accuracy minus the average's). Below, whether the arms fine-tuned identically."""
+    """WiSE-FT's rule on the test split, per cell where lp_ft_no_worse, lp_ft_wise1 and lp_ft_always_average were run
+    at the same seeds and scored on test: each rule's test accuracy (mean over seeds), how often the rule kept the
+    fine-tuned weights, and the optimism of the eval figure it reports (the kept weights' eval accuracy minus the
+    average's). Below, the rule against each other rule run by run, and whether the arms fine-tuned identically."""
     def scored(option: str) -> dict:
         return {(r["dataset"], r["size"], r["per_class"], r["steps"], r["seed"]): r for r in results
                 if r["option"] == option and r.get("test_accuracy") is not None and r["lr"] is None}
 
-    rule, never = scored(NO_WORSE_ROWS), scored(NO_AVERAGE_ROWS)
-    always = {**scored("lp_ft"), **scored("lp_ft_wise0.5")}
+    rule, always, never = scored(NO_WORSE_ROWS), scored("lp_ft_always_average"), scored(NO_AVERAGE_ROWS)
     seeds = {key: (rule[key], always[key], never[key]) for key in rule if key in always and key in never}
     head = ["images per class, steps of 16", "dataset", "px", "alpha", "seeds", "test: always average",
             "test: the rule", "test: never average", "the rule kept the fine-tuned weights", "optimism of its eval figure"]
@@ -582,20 +582,20 @@ def rule_table(results: list[dict]) -> str:
     cells = sorted({key[:4] for key in seeds}, key=lambda c: (c[1], c[2], c[3], list(DATASETS).index(c[0])))
     for dataset, size, per_class, steps in cells:
         runs = [seeds[key] for key in sorted(seeds) if key[:4] == (dataset, size, per_class, steps)]
-        mean = lambda values: f"{statistics.mean(values):.3f}"  # noqa: E731
         kept = sum(r["wise_ft_kept"] == "fine_tuned" for r, _, _ in runs)
         optimism = [r["accuracy"] - r["eval_average"] for r, _, _ in runs]
         out.append("| " + " | ".join([f"{per_class}, {steps}", dataset, str(size), f"{runs[0][0]['wise_ft_alpha_used']:g}",
-                                      str(len(runs)), mean([a["test_accuracy"] for _, a, _ in runs]),
-                                      mean([r["test_accuracy"] for r, _, _ in runs]),
-                                      mean([n["test_accuracy"] for _, _, n in runs]), f"{kept} of {len(runs)}",
+                                      str(len(runs)), mean3([a["test_accuracy"] for _, a, _ in runs]),
+                                      mean3([r["test_accuracy"] for r, _, _ in runs]),
+                                      mean3([n["test_accuracy"] for _, _, n in runs]), f"{kept} of {len(runs)}",
                                       f"+{statistics.mean(optimism):.3f}"]) + " |")
     if not seeds:
         return "\n".join(out)
     pairs = list(seeds.values())
+    out.append("")
     for name, other in (("always average", 1), ("never average", 2)):
         gains = [arms[0]["test_accuracy"] - arms[other]["test_accuracy"] for arms in pairs]
-        out.append(f"\nthe rule against {name} on test, {len(gains)} runs: mean {statistics.mean(gains):+.4f}, "
+        out.append(f"the rule against {name} on test, {len(gains)} runs: mean {statistics.mean(gains):+.4f}, "
                    f"{sum(g > 0 for g in gains)} up / {sum(g < 0 for g in gains)} down / {sum(g == 0 for g in gains)} equal")
     same_fine_tuning = sum(r["eval_fine_tuned"] == n["accuracy"] and r["eval_average"] == a["accuracy"]
                            for r, a, n in pairs)
