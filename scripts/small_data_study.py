@@ -74,6 +74,9 @@ class SmallDataset:
     train_per_class: int
     eval_per_class: int
     epochs: int
+    # A test split scored after training and never used for a choice: the last `test_per_class` images of each
+    # class's draw, written only where every class has that many left after its eval and training images.
+    test_per_class: int = 0
 
 
 DATASETS = {
@@ -117,32 +120,46 @@ OPTIONS.update({name: [*OPTIONS["off"], *overrides] for name, overrides in {**TO
 
 
 def split(dataset: SmallDataset) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """A seeded, stratified train/eval split with labels renumbered 0..k-1 in `classes` order."""
+    """A seeded, stratified train/eval split (and test split, where `test_per_class` images are left in every class)
+    with labels renumbered 0..k-1 in `classes` order. The test images come from the end of each class's draw, so the
+    eval and training images are the same with or without them."""
     images, labels = dataset.load()
     rng = np.random.default_rng(SPLIT_SEED)
-    parts = {"train": ([], []), "validation": ([], [])}
-    for new_label, old_label in enumerate(dataset.classes):
-        members = rng.permutation(np.flatnonzero(labels == old_label))
+    drawn = [rng.permutation(np.flatnonzero(labels == old_label)) for old_label in dataset.classes]
+    spare = min(len(members) - dataset.eval_per_class - dataset.train_per_class for members in drawn)
+    with_test = 0 < dataset.test_per_class <= spare
+    parts = {name: ([], []) for name in ("train", "validation", *(["test"] if with_test else []))}
+    for new_label, members in enumerate(drawn):
         held_out = members[: dataset.eval_per_class]
         rest = members[dataset.eval_per_class:]
-        kept = rest[: dataset.train_per_class]
-        for name, chosen in (("validation", held_out), ("train", kept)):
-            parts[name][0].append(images[chosen])
-            parts[name][1].append(np.full(len(chosen), new_label))
+        chosen = {"validation": held_out, "train": rest[: dataset.train_per_class]}
+        if with_test:
+            chosen["test"] = members[-dataset.test_per_class:]
+        for name, indices in chosen.items():
+            parts[name][0].append(images[indices])
+            parts[name][1].append(np.full(len(indices), new_label))
     return {name: (np.concatenate(x), np.concatenate(y)) for name, (x, y) in parts.items()}
 
 
 def write_dataset(dataset: SmallDataset, folder: Path) -> Path:
-    """The split as a save_to_disk DatasetDict of PNG images and a ClassLabel; written once."""
-    if (folder / "dataset_dict.json").exists():
+    """The split as a save_to_disk DatasetDict of PNG images and a ClassLabel; written once. A folder written before
+    its dataset had a test split gets the test split added, its other splits left as they are."""
+    index = folder / "dataset_dict.json"
+    written = json.loads(index.read_text())["splits"] if index.exists() else []
+    if written and ("test" in written or not dataset.test_per_class):
         return folder
     import datasets
     from PIL import Image
 
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=dataset.names)})
     splits = {name: datasets.Dataset.from_dict({"image": [Image.fromarray(i) for i in x], "label": y.tolist()},
-                                               features=features) for name, (x, y) in split(dataset).items()}
-    datasets.DatasetDict(splits).save_to_disk(str(folder))
+                                               features=features)
+              for name, (x, y) in split(dataset).items() if name not in written}
+    if not written:
+        datasets.DatasetDict(splits).save_to_disk(str(folder))
+    elif splits:  # the test split alone, beside the splits already written
+        splits["test"].save_to_disk(str(folder / "test"))
+        index.write_text(json.dumps({"splits": [*written, "test"]}))
     return folder
 
 

