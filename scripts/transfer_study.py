@@ -301,7 +301,7 @@ def scored_on_test(out: Path, data: Path) -> dict:
     """The saved model's accuracy on the data's test split (never used for a choice), where the data has one."""
     if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
         return {}
-    from vit_finetune.inference import evaluate_saved
+    from vit_finetune.evaluate_saved import evaluate_saved
 
     metrics = evaluate_saved(str(out), str(data), "test")
     return {"test_accuracy": metrics["accuracy"], "test_images": metrics["eval_samples"]}
