@@ -147,6 +147,20 @@ def images(tmp_path_factory):
     return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
 
 
+@_hub_pytest.fixture(scope="session")
+def warm_launcher():
+    """One warm launcher (tests/warm_launch.py --serve) for every two-process launch of this pytest process whose
+    subject is what the ranks do, not the launcher: the libraries are imported once for all of them. Started with
+    the environment of `recorder.subprocess_env` (the site hooks importable, none on), at the first test that asks."""
+    import recorder
+    from runs import WarmLauncher
+    from tiny import REPO
+
+    launcher = WarmLauncher(recorder.subprocess_env(None), REPO)
+    yield launcher
+    launcher.close()
+
+
 @_hub_pytest.fixture(scope="module")
 def args(base, images) -> list[str]:
     from runs import RECIPE
