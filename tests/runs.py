@@ -67,12 +67,12 @@ class WarmLauncher:
         self.pending = b""  # what the launcher has answered and no call has read yet
 
     def start(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
-              cwd: Path | None = None) -> list[int]:
-        """Fork the ranks of one launch (the launcher's environment with `changes`, its output in `log` and `log`.err,
-        in `cwd` or the launcher's); returns their pids."""
+              cwd: Path | None = None, module: str = "vit_finetune") -> list[int]:
+        """Fork the ranks of one launch of `-m module ARGS` (the launcher's environment with `changes`, its output in
+        `log` and `log`.err, in `cwd` or the launcher's); returns their pids."""
         log.parent.mkdir(parents=True, exist_ok=True)
         request = {"processes": 2, "config_file": str(config_file) if config_file else None,
-                   "module_and_args": ["vit_finetune", *args], "env": {**self.env, **changes},
+                   "module_and_args": [module, *args], "env": {**self.env, **changes},
                    "cwd": str(cwd or self.cwd), "stdout": str(log), "stderr": str(log.with_suffix(".err"))}
         self.server.stdin.write(json.dumps(request).encode() + b"\n")
         self.server.stdin.flush()
@@ -86,8 +86,8 @@ class WarmLauncher:
         return self._answer(timeout)["exit_code"]
 
     def run(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
-            cwd: Path | None = None) -> subprocess.CompletedProcess:
-        self.start(args, changes, log, config_file, cwd)
+            cwd: Path | None = None, module: str = "vit_finetune") -> subprocess.CompletedProcess:
+        self.start(args, changes, log, config_file, cwd, module)
         code = self.wait()
         return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
 
