@@ -147,6 +147,20 @@ def images(tmp_path_factory):
     return write_colour_folder(tmp_path_factory.mktemp("colours"), classes=3, train=8, validation=3)
 
 
+@_hub_pytest.fixture(scope="session")
+def warm_launcher():
+    """One warm launcher (tests/warm_launch.py --serve) for every two-process launch of this pytest process whose
+    subject is what the ranks do, not the launcher: the libraries are imported once for all of them. Started with
+    the environment of `recorder.subprocess_env` (the site hooks importable, none on), at the first test that asks."""
+    import recorder
+    from runs import WarmLauncher
+    from tiny import REPO
+
+    launcher = WarmLauncher(recorder.subprocess_env(None), REPO)
+    yield launcher
+    launcher.close()
+
+
 @_hub_pytest.fixture(scope="module")
 def args(base, images) -> list[str]:
     from runs import RECIPE
@@ -157,13 +171,14 @@ def args(base, images) -> list[str]:
 # `make test` gives each worker a whole file at a time (--dist loadfile) in collection order
 # (--no-loadscope-reorder), so the longest files go first: the two workers then end within a short file of each
 # other, instead of one still running a multi-process file that was handed out last. Longest first as measured
-# with `pytest --durations=0`; the files not named keep their alphabetical order after these.
-LONGEST_FILES_FIRST = ("test_streaming.py", "test_launch.py", "test_serving.py", "test_resume.py", "test_methods.py",
-                       "test_stopping.py", "test_hub_roundtrip.py", "test_readme_commands.py", "test_sharded.py",
-                       "test_safety_io.py", "test_multilabel.py", "test_resume_safety.py", "test_bench.py",
-                       "test_device_switches.py", "test_first_minutes.py", "test_unreachable_hub.py", "test_distill.py",
-                       "test_multiprocess.py", "test_families.py", "test_security.py", "test_overwrite.py",
-                       "test_multiprocess_errors.py", "test_hostile_configs.py", "test_model.py")
+# (each file's test durations summed, as `pytest --durations=0` gives them, in a two-worker run); the files not
+# named keep their alphabetical order after these.
+LONGEST_FILES_FIRST = ("test_serving.py", "test_launch.py", "test_streaming.py", "test_stopping.py", "test_resume.py",
+                       "test_safety_io.py", "test_hub_roundtrip.py", "test_resume_safety.py", "test_sharded.py",
+                       "test_first_minutes.py", "test_device_switches.py", "test_methods.py", "test_bench.py",
+                       "test_readme_commands.py", "test_multilabel.py", "test_model.py", "test_multiprocess.py",
+                       "test_families.py", "test_warm_launch.py", "test_security.py", "test_overwrite.py",
+                       "test_cpu_threads.py", "test_distill.py", "test_hostile_configs.py", "test_unreachable_hub.py")
 
 
 def pytest_collection_modifyitems(items):

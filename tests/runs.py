@@ -56,21 +56,24 @@ def warm_launch_command(processes: int = 2, config_file: Path | None = None) -> 
 
 class WarmLauncher:
     """Launch after launch of `-m vit_finetune ARGS` on 2 processes, as warm_launch_command() launches them, from one
-    warm interpreter (tests/warm_launch.py --serve): a test module's launches import the libraries once in all.
-    `env` is the environment the launcher starts with; a launch may change only what is read at run time."""
+    warm interpreter (tests/warm_launch.py --serve): the launches import the libraries once in all.
+    `env` is the environment the launcher starts with, and each launch's; a launch's `changes` to it may change only
+    what is read at run time. Kept from the start: the tests' own environment changes as libraries are imported."""
 
     def __init__(self, env: dict[str, str], cwd: Path):
-        self.cwd = cwd
+        self.env, self.cwd = dict(env), cwd
         self.server = subprocess.Popen([sys.executable, str(WARM_LAUNCH), "--serve"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env, cwd=cwd)
         self.pending = b""  # what the launcher has answered and no call has read yet
 
-    def start(self, args: list[str], env: dict[str, str], log: Path, config_file: Path | None = None) -> list[int]:
-        """Fork the ranks of one launch (its output in `log` and `log`.err); returns their pids."""
+    def start(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
+              cwd: Path | None = None, module: str = "vit_finetune") -> list[int]:
+        """Fork the ranks of one launch of `-m module ARGS` (the launcher's environment with `changes`, its output in
+        `log` and `log`.err, in `cwd` or the launcher's); returns their pids."""
         log.parent.mkdir(parents=True, exist_ok=True)
         request = {"processes": 2, "config_file": str(config_file) if config_file else None,
-                   "module_and_args": ["vit_finetune", *args], "env": env, "cwd": str(self.cwd),
-                   "stdout": str(log), "stderr": str(log.with_suffix(".err"))}
+                   "module_and_args": [module, *args], "env": {**self.env, **changes},
+                   "cwd": str(cwd or self.cwd), "stdout": str(log), "stderr": str(log.with_suffix(".err"))}
         self.server.stdin.write(json.dumps(request).encode() + b"\n")
         self.server.stdin.flush()
         answer = self._answer(timeout=120)
@@ -82,16 +85,17 @@ class WarmLauncher:
         """The launch's exit code, once all its ranks have ended."""
         return self._answer(timeout)["exit_code"]
 
-    def run(self, args: list[str], env: dict[str, str], log: Path,
-            config_file: Path | None = None) -> subprocess.CompletedProcess:
-        self.start(args, env, log, config_file)
+    def run(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
+            cwd: Path | None = None, module: str = "vit_finetune") -> subprocess.CompletedProcess:
+        self.start(args, changes, log, config_file, cwd, module)
         code = self.wait()
         return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
 
-    def run_and_kill(self, args: list[str], env: dict[str, str], log: Path, when: Callable[[], bool],
-                     config_file: Path | None = None, timeout: float = 300) -> tuple[int, list[int]]:
+    def run_and_kill(self, args: list[str], changes: dict[str, str], log: Path,
+                     when: Callable[[], bool], config_file: Path | None = None,
+                     timeout: float = 300) -> tuple[int, list[int]]:
         """A launch whose ranks are sent SIGKILL as soon as `when()` holds; returns its exit code and the ranks' pids."""
-        ranks = self.start(args, env, log, config_file)
+        ranks = self.start(args, changes, log, config_file)
         deadline = time.monotonic() + timeout
         while not when() and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -253,22 +253,14 @@ def test_a_killed_and_resumed_distillation_run_equals_the_uninterrupted_one(args
 
 
 @pytest.mark.timeout(600)
-def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, tmp_path):
-    """2 CPU processes (gloo; torchrun's environment, forked warm: tests/warm_launch.py): each rank loads the teacher
-    and labels its own share of every batch."""
-    import os
-    import subprocess
-    import sys
-
-    from runs import warm_launch_command
-    from tiny import REPO
-
+def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, warm_launcher, tmp_path):
+    """2 CPU processes (gloo; torchrun's environment, forked by the session's warm launcher: conftest.warm_launcher):
+    each rank loads the teacher and labels its own share of every batch."""
     out = tmp_path / "out"
-    result = subprocess.run(
-        [*warm_launch_command(), "-m", "vit_finetune", *args, "model.image_size=16", "train.epochs=4",
-         f"train.distill.teacher={wrong_teacher}", "train.distill.weight=1.0", f"output_dir={out}"],
-        capture_output=True, text=True, timeout=500, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    result = warm_launcher.run([*args, "model.image_size=16", "train.epochs=4",
+                                f"train.distill.teacher={wrong_teacher}", "train.distill.weight=1.0",
+                                f"output_dir={out}"],
+                               {}, tmp_path / "two.log")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout
     assert metrics(out)["accuracy"] <= 1 / 9

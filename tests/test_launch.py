@@ -245,36 +245,14 @@ def test_two_machines_write_each_output_once_from_the_main_process(two_machine_r
     assert (out / "checkpoints" / "step-00000006" / "random_states_1.pkl").is_file()  # the main process renamed it
 
 
-SHARED_FOLDER_PROBE = """
-import json, sys
-from pathlib import Path
-from accelerate import Accelerator
-from vit_finetune.processes import unshared_folder_refusal
-
-accelerator = Accelerator(cpu=True)
-root = Path(sys.argv[1])
-shared = unshared_folder_refusal(accelerator, root / "shared", ".check", patience_s=0.5)
-# Each process its own folder: what one output_dir path is on machines without a shared filesystem.
-own = unshared_folder_refusal(accelerator, root / f"rank-{accelerator.process_index}", ".check", patience_s=0.5)
-# One file per process: two processes printing to one pipe can interleave their lines.
-answer = {"rank": accelerator.process_index, "shared": shared, "own": own}
-(root / f"answer-{accelerator.process_index}.json").write_text(json.dumps(answer))
-accelerator.wait_for_everyone()
-accelerator.end_training()  # the process group ends together, not torn down by the first process to exit
-"""
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_processes_that_do_not_share_the_output_folder_are_told_so(tmp_path):
+def test_processes_that_do_not_share_the_output_folder_are_told_so(warm_launcher, tmp_path):
+    """Two ranks as torchrun starts them, forked by the session's warm launcher (conftest.warm_launcher): the subject
+    is what the processes tell each other, not the launcher (tests/shared_folder_probe.py)."""
     for folder in ("shared", "rank-0", "rank-1"):
         (tmp_path / folder).mkdir()
-    script = tmp_path / "probe.py"
-    script.write_text(SHARED_FOLDER_PROBE)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", str(free_port()), str(script), str(tmp_path)],
-                            capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    result = warm_launcher.run([str(tmp_path)], {}, tmp_path / "probe.log", module="shared_folder_probe")
     assert result.returncode == 0, result.stdout + result.stderr
     answers = {rank: json.loads((tmp_path / f"answer-{rank}.json").read_text()) for rank in (0, 1)}
     assert [answers[rank]["rank"] for rank in (0, 1)] == [0, 1] and answers[0]["shared"] is None and answers[1]["shared"] is None

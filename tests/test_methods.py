@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from safetensors.torch import load_file
 from transformers import pipeline
 
 from runs import SimulatedKill, WarmLauncher, assert_bit_identical, history, kill_at, train
-from tiny import REPO
 from vit_finetune import evaluation, methods, optim, probe, wise_ft
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
@@ -45,17 +43,10 @@ def probed(args, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def warm() -> WarmLauncher:
-    """The module's two-process launches, forked warm (tests/warm_launch.py): they test what the ranks compute
-    together, not the launcher; one launcher imports the libraries once for all of them."""
-    launcher = WarmLauncher({**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, REPO)
-    yield launcher
-    launcher.close()
-
-
 def two_processes(warm: WarmLauncher, args: list[str], log: Path) -> None:
-    result = warm.run(args, {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, log)
+    """Two ranks forked by the session's warm launcher (conftest.warm_launcher): these tests are of what the ranks
+    compute together, not of the launcher."""
+    result = warm.run(args, {}, log)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -115,11 +106,11 @@ def test_two_linear_probes_of_the_same_recipe_are_bit_identical(probed, args, tm
 
 
 @pytest.mark.slow
-def test_two_processes_fit_the_head_one_process_fits(probed, args, warm, tmp_path):
+def test_two_processes_fit_the_head_one_process_fits(probed, args, warm_launcher, tmp_path):
     """Each process computes the features of every training image (while the model is built no process may wait for
     another) and fits the head one process fits; DDP then starts from it."""
     out = tmp_path / "two"
-    two_processes(warm, [*args, "train.method=linear_probe", f"output_dir={out}"], tmp_path / "two.log")
+    two_processes(warm_launcher, [*args, "train.method=linear_probe", f"output_dir={out}"], tmp_path / "two.log")
     two_probe, one_probe = metrics_of(out)["probe"], metrics_of(probed)["probe"]
     assert two_probe["cv_loss"] == pytest.approx(one_probe["cv_loss"], rel=1e-4)  # other thread counts: last bits
     assert {**two_probe, "cv_loss": None} == {**one_probe, "cv_loss": None}
@@ -128,7 +119,7 @@ def test_two_processes_fit_the_head_one_process_fits(probed, args, warm, tmp_pat
         torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
 
 
-def test_two_processes_average_lp_ft_with_the_probe_model_one_process_fits(probed, args, warm, tmp_path):
+def test_two_processes_average_lp_ft_with_the_probe_model_one_process_fits(probed, args, warm_launcher, tmp_path):
     """In a two-process LP-FT run the weights saved at alpha 0.5 are 0.5 x the same run's at alpha 1 + 0.5 x the probe's
     model (the base's backbone, the head one process fits), and the final evaluation, which both processes share,
     measured the average."""
@@ -136,7 +127,7 @@ def test_two_processes_average_lp_ft_with_the_probe_model_one_process_fits(probe
         out = tmp_path / f"alpha-{alpha}"
         # A tenth of 6 steps is no warm-up: at the tests' lr of 5e-3 the loss would reach 0.0 in float32 in both runs,
         # and the two final evaluations could not differ.
-        two_processes(warm, [*args, "train.method=lp_ft", "train.lr=5e-4", f"train.wise_ft_alpha={alpha}",
+        two_processes(warm_launcher, [*args, "train.method=lp_ft", "train.lr=5e-4", f"train.wise_ft_alpha={alpha}",
                              f"output_dir={out}"], tmp_path / f"alpha-{alpha}.log")
         return out
 

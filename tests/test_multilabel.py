@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train, warm_launch_command
-from tiny import REPO, make_tiny_vit, write_label_sets
+from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
+from tiny import make_tiny_vit, write_label_sets
 from vit_finetune.tasks import label_sets as multilabel
 from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
@@ -222,15 +220,15 @@ def test_thresholds_chosen_on_a_held_out_part_are_labelled_and_saved(label_sets)
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_processes_count_each_eval_image_once_and_match_one_process_evaluation(label_sets, tmp_path):
+def test_two_processes_count_each_eval_image_once_and_match_one_process_evaluation(label_sets, warm_launcher,
+                                                                                   tmp_path):
+    """Two ranks forked by the session's warm launcher (conftest.warm_launcher): the subject is their evaluation."""
     out = tmp_path / "ddp"
     # 30 images, 20 % held out: 6 eval images over 2 processes x batch 4: Accelerate pads the last batch
-    result = subprocess.run(
-        [*warm_launch_command(), "-m", "vit_finetune", *RECIPE, "train.batch_size=4", "train.epochs=2",
-         "data.eval_fraction=0.2", "augment.mixup=true", f"model.base={label_sets['base']}",
-         f"data.dataset={label_sets['jsonl']}", f"output_dir={out}"],
-        capture_output=True, text=True, timeout=360, cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    result = warm_launcher.run([*RECIPE, "train.batch_size=4", "train.epochs=2", "data.eval_fraction=0.2",
+                                "augment.mixup=true", f"model.base={label_sets['base']}",
+                                f"data.dataset={label_sets['jsonl']}", f"output_dir={out}"],
+                               {}, tmp_path / "ddp.log")
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["eval_samples"] == 6 and sum(c["support"] for c in metrics["per_class"].values()) > 0

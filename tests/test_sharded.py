@@ -27,7 +27,7 @@ import torch
 
 import fsdp_on_cpu
 import recorder
-from runs import FLOAT32, WarmLauncher, assert_bit_identical, completed, free_port, train
+from runs import FLOAT32, assert_bit_identical, completed, free_port, train
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -58,9 +58,13 @@ def plain_env() -> dict:
             "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
 
 
+# On CPU, Accelerate's state set to FSDP as on GPUs (tests/fsdp_on_cpu.py).
+FSDP_ON_CPU = {} if GPUS else {fsdp_on_cpu.ENV: "1"}
+
+
 def sharded_env() -> dict:
-    """The launch's environment: on CPU, Accelerate's state set to FSDP as on GPUs (tests/fsdp_on_cpu.py)."""
-    return {**plain_env(), **({} if GPUS else {fsdp_on_cpu.ENV: "1"})}
+    """The launch's environment: plain_env() with FSDP_ON_CPU."""
+    return {**plain_env(), **FSDP_ON_CPU}
 
 
 def launch(command: list[str], env: dict) -> subprocess.CompletedProcess:
@@ -70,15 +74,6 @@ def launch(command: list[str], env: dict) -> subprocess.CompletedProcess:
 def succeeded(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, "\n".join(line for line in result.stderr.splitlines() if "Error" in line)[-3000:]
     return result
-
-
-@pytest.fixture(scope="module")
-def warm() -> WarmLauncher:
-    """The launches of what sharding does, forked warm (tests/warm_launch.py); the shared FSDP run (fsdp_run) is
-    launched by `accelerate launch` itself."""
-    launcher = WarmLauncher(plain_env(), REPO)
-    yield launcher
-    launcher.close()
 
 
 @pytest.fixture(scope="module")
@@ -96,11 +91,11 @@ def fsdp_run(data) -> Path:
     return out
 
 
-def test_the_warm_launcher_refuses_a_launch_that_changes_what_a_library_reads_at_import(data, warm):
+def test_the_warm_launcher_refuses_a_launch_that_changes_what_a_library_reads_at_import(data, warm_launcher):
     """huggingface_hub read HF_HOME when the warm launcher imported it: a launch asking for another would not get it."""
     with pytest.raises(ValueError, match=r"read at import.*'HF_HOME'"):
-        warm.start([*data["args"], f"output_dir={data['root'] / 'never'}"],
-                   {**plain_env(), "HF_HOME": str(data["root"] / "another-home")}, data["root"] / "never.log")
+        warm_launcher.start([*data["args"], f"output_dir={data['root'] / 'never'}"],
+                            {"HF_HOME": str(data["root"] / "another-home")}, data["root"] / "never.log")
     assert not (data["root"] / "never").exists()
 
 
@@ -170,7 +165,8 @@ def test_what_keeps_a_full_copy_of_the_weights_is_refused_under_sharding(data, t
 @pytest.mark.slow
 @needs_two_processes
 @pytest.mark.timeout(600)
-def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to_ddp(data, fsdp_run, warm):
+def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to_ddp(data, fsdp_run,
+                                                                                      warm_launcher):
     from safetensors.torch import load_file
     from transformers import ViTForImageClassification
 
@@ -185,7 +181,7 @@ def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to
     assert pictures <= {path.name for path in fsdp_run.glob("*.png")}  # drawn from the gathered predictions
 
     ddp = data["root"] / "ddp"
-    succeeded(warm.run([*data["args"], f"output_dir={ddp}"], plain_env(), data["root"] / "ddp.log"))
+    succeeded(warm_launcher.run([*data["args"], f"output_dir={ddp}"], {}, data["root"] / "ddp.log"))
     sharded, replicated = load_file(str(fsdp_run / "model.safetensors")), load_file(str(ddp / "model.safetensors"))
     assert sharded.keys() == replicated.keys()
     # Not bit-identical: FSDP reduce-scatters gradients and computes the clipping norm from shards, DDP all-reduces
@@ -201,13 +197,14 @@ def test_fsdp_checkpoints_are_sharded_and_the_final_model_is_one_folder_equal_to
 @pytest.mark.slow
 @needs_two_processes
 @pytest.mark.timeout(600)
-def test_fsdp_run_killed_after_a_sharded_checkpoint_resumes_bit_identical(data, fsdp_run, warm):
+def test_fsdp_run_killed_after_a_sharded_checkpoint_resumes_bit_identical(data, fsdp_run, warm_launcher):
     out = data["root"] / "killed"
-    killed, _ranks = warm.run_and_kill([*data["args"], f"output_dir={out}"], sharded_env(), data["root"] / "killed.log",
-                               lambda: completed(out, 2).exists(), FSDP_CONFIG)
+    killed, _ranks = warm_launcher.run_and_kill([*data["args"], f"output_dir={out}"], FSDP_ON_CPU,
+                                                data["root"] / "killed.log", lambda: completed(out, 2).exists(),
+                                                FSDP_CONFIG)
     assert killed != 0 and not (out / "metrics.json").exists()  # it died before the end
-    succeeded(warm.run([*data["args"], f"output_dir={out}", "train.resume=auto"], sharded_env(),
-                       data["root"] / "resumed.log", FSDP_CONFIG))
+    succeeded(warm_launcher.run([*data["args"], f"output_dir={out}", "train.resume=auto"], FSDP_ON_CPU,
+                                data["root"] / "resumed.log", FSDP_CONFIG))
     assert_bit_identical(out / "model.safetensors", fsdp_run / "model.safetensors")
     resumed_from = json.loads((out / "run_info.json").read_text())["resumed_from"]
     assert resumed_from and Path(resumed_from).name.startswith("step-")  # it resumed rather than started over
@@ -216,15 +213,15 @@ def test_fsdp_run_killed_after_a_sharded_checkpoint_resumes_bit_identical(data, 
 @pytest.mark.slow
 @needs_two_processes
 @pytest.mark.timeout(600)
-def test_lora_under_fsdp_writes_the_adapter_and_the_merged_model(data, warm, tmp_path):
+def test_lora_under_fsdp_writes_the_adapter_and_the_merged_model(data, warm_launcher, tmp_path):
     from safetensors.torch import load_file
     from transformers import ViTForImageClassification
 
     # No LoRA dropout: its random draws differ from process to process.
     lora = ["model.lora.r=4", "model.lora.dropout=0", "train.checkpoint_every_steps=null"]
     out = data["root"] / "lora"
-    succeeded(warm.run([*data["args"], f"output_dir={out}", *lora], sharded_env(), tmp_path / "lora.log",
-                       FSDP_CONFIG))
+    succeeded(warm_launcher.run([*data["args"], f"output_dir={out}", *lora], FSDP_ON_CPU, tmp_path / "lora.log",
+                                FSDP_CONFIG))
     adapter = load_file(str(out / "adapter" / "adapter_model.safetensors"))
     trained_b = [k for k in adapter if "lora_B" in k]
     assert trained_b and all(adapter[k].abs().sum() > 0 for k in trained_b)  # B starts at zero: it trained
@@ -241,14 +238,15 @@ def test_lora_under_fsdp_writes_the_adapter_and_the_merged_model(data, warm, tmp
 @pytest.mark.slow
 @needs_two_processes
 @pytest.mark.timeout(600)
-def test_fsdp_with_bf16_computes_in_bf16_and_keeps_float32_weights(data, fsdp_run, warm):
+def test_fsdp_with_bf16_computes_in_bf16_and_keeps_float32_weights(data, fsdp_run, warm_launcher):
     """FSDP2 with train.mixed_precision=bf16: Accelerate's bf16 policy (and autocast) on the sharded model."""
     from safetensors.torch import load_file
 
     out = data["root"] / "fsdp-bf16"
     # One epoch, no checkpoints: three steps are enough to compare with the float32 FSDP run's first three.
-    succeeded(warm.run([*data["args"], f"output_dir={out}", "train.mixed_precision=bf16", "train.epochs=1",
-                        "train.checkpoint_every_steps=null"], sharded_env(), data["root"] / "bf16.log", FSDP_CONFIG))
+    succeeded(warm_launcher.run([*data["args"], f"output_dir={out}", "train.mixed_precision=bf16", "train.epochs=1",
+                                 "train.checkpoint_every_steps=null"], FSDP_ON_CPU, data["root"] / "bf16.log",
+                                FSDP_CONFIG))
     bf16 = [e["loss"] for e in json.loads((out / "history.json").read_text()) if "loss" in e]
     fp32 = [e["loss"] for e in json.loads((fsdp_run / "history.json").read_text()) if "loss" in e][:3]
     assert len(bf16) == 3 and all(map(math.isfinite, bf16))

@@ -31,7 +31,7 @@ import torch
 
 import recorder
 from runs import FLOAT32, SimulatedKill, WarmLauncher, assert_bit_identical, completed, kill_at, train
-from tiny import REPO, make_tiny_vit, write_colour_folder
+from tiny import make_tiny_vit, write_colour_folder
 
 CLASSES, TRAIN_PER_CLASS, EVAL_PER_CLASS = 3, 8, 3  # 24 train rows, 9 eval rows
 TRAIN_SHARDS, EVAL_SHARDS = 4, 3  # 2 processes: whole shards for train; rows for eval (3 is not a multiple of 2)
@@ -113,17 +113,10 @@ def rows_per_rank_and_epoch(samples: list[dict], fingerprints: dict[str, int]) -
 # ---------------------------------------------------------------- two processes, from the loopback Hub
 
 
-@pytest.fixture(scope="module")
-def warm() -> WarmLauncher:
-    """2 processes as torchrun starts them, forked warm (tests/warm_launch.py): these tests are of the stream's
-    split between ranks, not of the launcher."""
-    launcher = WarmLauncher(recorder.subprocess_env(None), REPO)
-    yield launcher
-    launcher.close()
-
-
 def two_processes(warm: WarmLauncher, args: list[str], record: Path) -> subprocess.CompletedProcess:
-    return warm.run(args, recorder.subprocess_env(record), record.with_suffix(".log"))
+    """2 processes as torchrun starts them, forked by the session's warm launcher (conftest.warm_launcher): these tests
+    are of the stream's split between ranks, not of the launcher."""
+    return warm.run(args, {recorder.ENV: str(record)}, record.with_suffix(".log"))
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +129,12 @@ def hub_dataset(tables, hub_server) -> str:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tables, hub_dataset, warm) -> dict:
+def two_process_run(tables, hub_dataset, warm_launcher) -> dict:
     root = tables["root"] / "ddp"
     out, record = root / "out", root / "record"
     args = [f"model.base={tables['base']}", f"data.dataset={hub_dataset}", *RECIPE, *FIXED_CROP,
             "train.checkpoint_every_steps=2", "train.keep_checkpoints=10"]
-    result = two_processes(warm, [*args, f"output_dir={out}"], record)
+    result = two_processes(warm_launcher, [*args, f"output_dir={out}"], record)
     assert result.returncode == 0, result.stderr[-3000:]
     return {"root": root, "out": out, "record": record, "args": args}
 
@@ -178,14 +171,15 @@ def test_streamed_evaluation_counts_each_image_once_and_equals_one_process(table
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="FSDP with 2 processes needs 2 GPUs (NCCL refuses two "
                     "ranks on one GPU); this machine has 1")
-def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, warm, tmp_path):
+def test_a_streamed_run_under_fsdp_evaluates_uneven_shares_in_lockstep(tables, warm_launcher, tmp_path):
     """A sharded model's forward is a collective: the ranks' eval shares (5 and 4 rows, batch 4: 2 and 1 batches)
     must still be evaluated without a hang, each image once (on CPU, as tests/test_sharded.py explains)."""
-    from test_sharded import FSDP_CONFIG, sharded_env, succeeded
+    from test_sharded import FSDP_CONFIG, FSDP_ON_CPU, succeeded
 
     out = tmp_path / "out"
-    succeeded(warm.run([f"model.base={tables['base']}", f"data.dataset={tables['shards']}", f"output_dir={out}",
-                        *RECIPE, "train.epochs=1"], sharded_env(), tmp_path / "fsdp.log", FSDP_CONFIG))
+    succeeded(warm_launcher.run([f"model.base={tables['base']}", f"data.dataset={tables['shards']}",
+                                 f"output_dir={out}", *RECIPE, "train.epochs=1"], FSDP_ON_CPU, tmp_path / "fsdp.log",
+                                FSDP_CONFIG))
     metrics = json.loads((out / "metrics.json").read_text())
     reference = evaluate_in_one_process(out, tables["table"]["validation"])
     assert metrics["eval_samples"] == CLASSES * EVAL_PER_CLASS
@@ -215,7 +209,7 @@ def evaluate_in_one_process(output: Path, split) -> dict:
 
 def two_processes_killed_when(warm: WarmLauncher, args: list[str], record: Path, marker: Path) -> list[int]:
     """two_processes(), both ranks SIGKILLed once `marker` exists; returns the ranks' pids."""
-    code, ranks = warm.run_and_kill(args, recorder.subprocess_env(record), record.with_suffix(".log"), marker.exists)
+    code, ranks = warm.run_and_kill(args, {recorder.ENV: str(record)}, record.with_suffix(".log"), marker.exists)
     assert code != 0
     return ranks
 
@@ -227,18 +221,18 @@ def by_step_and_rank(*segments: list[dict]) -> dict[tuple[int, int], dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_killed_and_resumed_end_with_identical_weights(tables, two_process_run, warm):
+def test_two_processes_killed_and_resumed_end_with_identical_weights(tables, two_process_run, warm_launcher):
     """SIGKILL to both ranks once checkpoint step 4 exists (inside the second epoch: each rank is mid-way through
     its second pass), then resume=auto: the same batches follow and the same weights come out."""
     root = two_process_run["root"]
     out = root / "killed"
     run = [*two_process_run["args"], f"output_dir={out}"]
-    killed = two_processes_killed_when(warm, run, root / "r1", completed(out, 4))
+    killed = two_processes_killed_when(warm_launcher, run, root / "r1", completed(out, 4))
     assert sorted(int(path.stem.split("-")[1]) for path in (root / "r1").glob("samples-*.jsonl")) == sorted(killed)
     assert not (out / "model.safetensors").exists()
     position = json.loads((completed(out, 4).parent / "stream_position_1.json").read_text())
     assert (position["pass"], position["offset"]) == (1, BATCH)  # 3 steps an epoch: 1 step into pass 1
-    result = two_processes(warm, [*run, "train.resume=auto"], root / "r2")
+    result = two_processes(warm_launcher, [*run, "train.resume=auto"], root / "r2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resuming from" in result.stdout and "at step 4" in result.stdout
 

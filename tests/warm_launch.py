@@ -11,8 +11,9 @@ evaluation, one rank talking to the Hub) launch through this; the tests of the l
 ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py's schema mistake, the
 frozen rank of test_resume_safety.py, and the shared FSDP run of test_sharded.py, launched by `accelerate launch
 --config_file`).
-With --serve, one launcher serves a test module's launches one after another: the import is paid once for them all,
-and a launch that would change a variable some library read at import is refused (READ_AT_RUN_TIME).
+With --serve, one launcher serves a pytest process's launches one after another (conftest.warm_launcher): the import
+is paid once for them all, and a launch that would change a variable some library read at import is refused
+(READ_AT_RUN_TIME).
 
 Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
 elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
