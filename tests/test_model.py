@@ -58,11 +58,13 @@ def test_shrinking_antialiases():
 
 
 def test_vit_b16_config_at_384_gets_577_by_768_positions():
-    base = ViTModel(ViTConfig(), add_pooling_layer=False)  # the google/vit-base-patch16-224 architecture
+    # google/vit-base-patch16-224's embeddings (patch 16, width 768); one encoder layer of its twelve, which hold
+    # no position embedding and would only add CPU time
+    base = ViTModel(ViTConfig(num_hidden_layers=1), add_pooling_layer=False)
     assert base.embeddings.position_embeddings.shape == (1, 197, 768)
     resampled = vit.resample_position_embeddings(base.embeddings.position_embeddings, (24, 24))
     assert resampled.shape == (1, 577, 768)
-    target = ViTModel(ViTConfig(image_size=384), add_pooling_layer=False)
+    target = ViTModel(ViTConfig(image_size=384, num_hidden_layers=1), add_pooling_layer=False)
     target.embeddings.position_embeddings.data.copy_(resampled)
     assert target(torch.randn(1, 3, 384, 384)).last_hidden_state.shape == (1, 577, 768)
 
@@ -178,30 +180,45 @@ def test_pretrained_false_gives_the_same_architecture_from_random_weights(tiny_b
 
 
 def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name(tiny_base, tmp_path):
-    """Without torchvision, transformers 5 falls back to the PIL processors with a warning (once per process, so
-    a fresh interpreter looks); both a base with a preprocessor_config.json and one without get the PIL class."""
+    """Without torchvision, transformers 5 falls back to the PIL processors with a warning (once per process: its
+    once-only cache is emptied first, so this process warns as a fresh one would); both a base with a
+    preprocessor_config.json and one without get the PIL class."""
     import json
-    import os
+    import logging
     import shutil
-    import subprocess
-    import sys
 
-    from tiny import REPO
+    from transformers.utils import logging as transformers_logging
+
+    from vit_finetune.final_outputs import save_image_processor
+
+    class Kept(logging.Handler):
+        records: list[str] = []
+
+        def emit(self, record):
+            self.records.append(record.getMessage())
 
     bare = tmp_path / "bare"  # config and weights only: the family's default processor
     bare.mkdir()
     shutil.copy(tiny_base / "config.json", bare / "config.json")
-    load = ("import sys; from vit_finetune.final_outputs import save_image_processor; from vit_finetune.model import "
-            "load_image_processor; from vit_finetune.recipe import ModelSettings\n"
-            "for base, out in zip(sys.argv[1::2], sys.argv[2::2]):\n"
-            "    processor = load_image_processor(ModelSettings(base=base, image_size=48), 48)\n"
-            "    save_image_processor(processor, out); print(type(processor).__name__)")
-    result = subprocess.run([sys.executable, "-c", load, str(tiny_base), str(tmp_path / "a"), str(bare),
-                             str(tmp_path / "b")], capture_output=True, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["ViTImageProcessorPil", "ViTImageProcessorPil"]
-    assert "torchvision" not in result.stderr and "falling back" not in result.stderr
+    library = logging.getLogger("transformers")
+    kept, level = Kept(), library.level
+    library.addHandler(kept)
+    library.setLevel(logging.WARNING)  # what a fresh process has: another test's run may have quietened it
+    transformers_logging.warning_once.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            names = []
+            for base, out in ((tiny_base, tmp_path / "a"), (bare, tmp_path / "b")):
+                processor = vit.load_image_processor(ModelSettings(base=str(base), image_size=48), 48)
+                save_image_processor(processor, out)
+                names.append(type(processor).__name__)
+    finally:
+        library.removeHandler(kept)
+        library.setLevel(level)
+    assert names == ["ViTImageProcessorPil", "ViTImageProcessorPil"]
+    said = [*kept.records, *(str(w.message) for w in warned)]
+    assert not [line for line in said if "torchvision" in line or "falling back" in line.lower()], said
     for out in ("a", "b"):
         saved = json.loads((tmp_path / out / "preprocessor_config.json").read_text())
         assert saved["image_processor_type"] == "ViTImageProcessorPil" and saved["size"] == {"height": 48, "width": 48}

@@ -15,19 +15,24 @@ import pytest
 import torch
 
 from runs import RECIPE, killed_after_a_checkpoint, train
-from tiny import run_cli
 
 SECRET = "hf_SECRETtoken123456"
 
 
 
 @pytest.mark.slow
-def test_the_hub_token_appears_in_nothing_the_run_writes_or_prints(args, hub, hub_env, hub_repo_id, tmp_path):
+def test_the_hub_token_appears_in_nothing_the_run_writes_or_prints(args, hub, hub_repo_id, tmp_path, monkeypatch,
+                                                                    capfd, caplog):
+    """In this process, the token in the environment as a user's shell gives it (huggingface_hub reads HF_TOKEN at
+    each call); what is printed is read at the file descriptors, and every log record is kept."""
     hub.add_token(SECRET, "user")
+    monkeypatch.setenv("HF_TOKEN", SECRET)
     out = tmp_path / "out"
-    result = run_cli(*args, f"output_dir={out}", "train.checkpoint_every_steps=4", "hub.push=true",
-                     f"hub.repo_id={hub_repo_id}", env={**hub_env, "HF_TOKEN": SECRET})
-    assert result.returncode == 0, result.stderr[-3000:]
+    caplog.set_level("DEBUG")
+    code = train([*args, f"output_dir={out}", "train.checkpoint_every_steps=4", "hub.push=true",
+                  f"hub.repo_id={hub_repo_id}"])
+    printed = capfd.readouterr()
+    assert code == 0, printed.err[-3000:]
     assert hub.repo_files(hub_repo_id)  # the token was used: the push went through with it
     written = [p for p in out.rglob("*") if p.is_file()]
     assert {"recipe.yaml", "README.md", "model.safetensors"} <= {p.name for p in written}
@@ -38,7 +43,8 @@ def test_the_hub_token_appears_in_nothing_the_run_writes_or_prints(args, hub, hu
         assert not any(needle in content for needle in needles), path
     for name, content in hub.repo_files(hub_repo_id).items():
         assert SECRET.encode() not in content, name
-    assert SECRET not in result.stdout and SECRET not in result.stderr
+    assert printed.out and SECRET not in printed.out and SECRET not in printed.err
+    assert SECRET[3:] not in caplog.text
 
 
 # ---------------------------------------------------------------- checkpoints load without running code
