@@ -378,6 +378,10 @@ ARMS = {
     "defaults": Arm(run_toolkit, description="the toolkit's defaults with data.task=regression"),
     "finetune": Arm(run_toolkit, (FINETUNE,),
                     description="fine-tuning from a new head: the defaults before the study (auto chose it)"),
+    "defaults_fp32": Arm(run_toolkit, ("train.mixed_precision=no",),
+                         description="the defaults in float32 (auto takes bf16 on this CPU)"),
+    "finetune_fp32": Arm(run_toolkit, (FINETUNE, "train.mixed_precision=no"),
+                         description="fine-tuning from a new head in float32"),
     "lr_5e-5": Arm(run_toolkit, (FINETUNE, "train.lr=5e-5"),
                    description="fine-tuning with the Trainer's lr for the backbone"),
     "one_lr": Arm(run_toolkit, (FINETUNE, f"train.head_lr={DEFAULT_LR:g}"),
@@ -529,12 +533,20 @@ def tables(results: list[dict], root: Path) -> str:
     return "\n".join(out)
 
 
-def gap_table(results: list[dict]) -> str:
-    """Per cell: the defaults' test MAE beside the best of the Trainer (either lr) and ridge, and the best arm of all;
-    the difference counts as noise when within the larger seed spread of the two."""
+def kept_probe(run: dict, root: Path) -> bool | None:
+    """Whether a defaults run saved the probe's model (its metrics.json's wise_ft choice), None where it chose none."""
+    metrics = root / "runs" / Cell(run["arm"], run["set"], run["size"], run["steps"], run["seed"]).name() / "metrics.json"
+    choice = json.loads(metrics.read_text()).get("wise_ft") if metrics.is_file() else None
+    return None if not choice or choice["alpha"] != 0 else choice["kept"] == "average"
+
+
+def gap_table(results: list[dict], root: Path) -> str:
+    """Per cell: the defaults' test MAE beside fine-tuning (the defaults before), the best of the Trainer (either lr)
+    and ridge, and the best arm of all; the difference counts as noise when within the larger seed spread of the two.
+    "probe kept": in how many of the defaults' runs their end saved the probe's model."""
     peers = ("trainer_5e-5", "trainer_2e-5", "ridge")
-    out = ["| set | size | steps | defaults | best of Trainer/ridge | defaults − best | seeds' spread | best arm |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| set | px | steps | defaults | probe kept | fine-tuning (before) | best of Trainer/ridge | defaults − best | "
+           "seeds' spread | best arm |", "|---|---|---|---|---|---|---|---|---|---|"]
     for size, steps in blocks_of(results):
         for name in SETS:
             maes = {arm: [r["test_mae"] for r in results if r["arm"] == arm and r["set"] == name
@@ -546,8 +558,13 @@ def gap_table(results: list[dict]) -> str:
             best = min(means, key=means.get)
             spreads = [statistics.stdev(maes[a]) for a in ("defaults", peer) if len(maes[a]) > 1]
             spread = f"{max(spreads):.3f}" if spreads else "–"
-            out.append(f"| {name} | {size} | {steps} | {means['defaults']:.3f} | {means[peer]:.3f} ({peer}) | "
-                       f"{means['defaults'] - means[peer]:+.3f} | {spread} | {best} ({means[best]:.3f}) |")
+            kept = [kept_probe(r, root) for r in results if r["arm"] == "defaults" and r["set"] == name
+                    and in_block(r, size, steps)]
+            before = f"{means['finetune']:.3f} ({len(maes['finetune'])})" if "finetune" in means else "–"
+            out.append(f"| {name} | {size} | {steps} | {means['defaults']:.3f} ({len(maes['defaults'])}) | "
+                       f"{sum(k is True for k in kept)} of {len(kept)} | {before} | {means[peer]:.3f} ({peer}, "
+                       f"{len(maes[peer])}) | {means['defaults'] - means[peer]:+.3f} | {spread} | {best} "
+                       f"({means[best]:.3f}) |")
     return "\n".join(out)
 
 
@@ -560,8 +577,9 @@ def chosen_table(results: list[dict]) -> str:
             continue
         raw = np.all(np.ravel(run["target_mean"]) == 0) and np.all(np.ravel(run["target_std"]) == 1)
         targets = "raw" if raw else "standardised"
+        head = "the probe's ridge fit" if run.get("method_used") == "lp_ft" else run["head_init"]
         out.append(f"| {arm} | {run['lr_used']:g} | {run['head_lr_used']:g} | {targets} | {run['regression_loss']} | "
-                   f"{run['scheduler']}, warm-up {run['warmup_steps_used']} | {run['head_init']} | "
+                   f"{run['scheduler']}, warm-up {run['warmup_steps_used']} | {head} | "
                    f"{run['mixed_precision_used']} |")
     return "\n".join(out)
 
@@ -581,12 +599,17 @@ def picture(results: list[dict], root: Path, path: Path) -> None:
         baseline = mean_predictor(name, root)
         for column, (size, steps) in enumerate(blocks):
             axis = axes[row, column]
+            drawn = False
             for x, arm in enumerate(arms):
                 values = [r["test_mae"] for r in results if r["arm"] == arm and r["set"] == name
                           and in_block(r, size, steps)]
-                if values:
-                    axis.bar(x, statistics.mean(values), 0.8, color=f"C{x % 10}", alpha=0.6)
+                if values and (arm not in ("ridge", "probe") or drawn):  # ridge alone is no panel of a schedule
+                    axis.bar(x, statistics.mean(values), 0.8, color=plt.cm.tab20(x % 20), alpha=0.8)
                     axis.plot([x] * len(values), values, "k.", markersize=3)
+                    drawn = True
+            if not drawn:  # a set not run at this size and schedule
+                axis.axis("off")
+                continue
             if baseline:
                 axis.axhline(baseline["mae"], color="grey", linestyle="--", linewidth=1)
             axis.set_xticks(range(len(arms)), arms, rotation=60, ha="right", fontsize=7)
@@ -628,7 +651,7 @@ def main() -> None:
     results = read_results()
     print(tables(results, args.root))
     print("\nThe defaults against the best of the Trainer and ridge (test MAE, mean over seeds)\n")
-    print(gap_table(results))
+    print(gap_table(results, args.root))
     print("\nWhat the toolkit's arms ran with\n")
     print(chosen_table(results))
     if results:
