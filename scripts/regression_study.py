@@ -5,7 +5,6 @@ transformers' Trainer and ridge regression on frozen features, all scored on hel
     python scripts/regression_study.py --seeds 1,2             # more seeds of the same cells
     python scripts/regression_study.py --sizes 112 --steps 40 --arms defaults,trainer_5e-5,trainer_2e-5,ridge
     python scripts/regression_study.py --table                 # the tables, and docs/regression_study.png
-
 Needs `pip install -e ".[study,realbase]"`, `pip install elpv-dataset`, Debian's dataset-fashion-mnist and the real
 base (python scripts/make_real_base.py). As in scripts/transfer_study.py, the DINOv2-S/14 is moved once to the 84 px
 reference grid, and every cell fine-tunes from that folder at 56 or 112 px.
@@ -22,8 +21,10 @@ train, validation and test (640 / 200 / 300 images). The test split chooses noth
              statistic (brightness and histogram do not change with it); -45..45 keeps it unambiguous even for a
              near-square bag, whose shape repeats every 90 degrees. The 40 px canvas holds the 28 px photo at any
              angle, so nothing is cut off.
+  elpv_2000, rotation_2000   the same with 2,000 training images (their own draws: their own test images).
 Arms (ARMS below): the toolkit (`python -m vit_finetune`, its main() in this process) from its defaults with
-data.task=regression, or with one lever changed; transformers' Trainer as the image-classification example runs it
+data.task=regression, fine-tuning from a new head (what auto chose before the study) with one lever changed, LP-FT
+unaveraged, the toolkit's linear probe, or float32; transformers' Trainer as the image-classification example runs it
 with a regression head (num_labels=1, problem_type="regression": MSE of the raw target), resize only, AdamW, linear
 schedule, no warm-up, at its default lr 5e-5 and at 2e-5; ridge regression (scikit-learn RidgeCV, alpha by
 leave-one-out cross-validation on the training split) on the frozen base's features (CLS beside the mean patch token,
