@@ -514,7 +514,7 @@ def chosen_arm(name: str, per_class: int, steps: int) -> str:
 
     images = training_images(name, per_class)
     seen = steps * BATCH
-    method = auto_method(images / len(DATASETS[name].classes), seen, seen / images, pretrained=True, streaming=False,
+    method = auto_method(images, len(DATASETS[name].classes), seen, pretrained=True, streaming=False,
                          averages=True)[0]
     alpha = auto_alpha(method, None, seen / images)[0]
     return method if method != "lp_ft" or alpha == LP_FT_ALPHA else f"lp_ft_wise{alpha:g}"

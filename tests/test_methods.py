@@ -305,7 +305,7 @@ def test_auto_takes_lp_ft_for_a_regression_only_where_the_regression_study_measu
     shortest, longest = methods.REGRESSION_MEASURED_IMAGES_SEEN
 
     def auto(images: int, seen: int, **options) -> str:
-        return methods.auto_method_for_regression(images, seen, seen / images,
+        return methods.auto_method_for_regression(images, 2, seen,
                                                   **{"pretrained": True, "streaming": False, **options})[0]
 
     assert [auto(low, shortest), auto(high, longest), auto(800, 3200)] == ["lp_ft"] * 3
@@ -314,6 +314,11 @@ def test_auto_takes_lp_ft_for_a_regression_only_where_the_regression_study_measu
         ["finetune"] * 4
     assert auto(800, 3200, pretrained=False) == "finetune" and auto(800, 3200, streaming=True) == "finetune"
     assert methods.AUTO_RULES[Regression.method_rule] is methods.auto_method_for_regression
+    # Through the plan: two targets do not halve the images (800 images, 2 targets, 3,200 seen is inside the range).
+    size = RunSize(images_seen=3200, training_images=800, classes=2, eval_images=200, steps_per_epoch=50,
+                   total_steps=200, base_parameters=22_000_000)
+    recipe = load_recipe(None, ["data.task=regression", "data.eval_split=validation", "train.batch_size=16"])
+    assert plan_run(recipe, size, Accelerator(cpu=True), Regression([0.0, 0.0], [1.0, 1.0])).train.method == "lp_ft"
     # LP-FT's end keeps the probe's model where it scores no worse (alpha 0); a setting not measured keeps 1.
     assert wise_ft.auto_alpha("lp_ft", None, 2.0, Regression.wise_ft_auto_alpha)[0] == 0
     assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0, Regression.wise_ft_auto_alpha)[0] == 1
@@ -325,7 +330,7 @@ def test_auto_is_conservative_outside_what_was_measured():
     few_seen, few_epochs = methods.PROBE_ALONE_BELOW_IMAGES_SEEN, methods.SHORT_BELOW_EPOCHS
 
     def auto(per_class: float, seen: int, **options) -> tuple[str, str]:
-        return methods.auto_method(per_class, seen, seen / (per_class * 10), **{"pretrained": True, "streaming": False,
+        return methods.auto_method(per_class * 10, 10, seen, **{"pretrained": True, "streaming": False,
                                                                                   **options})
 
     # Inside the measured range: the probe alone while fine-tuning would be short, in steps or in epochs; LP-FT beyond.
@@ -380,7 +385,7 @@ def test_auto_takes_lp_ft_under_an_epoch_of_many_images_only_where_it_averages_w
 def test_a_run_prints_the_method_auto_chose_and_saves_it_resolved(args, tmp_path, capsys):
     out = tmp_path / "out"
     assert train([*args, "train.method=auto", f"output_dir={out}"]) == 0
-    chosen, why = methods.auto_method(8, 48, 2.0, pretrained=True, streaming=False)
+    chosen, why = methods.auto_method(24, 3, 48, pretrained=True, streaming=False)
     assert f"train.method=auto -> {chosen}: {why}" in capsys.readouterr().out
     assert metrics_of(out)["method"] == chosen
 

@@ -46,16 +46,25 @@ PROBE_ALONE_BELOW_IMAGES_SEEN = 960
 SHORT_BELOW_EPOCHS = 0.6
 
 
-def auto_method(images_per_class: float, images_seen: int, epochs: float, pretrained: bool, streaming: bool,
+def probe_unusable(pretrained: bool, streaming: bool) -> str | None:
+    """Why no probe serves this run, whatever its size (auto then fine-tunes), or None."""
+    if streaming:
+        return "a stream is not read whole before training, which the probe needs"
+    if not pretrained:
+        return "model.pretrained=false: random features are not worth probing"
+    return None
+
+
+def auto_method(training_images: int, classes: int, images_seen: int, pretrained: bool, streaming: bool,
                 needs_steps: str | None = None, averages: bool = False) -> tuple[str, str]:
     """The method train.method=auto stands for with a classifier, and why. `needs_steps`: a setting that only
     optimiser steps serve (LoRA's adapters, a teacher), which rules the probe alone out; `averages`: whether an LP-FT
     run would average its weights with the probe's model as wise_ft.auto_alpha says (where that was measured), which
     makes LP-FT safe on short schedules."""
-    if streaming:
-        return "finetune", "a stream is not read whole before training, which the probe needs"
-    if not pretrained:
-        return "finetune", "model.pretrained=false: random features are not worth probing"
+    unusable = probe_unusable(pretrained, streaming)
+    if unusable:
+        return "finetune", unusable
+    images_per_class, epochs = training_images / max(1, classes), images_seen / max(1, training_images)
     low, high = MEASURED_IMAGES_PER_CLASS
     shortest, longest = MEASURED_IMAGES_SEEN
     size = f"{images_per_class:,.0f} training images per class, {images_seen:,} seen ({epochs:,.1f} epochs)"
@@ -91,15 +100,15 @@ REGRESSION_MEASURED_TRAINING_IMAGES = (640, 2000)
 REGRESSION_MEASURED_IMAGES_SEEN = (640, 6400)
 
 
-def auto_method_for_regression(training_images: float, images_seen: int, epochs: float, pretrained: bool,
+def auto_method_for_regression(training_images: int, classes: int, images_seen: int, pretrained: bool,
                                streaming: bool, needs_steps: str | None = None,
                                averages: bool = False) -> tuple[str, str]:
-    """The method train.method=auto stands for with a regression, and why (auto_method's arguments; a regression's
-    one "class" makes images per class its training images)."""
-    if streaming:
-        return "finetune", "a stream is not read whole before training, which the probe needs"
-    if not pretrained:
-        return "finetune", "model.pretrained=false: random features are not worth probing"
+    """The method train.method=auto stands for with a regression, and why (auto_method's arguments; `classes`, the
+    targets, do not divide the images: every image holds a value of each)."""
+    unusable = probe_unusable(pretrained, streaming)
+    if unusable:
+        return "finetune", unusable
+    epochs = images_seen / max(1, training_images)
     low, high = REGRESSION_MEASURED_TRAINING_IMAGES
     shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
     size = f"{training_images:,.0f} training images, {images_seen:,} seen ({epochs:,.1f} epochs)"

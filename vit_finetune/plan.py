@@ -32,10 +32,6 @@ class RunSize:
     base_parameters: int  # the backbone's, its head left out: train.lr=auto follows the base's size
 
     @property
-    def images_per_class(self) -> float:
-        return self.training_images / max(1, self.classes)
-
-    @property
     def epochs(self) -> float:
         return self.images_seen / max(1, self.training_images)
 
@@ -67,8 +63,8 @@ def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
     asked, size = recipe.train.wise_ft_alpha, facts.size
     averages = facts.unaveraged is None if asked == "auto" else asked < 1
     rule = methods.AUTO_RULES[facts.task.method_rule]
-    return rule(size.images_per_class, size.images_seen, size.epochs, recipe.model.pretrained,
-                recipe.data.streaming, needs_optimiser_steps(recipe), averages)
+    return rule(size.training_images, size.classes, size.images_seen, recipe.model.pretrained, recipe.data.streaming,
+                needs_optimiser_steps(recipe), averages)
 
 
 def _eval_every_steps(recipe: Recipe, facts: RunFacts) -> tuple[int | None, str]:
