@@ -204,9 +204,9 @@ def describe_average(report: dict) -> str:
     """The console's line on WiSE-FT's choice: both scores and which weights are saved."""
     metric = report["chosen_by"].split()[0]
     alpha = report["alpha"]
-    scores = ", ".join(f"{kind.replace('_', '-')} {report[kind][metric]:.4f}" for kind in ("average", "fine_tuned"))
+    names = {"average": "the probe's model" if alpha == 0 else "average", "fine_tuned": "fine-tuned"}
+    scores = ", ".join(f"{names[kind]} {report[kind][metric]:.4f}" for kind in names)
     if alpha == 0:  # the "average" is the probe's model itself
-        scores = scores.replace("average", "the probe's model", 1)
         kept = ("saved: the probe's model, as fine-tuning scored no better" if report["kept"] == "average" else
                 "saved: the fine-tuned weights, as the probe's model scored lower")
     else:
