@@ -11,20 +11,22 @@
 #        bash scripts/bench_gpu.sh test                    # the CUDA tests (pytest -m gpu)
 #    `all` writes into $OUT: all.log (everything printed, nvidia-smi and versions first), bench.json (the bench with
 #    the defaults and each lever changed alone), profile_model_step.txt and profile_lever_compile.txt (profiler
-#    tables of the default step and of the compiled one), precision.json (200 steps in fp16 and in bf16: both loss
-#    curves, the skipped steps, metrics.json); it prints the rows for docs/performance.md's table at the end.
+#    tables of the default step and of the other model.compile setting), precision.json (200 steps in fp16 and in
+#    bf16: both loss curves, the skipped steps, metrics.json) and bench_other_compile.json (end to end and LoRA with
+#    model.compile flipped from what auto chooses for a long run); it prints the rows for docs/performance.md's table.
 #    `run` writes bench.json, bench.log and nvidia-smi.txt into $OUT; arguments after `run` go to the bench.
 #    On a machine without CUDA, `all` runs the same steps on the CPU (tiny model, few steps, no fp16): a dry run.
 #    DEADLINE_S (450) bounds `all`: each step gets at most what is left of it, the rest is skipped and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Missing from the GPU image (torch, transformers, accelerate, peft, huggingface_hub 1.x, pyarrow, torchvision, timm,
-# pandas, requests): datasets and evaluate with their needs (dill, multiprocess, xxhash; fsspec in the versions
-# datasets accepts), kornia with its Rust core, pydantic with its core (and the typing-extensions that core imports
-# Sentinel from), and httpx2 with what it brings (for huggingface_hub 2.x's client). The image's Python is 3.12.
-PACKAGES=(datasets evaluate dill multiprocess xxhash fsspec kornia kornia-rs pydantic pydantic-core annotated-types
-          typing-inspection typing-extensions httpx2 httpcore2 truststore)
+# Missing from the GPU image (it has torch, accelerate, peft, huggingface_hub 1.x, pyarrow, torchvision, timm, pandas,
+# requests, tokenizers): transformers, whose 5.17 there is below the package's floor (5.18), datasets and evaluate
+# with their needs (dill, multiprocess, xxhash; fsspec in the versions datasets accepts), kornia with its Rust core,
+# pydantic with its core (and the typing-extensions that core imports Sentinel from), and httpx2 with what it brings
+# (for huggingface_hub 2.x's client). The image's Python is 3.12.
+PACKAGES=(transformers datasets evaluate dill multiprocess xxhash fsspec kornia kornia-rs pydantic pydantic-core
+          annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore)
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # of the GPU image; another only to try the wheels on another Python
 
 fetch() {
@@ -118,7 +120,7 @@ all() {
     step 240 "bench: the configurations, then each lever changed alone" \
         python3 -m vit_finetune.bench "${bench[@]}" --levers all --markdown --out "$OUT/bench.json"
     step 120 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
-    step 90 "profiler tables: the default step and the compiled one" \
+    step 90 "profiler tables: the default step and the other model.compile setting" \
         python3 -m vit_finetune.bench --configs model_step --levers compile "${profile[@]}" --profile "$OUT" \
         --out "$work/profiled.json"
     for precision in "${precisions[@]}"; do
@@ -129,6 +131,12 @@ all() {
             output_dir="$work/precision-$precision"
     done
     precision_summary "$work" "$OUT/precision.json"
+    # End to end and LoRA under the other compile setting: what auto's choice is worth beyond the model step.
+    local other=off
+    python3 -c "import sys, torch; from vit_finetune.bench.levers import long_run_compile as compiled
+sys.exit(not compiled('cuda' if torch.cuda.is_available() else 'cpu'))" || other=on
+    step 120 "end to end and LoRA, model.compile=$other" python3 -m vit_finetune.bench --configs end_to_end,lora \
+        --compile "$other" "${bench[@]}" --out "$OUT/bench_other_compile.json"
     echo "=== done in $SECONDS s; in $OUT:"
     ls -la "$OUT"
 }
