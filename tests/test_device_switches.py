@@ -310,6 +310,44 @@ def test_a_default_cpu_run_steps_the_fused_adamw_uncompiled_and_says_why(args, t
     assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["compile"] is False
 
 
+def test_model_compile_auto_compiles_only_a_long_single_process_cuda_run():
+    """On CUDA the compile that keeps attention out was measured faster once it has paid for its compile time;
+    auto compiles one process's run from that many training images on, and nowhere it was not measured."""
+    from vit_finetune.compiling import CUDA_COMPILE_PAYS_FROM_IMAGES as enough, auto_compile
+
+    assert auto_compile("cuda", False, enough, processes=1)[0]
+    short, why = auto_compile("cuda", False, enough - 1, processes=1)
+    assert not short and f"this run sees {enough - 1:,}" in why and "1.12x" in why
+    several, why = auto_compile("cuda", False, 10 * enough, processes=2)
+    assert not several and "2 processes were not measured compiled" in why
+    assert not auto_compile("cuda", True, 10 * enough, processes=1)[0]  # sharded: Accelerate compiles after sharding
+    assert not auto_compile("cpu", False, 10 * enough, processes=1)[0]
+    assert auto_compile("mps", False, 10 * enough, processes=1) == (False, "compiling was never measured on mps")
+
+
+@pytest.mark.parametrize("images_seen, processes, compiled", [(3_000_000, 1, True), (200_000, 1, False),
+                                                               (3_000_000, 4, False)])
+def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_seen, processes, compiled, capsys):
+    """Through plan_run: the images the run sees and its processes reach the rule. No CUDA device exists here, so
+    the accelerator is a stand-in with the five attributes the plan reads; the recipe and the plan are the real ones."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from vit_finetune.plan import RunSize, plan_run
+    from vit_finetune.recipe import load_recipe
+    from vit_finetune.tasks import SingleLabel
+
+    cuda = SimpleNamespace(device=torch.device("cuda"), num_processes=processes, mixed_precision="bf16",
+                           is_main_process=True,
+                           distributed_type=DistributedType.MULTI_GPU if processes > 1 else DistributedType.NO)
+    size = RunSize(images_seen=images_seen, training_images=75_000, classes=101, eval_images=25_000,
+                   steps_per_epoch=1_000, total_steps=images_seen // 75, base_parameters=86_000_000)
+    recipe = load_recipe(None, ["train.method=finetune", "train.batch_size=75", "train.mixed_precision=bf16"])
+    assert plan_run(recipe, size, cuda, SingleLabel()).model.compile is compiled
+    assert f"model.compile=auto -> {str(compiled).lower()}: on a GPU the compile" in capsys.readouterr().out
+
+
 def test_model_compile_null_reads_as_auto_as_earlier_versions_wrote_it():
     from vit_finetune.recipe import load_recipe
 

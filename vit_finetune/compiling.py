@@ -3,11 +3,13 @@ chooses on each kind of device.
 
 Why attention stays out: compiled whole, the model hands `F.scaled_dot_product_attention` to the compiler, which
 picks its kernel while it traces and bakes that choice into the graph. On one H200 (2026-11-28, ViT-B/16 at 384 px,
-bf16, batch 128) it picked PyTorch's math path: float32 matrix products and a separate softmax, the attention
-probabilities of every layer kept for the backward (aten::bmm 32 % of the GPU's time, `_safe_softmax` 13 %, float32
-GEMMs 20 %), 519 images/s and 48.7 GiB against eager's 903 and 27.7 GiB. Inductor does not fuse a decomposed
-attention back into one kernel. The cause could not be reproduced on a CPU, where the same compile keeps the fused
-op; so rather than trust whatever the compiler decides, the attention call is not given to it at all.
+bf16, batch 128, transformers 5.17) it picked PyTorch's math path: float32 matrix products and a separate softmax,
+the attention probabilities of every layer kept for the backward (aten::bmm 32 % of the GPU's time, `_safe_softmax`
+13 %, float32 GEMMs 20 %), 519 images/s and 48.7 GiB against eager's 903 and 27.7 GiB. Inductor does not fuse a
+decomposed attention back into one kernel. The cause could not be reproduced on a CPU, where the same compile keeps
+the fused op; so rather than trust whatever the compiler decides, the attention call is not given to it at all. On
+the same card, compiled so, the step ran cuDNN's fused attention kernels forward and backward, at 1.12x eager's
+images/s with 0.86x its memory (docs/performance.md).
 
 How: transformers' models call attention through `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`. This module
 registers one more entry, transformers' own SDPA function under `torch.compiler.disable`, and points the model's
@@ -44,23 +46,34 @@ def sdpa_outside_compile(*args, **kwargs):
 
 AttentionInterface.register(EAGER_SDPA, sdpa_outside_compile)
 
-# What was measured, per device type: (compile on by default?, why). A device type not listed is not measured: off.
-MEASURED = {
-    "cuda": (False, "the one compile measured on a GPU (the whole model, attention included: H200, ViT-B/16 at 384 px, "
-                    "bf16, batch 128, 2026-11-28) trained at 0.57x eager's images/s with 1.76x its memory; the compile "
-                    "that keeps attention out of the graph is not measured on a GPU yet (python -m vit_finetune.bench "
-                    "--levers measures both)"),
-    "cpu": (False, "on a CPU the demo recipe trained in 287 s compiled against 232 s eager, compiling included "
-                   "(2 cores, 2026-11-28; docs/performance.md)"),
-}
+# On a CUDA GPU the compile that keeps attention out trained faster than eager and in less memory (one H200,
+# 2026-11-28, ViT-B/16 at 384 px, bf16, batch 128, end to end from JPEGs: 1,011 and 1,026 images/s against 902 and 914
+# eager, 23.8 GiB against 27.6; docs/performance.md), and compiling took 12-17 s more before the first steps. At that
+# gain a run makes the compile time back after about 150,000 training images; auto waits for twice that, since an
+# evaluation compiles graphs of its own and other models and cards were not measured.
+CUDA_COMPILE_PAYS_FROM_IMAGES = 300_000
+CUDA_MEASURED = ("on a GPU the compile that keeps attention out trained ViT-B/16 at 384 px at 1.12x eager's images/s "
+                 "with 0.86x its memory, after 12-17 s of compiling (H200, 2026-11-28; docs/performance.md)")
+CPU_MEASURED = ("on a CPU the demo recipe trained in 287 s compiled against 232 s eager, compiling included (2 cores, "
+                "2026-11-28; docs/performance.md)")
 
 
-def auto_compile(device_type: str, sharded: bool) -> tuple[bool, str]:
-    """What model.compile=auto chooses for this device type, and why."""
+def auto_compile(device_type: str, sharded: bool, images_seen: int, processes: int) -> tuple[bool, str]:
+    """What model.compile=auto chooses for a run of `images_seen` training images on `processes` processes of this
+    device type, and why: on only where compiling was measured faster, for a run long enough to pay for it."""
     if sharded:
         return False, ("sharded weights: Accelerate compiles after sharding, when its config file has a dynamo_config "
                        "(docs/distributed.md)")
-    return MEASURED.get(device_type, (False, f"compiling was never measured on {device_type}"))
+    if device_type == "cpu":
+        return False, CPU_MEASURED
+    if device_type != "cuda":
+        return False, f"compiling was never measured on {device_type}"
+    if processes > 1:
+        return False, f"{CUDA_MEASURED}, on one process; {processes} processes were not measured compiled"
+    if images_seen < CUDA_COMPILE_PAYS_FROM_IMAGES:
+        return False, (f"{CUDA_MEASURED}: it pays for its compile time after about 150,000 training images, and this "
+                       f"run sees {images_seen:,} (auto compiles from {CUDA_COMPILE_PAYS_FROM_IMAGES:,})")
+    return True, f"{CUDA_MEASURED}, and this run sees {images_seen:,} training images, enough to pay for it"
 
 
 def transformers_model(model: nn.Module) -> PreTrainedModel:

@@ -52,6 +52,7 @@ class RunFacts:
 
     size: RunSize
     device_type: str
+    processes: int
     sharded: bool
     mixed_precision: str  # what the accelerator runs: it resolved train.mixed_precision when it was built
     task: Task
@@ -80,7 +81,8 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
     # The accelerator had to be built with it (precision.resolved): its choice is the one said here.
     "train.mixed_precision": lambda recipe, facts: (facts.mixed_precision,
                                                     precision.auto_mixed_precision(facts.device_type)[1]),
-    "model.compile": lambda recipe, facts: compiling.auto_compile(facts.device_type, facts.sharded),
+    "model.compile": lambda recipe, facts: compiling.auto_compile(facts.device_type, facts.sharded,
+                                                                  facts.size.images_seen, facts.processes),
     "data.crop_scale": lambda recipe, facts: data.auto_crop_scale(facts.size.images_seen),
     "train.lr": lambda recipe, facts: optim.auto_lr(recipe.model.lora is not None, facts.size.base_parameters),
     "train.weight_decay": lambda recipe, facts: optim.auto_weight_decay(),
@@ -135,7 +137,8 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
     head. A WiSE-FT average the run cannot honour is refused after the lines that say what auto chose."""
     sharded = sharding.is_sharded(accelerator)
-    facts = RunFacts(size, accelerator.device.type, sharded, accelerator.mixed_precision, task, head_kept,
+    facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
+                     task, head_kept,
                      wise_ft_unmeasured(asked, task, sharded))
     recipe, said = asked, {}
     for key, resolve in AUTO.items():

@@ -17,7 +17,7 @@ from .. import data
 from ..processes import reset_accelerate_state
 from .device import PeakMemory, device_peak, release_memory
 from .flops import MODELS
-from .levers import DEFAULTS, LEVERS, parse_levers
+from .levers import DEFAULTS, LEVERS, long_run_compile, parse_levers
 from .ours import run_our_loader, run_ours
 from .peer import run_peer, run_peer_loader
 from .report import TITLES, build_report, format_table, markdown_rows
@@ -53,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="data loader workers for ours and the peer; default: data.default_num_workers")
     parser.add_argument("--precision", choices=("bf16", "no"), help="default: bf16 on CUDA, no (float32) on CPU")
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="model.compile for our configurations; auto = the recipe default (compiling.auto_compile)")
+                        help="model.compile for our configurations; auto = what model.compile=auto chooses for one "
+                             "process of a run long enough for compiling to pay (compiling.auto_compile)")
     parser.add_argument("--levers", metavar="all|" + ",".join(LEVERS),
                         help="after the configurations, our model step with the defaults and then with each of these "
                              "levers changed alone (see vit_finetune/bench/levers.py)")
@@ -105,7 +106,8 @@ def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
     setup = Setup(
         device=torch.device(device_type), model_name=model_name, spec=spec, batch_size=batch_size, warmup=warmup,
         steps=steps, workers=workers, precision=args.precision or defaults["precision"],
-        compile={"auto": "auto", "on": True, "off": False}[args.compile], jpegs=jpegs, base=base, work_dir=work_dir,
+        compile={"auto": long_run_compile(device_type), "on": True, "off": False}[args.compile], jpegs=jpegs,
+        base=base, work_dir=work_dir,
         profile_dir=args.profile,
     )
     return setup, jpeg_stats

@@ -10,7 +10,6 @@ import shutil
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import torch
@@ -39,7 +38,7 @@ class Setup:
     steps: int
     workers: int
     precision: str
-    compile: bool | Literal["auto"]
+    compile: bool  # model.compile of our configurations (--compile auto: levers.long_run_compile)
     jpegs: Path
     base: Path
     work_dir: Path
