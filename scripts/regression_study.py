@@ -374,6 +374,7 @@ class Arm:
 DEFAULT_LR = 2e-5  # what train.lr=auto gives full fine-tuning (optim.AUTO_LR_ADAMW); each row records what ran
 TRAINER_LEVERS = ("train.lr=5e-5", "train.head_lr=5e-5", "train.scheduler=linear", "model.head_init=random",
                   "train.mixed_precision=no")
+TRAINER_LEVERS_2E5 = ("train.lr=2e-5", "train.head_lr=2e-5", *TRAINER_LEVERS[2:])
 FINETUNE = "train.method=finetune"  # what train.method=auto chose for a regression before the study
 ARMS = {
     "defaults": Arm(run_toolkit, description="the toolkit's defaults with data.task=regression"),
@@ -399,6 +400,23 @@ ARMS = {
     "as_trainer": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS), standardised=False,
                       description="the toolkit with every lever set as the Trainer has it: lr 5e-5 for all, raw "
                                   "targets, linear schedule, random head, float32"),
+    "as_trainer_2e-5": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5), standardised=False,
+                           description="every lever set as the Trainer has it, at the Trainer's 2e-5"),
+    "as_trainer_2e-5_bf16": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:-1]), standardised=False,
+                                description="as_trainer_2e-5 in bf16 (the toolkit's precision on this CPU)"),
+    "as_trainer_2e-5_standardised": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5),
+                                        description="as_trainer_2e-5 on standardised targets"),
+    "as_trainer_2e-5_zero_head": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:3], TRAINER_LEVERS_2E5[4]),
+                                     standardised=False, description="as_trainer_2e-5 from a zero head"),
+    "as_trainer_2e-5_bf16_cosine": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:2], TRAINER_LEVERS_2E5[3]),
+                                       standardised=False,
+                                       description="as_trainer_2e-5 in bf16 with the toolkit's cosine schedule"),
+    "as_trainer_2e-5_bf16_head_2e-3": Arm(run_toolkit, (FINETUNE, "train.lr=2e-5", *TRAINER_LEVERS_2E5[2:4]),
+                                          standardised=False,
+                                          description="as_trainer_2e-5 in bf16 with the head at 2e-3 (head_lr auto)"),
+    "finetune_slow_random_head": Arm(run_toolkit, (FINETUNE, "model.head_init=random", "train.head_lr=8e-7"),
+                                     description="fine-tuning through a random head that barely learns (lr/25): what "
+                                                 "raw angle targets (std 25) make of the Trainer's head"),
     "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.wise_ft_alpha=1"),
                        description="LP-FT from the probe's ridge head, its fine-tuned weights saved whatever they score"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
