@@ -417,6 +417,14 @@ ARMS = {
     "finetune_slow_random_head": Arm(run_toolkit, (FINETUNE, "model.head_init=random", "train.head_lr=8e-7"),
                                      description="fine-tuning through a random head that barely learns (lr/25): what "
                                                  "raw angle targets (std 25) make of the Trainer's head"),
+    "as_trainer_2e-5_standardised_clipped": Arm(run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:-1],
+                                                               "train.max_grad_norm=0.0016"),
+                                                description="as_trainer_2e-5_bf16 on standardised targets, the "
+                                                            "gradient clipped at 1/25²: where raw angles put the clip"),
+    "as_trainer_2e-5_standardised_clipped_slow_head": Arm(
+        run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:1], "train.head_lr=8e-7", *TRAINER_LEVERS_2E5[2:-1],
+                      "train.max_grad_norm=0.0016"),
+        description="the same with the head at lr/25: raw angles' head, clip and loss in standardised units"),
     "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.wise_ft_alpha=1"),
                        description="LP-FT from the probe's ridge head, its fine-tuned weights saved whatever they score"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
