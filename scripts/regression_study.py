@@ -221,6 +221,26 @@ def unstandardised_targets():
         Regression.from_targets = standardising
 
 
+@contextlib.contextmanager
+def scaled_random_head(scale: float):
+    """The new random head's weights times `scale` (model.head_init=random draws them at the base's one scale): the
+    head a raw target of spread 1/scale starts from, in standardised units. For this run only."""
+    from vit_finetune import model
+
+    drawing = model.new_head_state
+
+    def scaled(head, init, name="classifier"):
+        state = drawing(head, init, name)
+        state[f"{name}.weight"] = state[f"{name}.weight"] * scale
+        return state
+
+    model.new_head_state = scaled
+    try:
+        yield
+    finally:
+        model.new_head_state = drawing
+
+
 def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
     """`python -m vit_finetune` from its defaults with data.task=regression and the arm's overrides; the rest of
     the command line is the study's (data, size, schedule, batch, one thread, one evaluation at the end)."""
@@ -236,7 +256,8 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
             f"train.seed={cell.seed}", "pictures=false", f"output_dir={out}", "overwrite=true", *arm.overrides]
     print("$ python -m vit_finetune " + " ".join(argv) + ("" if arm.standardised else "   # targets not standardised"),
           flush=True)
-    with contextlib.nullcontext() if arm.standardised else unstandardised_targets():
+    with contextlib.nullcontext() if arm.standardised else unstandardised_targets(), \
+            contextlib.nullcontext() if arm.head_scale == 1 else scaled_random_head(arm.head_scale):
         if main(argv) != 0:
             raise SystemExit(f"cell {cell.name()} failed")
     recipe = yaml.safe_load((out / "recipe.yaml").read_text())
@@ -368,6 +389,7 @@ class Arm:
     overrides: tuple[str, ...] = ()  # the toolkit's recipe keys
     standardised: bool = True  # the toolkit's target standardisation (unstandardised_targets)
     lr: float | None = None  # the Trainer's
+    head_scale: float = 1.0  # the random head's weights times this (scaled_random_head)
     description: str = ""
 
 
@@ -425,6 +447,11 @@ ARMS = {
         run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:1], "train.head_lr=8e-7", *TRAINER_LEVERS_2E5[2:-1],
                       "train.max_grad_norm=0.0016"),
         description="the same with the head at lr/25: raw angles' head, clip and loss in standardised units"),
+    "raw_angles_standardised": Arm(
+        run_toolkit, (FINETUNE, *TRAINER_LEVERS_2E5[:1], "train.head_lr=8e-7", *TRAINER_LEVERS_2E5[2:-1],
+                      "train.max_grad_norm=0.0016"), head_scale=1 / 25,
+        description="raw angles' training in standardised units: the head 25 times smaller and at lr/25, the clip "
+                    "at 1/25²"),
     "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.wise_ft_alpha=1"),
                        description="LP-FT from the probe's ridge head, its fine-tuned weights saved whatever they score"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
