@@ -320,15 +320,19 @@ def test_model_compile_auto_compiles_only_a_long_single_process_cuda_run():
     assert not short and f"this run sees {enough - 1:,}" in why and "1.12x" in why
     several, why = auto_compile("cuda", False, 10 * enough, processes=2)
     assert not several and "2 processes were not measured compiled" in why
+    own, why = auto_compile("cuda", False, 10 * enough, processes=1, attention_compiled="X calls its own attention")
+    assert not own and why.startswith("X calls its own attention, so compiled, its attention would be traced")
     assert not auto_compile("cuda", True, 10 * enough, processes=1)[0]  # sharded: Accelerate compiles after sharding
     assert not auto_compile("cpu", False, 10 * enough, processes=1)[0]
     assert auto_compile("mps", False, 10 * enough, processes=1) == (False, "compiling was never measured on mps")
 
 
-@pytest.mark.parametrize("images_seen, processes, compiled", [(3_000_000, 1, True), (200_000, 1, False),
-                                                               (3_000_000, 4, False)])
-def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_seen, processes, compiled, capsys):
-    """Through plan_run: the images the run sees and its processes reach the rule. No CUDA device exists here, so
+@pytest.mark.parametrize("images_seen, processes, attention_compiled, compiled", [
+    (3_000_000, 1, None, True), (200_000, 1, None, False), (3_000_000, 4, None, False),
+    (3_000_000, 1, "Data2Vec-vision calls PyTorch's attention itself", False)])
+def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_seen, processes, attention_compiled,
+                                                                        compiled, capsys):
+    """Through plan_run: the images the run sees, its processes and the base's attention reach the rule. No CUDA device exists here, so
     the accelerator is a stand-in with the five attributes the plan reads; the recipe and the plan are the real ones."""
     from types import SimpleNamespace
 
@@ -344,8 +348,23 @@ def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_se
     size = RunSize(images_seen=images_seen, training_images=75_000, classes=101, eval_images=25_000,
                    steps_per_epoch=1_000, total_steps=images_seen // 75, base_parameters=86_000_000)
     recipe = load_recipe(None, ["train.method=finetune", "train.batch_size=75", "train.mixed_precision=bf16"])
-    assert plan_run(recipe, size, cuda, SingleLabel()).model.compile is compiled
-    assert f"model.compile=auto -> {str(compiled).lower()}: on a GPU the compile" in capsys.readouterr().out
+    assert plan_run(recipe, size, cuda, SingleLabel(), attention_compiled=attention_compiled).model.compile is compiled
+    said = capsys.readouterr().out
+    assert f"model.compile=auto -> {str(compiled).lower()}: {attention_compiled or 'on a GPU the compile'}" in said
+
+
+def test_a_base_whose_attention_cannot_be_kept_out_is_known_before_it_is_built(tmp_path):
+    """model.base_attention_compiled reads the family from the base's config on the meta device: Data2Vec-vision
+    calls PyTorch's attention itself, ViT goes through transformers' interface; the plan hands the answer to
+    model.compile=auto (test above)."""
+    from vit_finetune.model import base_attention_compiled
+    from vit_finetune.recipe import ModelSettings
+
+    for model_type in ("data2vec-vision", "vit"):
+        tiny_family_config(model_type).save_pretrained(tmp_path / model_type)
+    assert "Data2Vec-vision calls PyTorch's attention itself" in base_attention_compiled(
+        ModelSettings(base=str(tmp_path / "data2vec-vision")))
+    assert base_attention_compiled(ModelSettings(base=str(tmp_path / "vit"))) is None
 
 
 def test_model_compile_null_reads_as_auto_as_earlier_versions_wrote_it():

@@ -58,9 +58,11 @@ CPU_MEASURED = ("on a CPU the demo recipe trained in 287 s compiled against 232 
                 "2026-11-28; docs/performance.md)")
 
 
-def auto_compile(device_type: str, sharded: bool, images_seen: int, processes: int) -> tuple[bool, str]:
+def auto_compile(device_type: str, sharded: bool, images_seen: int, processes: int,
+                 attention_compiled: str | None = None) -> tuple[bool, str]:
     """What model.compile=auto chooses for a run of `images_seen` training images on `processes` processes of this
-    device type, and why: on only where compiling was measured faster, for a run long enough to pay for it."""
+    device type, and why: on only where compiling was measured faster, for a run long enough to pay for it.
+    `attention_compiled`: why the base's attention could not be kept out of the graph (why_attention_is_compiled)."""
     if sharded:
         return False, ("sharded weights: Accelerate compiles after sharding, when its config file has a dynamo_config "
                        "(docs/distributed.md)")
@@ -68,6 +70,10 @@ def auto_compile(device_type: str, sharded: bool, images_seen: int, processes: i
         return False, CPU_MEASURED
     if device_type != "cuda":
         return False, f"compiling was never measured on {device_type}"
+    if attention_compiled is not None:
+        return False, (f"{attention_compiled}, so compiled, its attention would be traced with the rest of the graph, "
+                       "as in the one compile measured slower on a GPU (0.57x eager's images/s, H200; "
+                       "docs/performance.md)")
     if processes > 1:
         return False, f"{CUDA_MEASURED}, on one process; {processes} processes were not measured compiled"
     if images_seen < CUDA_COMPILE_PAYS_FROM_IMAGES:

@@ -22,7 +22,7 @@ from transformers.utils import logging as transformers_logging
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import hub, student
+from . import compiling, hub, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
@@ -354,17 +354,28 @@ def load_image_processor(settings: ModelSettings, image_size: int):
     return processor
 
 
-def base_parameter_count(settings: ModelSettings) -> int:
-    """The parameters of the backbone the run fine-tunes (model.keep_blocks' cut, if any), its classifier left out (a
-    21k-class head would dwarf a small ViT): counted from the base's config on the meta device, which allocates
-    nothing."""
+def _base_on_meta(settings: ModelSettings) -> tuple[PreTrainedModel, Family]:
+    """The backbone the run fine-tunes (model.keep_blocks' cut, if any), built from the base's config on the meta
+    device, which allocates nothing, and its family."""
     config = load_base_config(settings)
     family = family_of(config)
     if settings.keep_blocks is not None:
         config = student.with_depth(config, family, len(student.chosen_blocks(settings.keep_blocks)))
     with torch.device("meta"):
-        model = family.model_class()(config)
+        return family.model_class()(config), family
+
+
+def base_parameter_count(settings: ModelSettings) -> int:
+    """The parameters of the backbone the run fine-tunes, its classifier left out (a 21k-class head would dwarf a
+    small ViT)."""
+    model, family = _base_on_meta(settings)
     return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(f"{family.head}."))
+
+
+def base_attention_compiled(settings: ModelSettings) -> str | None:
+    """Why compiling the base would trace its attention with the rest of the graph (compiling.py); None where the
+    attention is kept out of it."""
+    return compiling.why_attention_is_compiled(_base_on_meta(settings)[0])
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -58,6 +58,7 @@ class RunFacts:
     task: Task
     head_kept: bool  # a student keeps its base's trained head
     unaveraged: str | None  # a setting WiSE-FT's average was not measured with (auto's alpha is then 1)
+    attention_compiled: str | None = None  # why compiling would trace the base's attention too; None: kept out
 
 
 def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
@@ -82,7 +83,8 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
     "train.mixed_precision": lambda recipe, facts: (facts.mixed_precision,
                                                     precision.auto_mixed_precision(facts.device_type)[1]),
     "model.compile": lambda recipe, facts: compiling.auto_compile(facts.device_type, facts.sharded,
-                                                                  facts.size.images_seen, facts.processes),
+                                                                  facts.size.images_seen, facts.processes,
+                                                                  facts.attention_compiled),
     "data.crop_scale": lambda recipe, facts: data.auto_crop_scale(facts.size.images_seen),
     "train.lr": lambda recipe, facts: optim.auto_lr(recipe.model.lora is not None, facts.size.base_parameters),
     "train.weight_decay": lambda recipe, facts: optim.auto_weight_decay(),
@@ -132,14 +134,15 @@ def with_setting(recipe: Recipe, key: str, value: Any) -> Recipe:
     return recipe.model_copy(update={section: getattr(recipe, section).model_copy(update={name: value})})
 
 
-def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: bool = False) -> Recipe:
+def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: bool = False,
+             attention_compiled: str | None = None) -> Recipe:
     """The recipe as this run runs it: every `auto` of `asked` resolved (AUTO) and said on the main process, and
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
-    head. A WiSE-FT average the run cannot honour is refused after the lines that say what auto chose."""
+    head; `attention_compiled`: why compiling would trace the base's attention too (model.base_attention_compiled).
+    A WiSE-FT average the run cannot honour is refused after the lines that say what auto chose."""
     sharded = sharding.is_sharded(accelerator)
     facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
-                     task, head_kept,
-                     wise_ft_unmeasured(asked, task, sharded))
+                     task, head_kept, wise_ft_unmeasured(asked, task, sharded), attention_compiled)
     recipe, said = asked, {}
     for key, resolve in AUTO.items():
         if setting(recipe, key) == "auto":

@@ -44,8 +44,8 @@ class ModelSettings(Strict):
     compile: bool | Literal["auto"] = Field("auto", description=(
         "torch.compile the model, its attention kept out of the compiled graph on the fused kernels (compiling.py); "
         "auto: compiling.auto_compile, on only where compiling was measured faster and the run is long enough to pay "
-        "for it (so far: one CUDA process, from 300,000 training images), printed and saved resolved in the "
-        "output's recipe.yaml"))
+        "for it (so far: one CUDA process, from 300,000 training images, attention kept out), printed and saved "
+        "resolved in the output's recipe.yaml"))
     window_size: Bounded("model.window_size", StrictInt | None) = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
     drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
