@@ -354,17 +354,18 @@ def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_se
 
 
 def test_a_base_whose_attention_cannot_be_kept_out_is_known_before_it_is_built(tmp_path):
-    """model.base_attention_compiled reads the family from the base's config on the meta device: Data2Vec-vision
-    calls PyTorch's attention itself, ViT goes through transformers' interface; the plan hands the answer to
-    model.compile=auto (test above)."""
-    from vit_finetune.model import base_attention_compiled
+    """The base built from its config on the meta device (what the plan reads before the run builds the model) tells
+    whether its attention can be kept out: Data2Vec-vision calls PyTorch's attention itself, ViT goes through
+    transformers' interface; the plan hands the answer to model.compile=auto (test above)."""
+    from vit_finetune.compiling import why_attention_is_compiled
+    from vit_finetune.model import base_on_meta
     from vit_finetune.recipe import ModelSettings
 
     for model_type in ("data2vec-vision", "vit"):
         tiny_family_config(model_type).save_pretrained(tmp_path / model_type)
-    assert "Data2Vec-vision calls PyTorch's attention itself" in base_attention_compiled(
-        ModelSettings(base=str(tmp_path / "data2vec-vision")))
-    assert base_attention_compiled(ModelSettings(base=str(tmp_path / "vit"))) is None
+    assert "Data2Vec-vision calls PyTorch's attention itself" in why_attention_is_compiled(
+        base_on_meta(ModelSettings(base=str(tmp_path / "data2vec-vision"))).model)
+    assert why_attention_is_compiled(base_on_meta(ModelSettings(base=str(tmp_path / "vit"))).model) is None
 
 
 def test_model_compile_null_reads_as_auto_as_earlier_versions_wrote_it():

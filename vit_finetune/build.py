@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from accelerate import Accelerator
 
-from . import data, distill, methods, plan, probe, progress, tasks, wise_ft
+from . import compiling, data, distill, methods, plan, probe, progress, tasks, wise_ft
 from .data import augment, streaming
 from .errors import RunError
 from .lora import apply_lora
-from .model import (base_attention_compiled, base_parameter_count, build_model, has_distillation_token, head_names,
+from .model import (base_on_meta, base_parameter_count, build_model, has_distillation_token, head_names,
                     keeps_base_head, load_image_processor, with_distillation_head)
 from .optim import build_optimizer, build_scheduler
 from .parts import Parts
@@ -33,10 +33,11 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
             raise RunError(f"train.distill works with single-label classification only, and data.dataset is "
                            f"{task.name.replace('_', '-')}; set train.distill=null")
         teacher = distill.load_teacher(asked.train.distill, splits.labels, normalize.scale, accelerator.device)
+    base = base_on_meta(asked.model)
     size = plan.RunSize.of(asked, rows, len(splits.labels), None if streamed else len(splits.eval),
-                           accelerator.num_processes, base_parameter_count(asked.model))
+                           accelerator.num_processes, base_parameter_count(base))
     recipe = plan.plan_run(asked, size, accelerator, task, head_kept=keeps_base_head(asked.model, splits.labels),
-                           attention_compiled=base_attention_compiled(asked.model))
+                           attention_compiled=compiling.why_attention_is_compiled(base.model))
     # From here on only the recipe as run is read.
     method = methods.METHODS[recipe.train.method]
     total_steps = size.total_steps if method.fine_tunes else 0  # the probe alone is the whole training

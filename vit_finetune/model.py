@@ -12,7 +12,7 @@ import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import transformers
@@ -22,7 +22,7 @@ from transformers.utils import logging as transformers_logging
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import compiling, hub, student
+from . import hub, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
@@ -354,28 +354,26 @@ def load_image_processor(settings: ModelSettings, image_size: int):
     return processor
 
 
-def _base_on_meta(settings: ModelSettings) -> tuple[PreTrainedModel, Family]:
+class MetaBase(NamedTuple):
     """The backbone the run fine-tunes (model.keep_blocks' cut, if any), built from the base's config on the meta
-    device, which allocates nothing, and its family."""
+    device, which allocates nothing, and its family: what the plan reads of the base before the real one is built."""
+
+    model: PreTrainedModel
+    family: Family
+
+
+def base_on_meta(settings: ModelSettings) -> MetaBase:
     config = load_base_config(settings)
     family = family_of(config)
     if settings.keep_blocks is not None:
         config = student.with_depth(config, family, len(student.chosen_blocks(settings.keep_blocks)))
     with torch.device("meta"):
-        return family.model_class()(config), family
+        return MetaBase(family.model_class()(config), family)
 
 
-def base_parameter_count(settings: ModelSettings) -> int:
-    """The parameters of the backbone the run fine-tunes, its classifier left out (a 21k-class head would dwarf a
-    small ViT)."""
-    model, family = _base_on_meta(settings)
-    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith(f"{family.head}."))
-
-
-def base_attention_compiled(settings: ModelSettings) -> str | None:
-    """Why compiling the base would trace its attention with the rest of the graph (compiling.py); None where the
-    attention is kept out of it."""
-    return compiling.why_attention_is_compiled(_base_on_meta(settings)[0])
+def base_parameter_count(base: MetaBase) -> int:
+    """The parameters of the backbone, its classifier left out (a 21k-class head would dwarf a small ViT)."""
+    return sum(p.numel() for name, p in base.model.named_parameters() if not name.startswith(f"{base.family.head}."))
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

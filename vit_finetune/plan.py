@@ -138,7 +138,7 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
              attention_compiled: str | None = None) -> Recipe:
     """The recipe as this run runs it: every `auto` of `asked` resolved (AUTO) and said on the main process, and
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
-    head; `attention_compiled`: why compiling would trace the base's attention too (model.base_attention_compiled).
+    head; `attention_compiled`: why compiling would trace the base's attention too (compiling.why_attention_is_compiled).
     A WiSE-FT average the run cannot honour is refused after the lines that say what auto chose."""
     sharded = sharding.is_sharded(accelerator)
     facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
