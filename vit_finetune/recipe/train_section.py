@@ -37,6 +37,18 @@ class DistillSettings(Strict):
         "image, in each process's host memory"))
 
 
+def _number_or_auto(value: Any, what: str, example: str) -> Any:
+    """A string that is not auto read as a number (YAML 1.1 reads 1e-4 as a string); one that is no number raises one
+    clear problem, that the key must be `what` or auto, with `example`. Anything else is returned for the field's own
+    checks."""
+    if isinstance(value, str) and value != "auto":
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"must be {what} or auto, got {value!r}; e.g. {example}") from None
+    return value
+
+
 class TrainSettings(Strict):
     epochs: Bounded("train.epochs") = Field(1, gt=0, description="passes over the training split")
     max_steps: Bounded("train.max_steps", StrictInt | None) = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
@@ -122,22 +134,13 @@ class TrainSettings(Strict):
         """One clear problem for a misspelt lr, not one per member of the union."""
         if isinstance(value, bool):
             raise ValueError("a boolean is not a number; give a number or auto, e.g. 2e-5")
-        if isinstance(value, str) and value != "auto":
-            try:
-                return float(value)  # YAML 1.1 reads 1e-4 as a string
-            except ValueError:
-                raise ValueError(f"must be a number or auto, got {value!r}; e.g. 2e-5") from None
-        return value
+        return _number_or_auto(value, "a number", "2e-5")
 
     @field_validator("wise_ft_alpha", mode="before")
     @classmethod
     def _alpha_number_or_auto(cls, value):
         """A number in [0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
-        if isinstance(value, str) and value != "auto":
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"must be a number in [0, 1] or auto, got {value!r}; e.g. 0.75") from None
+        value = _number_or_auto(value, "a number in [0, 1]", "0.75")
         if value == "auto":
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -178,11 +181,7 @@ class TrainSettings(Strict):
         """A number of 0 or more (a string of one too: YAML 1.1 reads 1e-4 as one) or auto, in one clear problem."""
         if isinstance(value, bool):
             raise ValueError("a boolean is not a number; give a number or auto, e.g. 0.05")
-        if isinstance(value, str) and value != "auto":
-            try:
-                value = float(value)
-            except ValueError:
-                raise ValueError(f"must be a number, 0 or more, or auto, got {value!r}; e.g. 0.05") from None
+        value = _number_or_auto(value, "a number, 0 or more,", "0.05")
         if isinstance(value, (int, float)) and not value >= 0:
             raise ValueError(f"must be a number, 0 or more, or auto, got {value}; e.g. 0.05")
         return value
