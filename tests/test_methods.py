@@ -279,6 +279,7 @@ def test_lp_ft_refuses_to_probe_random_features():
     (["train.method=auto", "train.keep_best=eval_loss", "train.ema_decay=0.9"],
      "train.keep_best=eval_loss, train.ema_decay=0.9, train.max_steps=50 not used"),
     (["train.method=auto", "train.wise_ft_alpha=0.6"], "train.max_steps=50, train.wise_ft_alpha=0.6 not used"),
+    (["train.method=auto", "train.lp_ft_head_scale=0.5"], "train.max_steps=50, train.lp_ft_head_scale=0.5 not used"),
     (["train.method=linear_probe"], "train.method=linear_probe\n  train.max_steps=50 not used"),
 ])
 def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, capsys):
@@ -322,6 +323,62 @@ def test_auto_takes_lp_ft_for_a_regression_only_where_the_regression_study_measu
     # LP-FT's end keeps the probe's model where it scores no worse (alpha 0); a setting not measured keeps 1.
     assert wise_ft.auto_alpha("lp_ft", None, 2.0, Regression.wise_ft_auto_alpha)[0] == 0
     assert wise_ft.auto_alpha("lp_ft", "model.lora", 2.0, Regression.wise_ft_auto_alpha)[0] == 1
+
+
+def test_auto_shrinks_a_regressions_probe_head_only_where_the_regression_study_measured_it():
+    low, high = methods.REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = methods.REGRESSION_MEASURED_IMAGES_SEEN
+    shrunk = methods.LP_FT_HEAD_SCALE[Regression.method_rule]
+    assert shrunk == 1 / 25
+
+    def auto(images: int, seen: int, method: str = "lp_ft", rule: str = "regressor", lora: bool = False) -> float:
+        return methods.auto_lp_ft_head_scale(method, rule, lora, images, seen)[0]
+
+    assert [auto(low, shortest), auto(high, longest), auto(low, longest), auto(high, shortest)] == [shrunk] * 4
+    # Outside the measured range on either axis, for a classifier, with LoRA, or without a probe: the head as fitted.
+    assert [auto(low - 1, shortest), auto(high + 1, longest), auto(low, shortest - 1), auto(high, longest + 1)] == [1] * 4
+    assert "not here" in methods.auto_lp_ft_head_scale("lp_ft", "regressor", False, low - 1, shortest)[1]
+    assert auto(800, 3200, rule=SingleLabel.method_rule) == 1 and auto(800, 3200, lora=True) == 1
+    assert auto(800, 3200, method="finetune") == 1
+    # train.head_lr=auto follows the scale where a probe fitted the head; a new head keeps its own lr.
+    assert optim.auto_head_lr("adamw", 2e-5, head_fitted=True, head_scale=shrunk)[0] == pytest.approx(8e-7)
+    assert optim.auto_head_lr("adamw", 2e-5, head_fitted=True)[0] == 2e-5
+    assert optim.auto_head_lr("adamw", 2e-5, head_scale=shrunk)[0] == optim.AUTO_HEAD_LR_ADAMW
+    # Through the plan, in order: the scale is resolved before the head's lr, which reads it.
+    size = RunSize(images_seen=3200, training_images=800, classes=1, eval_images=200, steps_per_epoch=50,
+                   total_steps=200, base_parameters=22_000_000)
+    recipe = load_recipe(None, ["data.task=regression", "data.eval_split=validation", "train.batch_size=16"])
+    resolved = plan_run(recipe, size, Accelerator(cpu=True), Regression([0.0], [1.0])).train
+    assert (resolved.method, resolved.lp_ft_head_scale) == ("lp_ft", shrunk)
+    assert resolved.head_lr == pytest.approx(resolved.lr * shrunk)
+
+
+@pytest.mark.parametrize("method, says", [("finetune", "fits no probe"), ("linear_probe", "fine-tunes nothing")])
+def test_a_probe_head_scale_without_lp_ft_is_refused_when_the_recipe_is_read(method, says):
+    with pytest.raises(Exception, match=rf"train.lp_ft_head_scale=0.04 scales the probe's head before LP-FT fine-tunes "
+                                        rf"from it, and train.method={method} {says}; use train.method=lp_ft"):
+        load_recipe(None, [f"train.method={method}", "train.lp_ft_head_scale=0.04"])
+    assert load_recipe(None, [f"train.method={method}", "train.lp_ft_head_scale=1"]).train.lp_ft_head_scale == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-0.1", "1.5", "true", "half", "nan"])
+def test_a_probe_head_scale_outside_zero_to_one_is_refused_with_the_range(value):
+    with pytest.raises(Exception, match=r"train.lp_ft_head_scale[\s\S]*must be a number in \(0, 1\] or auto"):
+        load_recipe(None, [f"train.lp_ft_head_scale={value}"])
+    assert load_recipe(None, ["train.lp_ft_head_scale=0.04"]).train.lp_ft_head_scale == 0.04
+
+
+def test_a_probe_head_scale_with_a_method_auto_did_not_choose_lp_ft_for_is_refused_before_training(args, tmp_path,
+                                                                                                   capsys):
+    # model.pretrained=false: auto fine-tunes from a new head, so there is no probe's head to scale.
+    out = tmp_path / "out"
+    code = train([*args, "train.method=auto", "model.pretrained=false", "train.lp_ft_head_scale=0.04",
+                  f"output_dir={out}"])
+    captured = capsys.readouterr()
+    assert code != 0 and "train.method=auto -> finetune" in captured.out
+    assert ("train.lp_ft_head_scale=0.04 scales the probe's head before LP-FT fine-tunes from it, and train.method=auto "
+            "chose finetune for this run") in captured.err
+    assert not (out / "model.safetensors").exists() and "train step" not in captured.out
 
 
 def test_auto_is_conservative_outside_what_was_measured():

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
@@ -272,6 +273,9 @@ def test_lp_ft_of_a_regression_saves_the_probes_model_only_where_it_scores_no_wo
                   "train.method=lp_ft"]) == 0
     said = capsys.readouterr().out
     assert "train.wise_ft_alpha=auto -> 0: the probe's model where it scores no worse" in said
+    # 24 training images, below what the shrunk head was measured on: auto keeps the probe's head as fitted.
+    assert ("train.lp_ft_head_scale=auto -> 1: 24 training images, 72 seen: the shrunk head was measured on 640-2,000 "
+            "training images") in said
     metrics = json.loads((out / "metrics.json").read_text())
     choice = metrics["wise_ft"]
     assert choice["alpha"] == 0 and choice["chosen_by"].startswith("eval_rmse")
@@ -285,6 +289,36 @@ def test_lp_ft_of_a_regression_saves_the_probes_model_only_where_it_scores_no_wo
     else:
         assert choice["kept"] == "fine_tuned" and not same_as_probe and metrics["rmse"] == pytest.approx(tuned_rmse)
         assert "saved: the fine-tuned weights, as the probe's model scored lower" in said
+
+@pytest.mark.slow
+def test_lp_ft_of_a_regression_fine_tunes_from_the_probes_head_shrunk_while_the_average_keeps_it_whole(probed, made,
+                                                                                                      capsys):
+    from safetensors.torch import load_file
+
+    probe_model = load_file(str(probed / "model.safetensors"))
+    # At an lr of 1e-12 nothing moves: the fine-tuned weights saved are the start fine-tuning had.
+    still = made["root"] / "shrunk"
+    assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={still}",
+                  "train.method=lp_ft", "train.lr=1e-12", "train.lp_ft_head_scale=0.04", "train.wise_ft_alpha=1"]) == 0
+    said = capsys.readouterr().out
+    assert "train.head_lr=auto -> 4e-14: train.lr x train.lp_ft_head_scale (0.04)" in said
+    started_from = load_file(str(still / "model.safetensors"))
+    for name, tensor in probe_model.items():
+        expected = tensor * 0.04 if name.startswith("classifier.") else tensor
+        torch.testing.assert_close(started_from[name], expected, rtol=1e-5, atol=1e-7)
+    recipe = yaml.safe_load((still / "recipe.yaml").read_text())["train"]
+    assert recipe["lp_ft_head_scale"] == 0.04 and recipe["head_lr"] == pytest.approx(4e-14)
+    assert "then full fine-tuning from that head times 0.04" in (still / "README.md").read_text()
+    # The probe's model WiSE-FT goes back to is the probe's own head, not the shrunk one: a head 25 times too small
+    # predicts almost the mean, so the probe's model scores better and is saved, equal to the linear probe's.
+    kept = made["root"] / "shrunk-kept"
+    assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={kept}",
+                  "train.method=lp_ft", "train.lr=1e-12", "train.lp_ft_head_scale=0.04"]) == 0
+    choice = json.loads((kept / "metrics.json").read_text())["wise_ft"]
+    assert choice["kept"] == "average" and choice["average"]["eval_rmse"] < choice["fine_tuned"]["eval_rmse"]
+    saved = load_file(str(kept / "model.safetensors"))
+    assert all(torch.equal(saved[name], probe_model[name]) for name in probe_model)
+
 
 @pytest.mark.slow
 def test_predict_gives_the_values_the_cards_transformers_call_gives(trained, made, tmp_path):

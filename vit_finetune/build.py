@@ -64,6 +64,8 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
                                    fine_tuned_after=method.fine_tunes)
     if averages:
         wise_ft_start = wise_ft.snapshot(model)
+    if fitted is not None and method.fine_tunes:  # after the snapshot: WiSE-FT goes back to the probe's own head
+        probe.scale_heads(model, recipe.train.lp_ft_head_scale)
     if not method.fine_tunes:
         freeze_all_but_heads(model)
     if teacher is not None and has_distillation_token(model):

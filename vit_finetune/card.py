@@ -142,7 +142,7 @@ classify("photo.jpg")
 {picture_text(tuple(name for name in pictures if name != CURVES_FILE))}
 {tasks.of_metrics(metrics).card_section(metrics, markdown_text)}
 ## Training
-{info_text(info)}- Method: {methods.card_text(t.method, metrics, lora_text)}{distillation_text(metrics)}
+{info_text(info)}- Method: {methods.card_text(t.method, metrics, lora_text, t.lp_ft_head_scale)}{distillation_text(metrics)}
 - Labels: {len(labels)} ({", ".join(markdown_text(label) for label in labels[:10])}{", ..." if len(labels) > 10 else ""})
 - Optimiser: {t.optimizer}, lr {t.lr} (new head: {t.head_lr}), weight decay {t.weight_decay}, {t.scheduler} schedule, {t.warmup_steps} warm-up steps
 - Batch: {t.batch_size} per device × {t.grad_accum} accumulation, {t.epochs} epoch(s){f", at most {t.max_steps} steps" if t.max_steps else ""}

@@ -123,8 +123,52 @@ def auto_method_for_regression(training_images: int, classes: int, images_seen: 
 AUTO_RULES = {"classifier": auto_method, "regressor": auto_method_for_regression}  # Task.method_rule -> its rule
 
 
-def card_text(method: str, metrics: dict, tuning: str) -> str:
-    """The card's line on how the model was trained; `tuning`: what the fine-tuning trained (full or LoRA's)."""
+# train.lp_ft_head_scale=auto. The probe's head already fits the training images, so LP-FT's fine-tuning starts with
+# little loss left for the backbone, and a head learning at the backbone's lr takes up much of what is left. Shrunk
+# to 1/25 and learning at train.lr/25 (train.head_lr=auto follows the scale), the head starts near the mean and
+# stays small: the backbone does the fitting along the probe's direction. It is what a head reading raw targets of
+# spread 25 does in standardised units (AdamW moves every weight by about its lr, whatever the loss's scale), which
+# is how the Trainer led the defaults on the regression study's rotation angle (docs/regression.md). Measured there
+# for regressions, within REGRESSION_MEASURED_*; elsewhere, and for a classifier's LP-FT (not measured), 1.
+LP_FT_HEAD_SCALE = {"classifier": 1.0, "regressor": 1 / 25}  # Task.method_rule -> what auto takes where measured
+
+
+def auto_lp_ft_head_scale(method: str, method_rule: str, lora: bool, training_images: int,
+                          images_seen: int) -> tuple[float, str]:
+    """What train.lp_ft_head_scale=auto stands for, and why: `method` as chosen, `method_rule` the task's
+    (Task.method_rule), `lora` whether adapters are fine-tuned instead of every weight, and the run's size."""
+    if method != "lp_ft":
+        return 1.0, f"train.method={method}: no probe's head to start from"
+    if lora:
+        return 1.0, "the shrunk head was measured with every weight fine-tuned, not LoRA's adapters, so the probe's head as fitted"
+    scale = LP_FT_HEAD_SCALE[method_rule]
+    if scale == 1:
+        return 1.0, "the shrunk head was measured for regressions, not classifiers, so the probe's head as fitted"
+    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
+    if not (low <= training_images <= high and shortest <= images_seen <= longest):
+        return 1.0, (f"{training_images:,} training images, {images_seen:,} seen: the shrunk head was measured on "
+                     f"{low:,}-{high:,} training images and {shortest:,}-{longest:,} seen, not here, so the probe's "
+                     "head as fitted")
+    return scale, (f"the probe's head times {scale:g}, learning at train.lr times the same, so the backbone does the "
+                   "fitting: ahead of the probe's head as fitted or within noise on every set of the regression study")
+
+
+def lp_ft_head_scale_refusal(method: str, scale: float | str, auto_chose: bool = False) -> str | None:
+    """Why a train.lp_ft_head_scale other than 1 cannot be honoured once the method is known (`auto_chose`: by
+    train.method=auto), or None."""
+    if scale in ("auto", 1) or method == "lp_ft" or (auto_chose and method == "linear_probe"):
+        return None  # a probe alone that auto chose says once what it leaves unused (plan.probe_alone)
+    fits = "fits no probe" if method == "finetune" else "fine-tunes nothing"
+    chosen = (f"train.method=auto chose {method} for this run (its line above says why), which {fits}" if auto_chose
+              else f"train.method={method} {fits}")
+    return (f"train.lp_ft_head_scale={scale:g} scales the probe's head before LP-FT fine-tunes from it, and {chosen}; "
+            "use train.method=lp_ft, or train.lp_ft_head_scale=auto")
+
+
+def card_text(method: str, metrics: dict, tuning: str, head_scale: float | str = 1.0) -> str:
+    """The card's line on how the model was trained; `tuning`: what the fine-tuning trained (full or LoRA's);
+    `head_scale`: train.lp_ft_head_scale as run."""
     method = metrics.get("method", method)  # a card written from the recipe as given names the method as run
     if method not in METHODS or not METHODS[method].probes:
         return tuning
@@ -146,4 +190,5 @@ def card_text(method: str, metrics: dict, tuning: str) -> str:
     else:
         averaged = (f", the saved weights {alpha:g} x the fine-tuned ones + {1 - alpha:g} x the probe's model "
                     "(WiSE-FT)" if alpha is not None else "")
-    return f"{probe_text}, then {tuning} from that head{averaged}"
+    shrunk = f" times {head_scale:g}" if isinstance(head_scale, float) and head_scale != 1 else ""
+    return f"{probe_text}, then {tuning} from that head{shrunk}{averaged}"

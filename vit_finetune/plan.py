@@ -88,9 +88,12 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
     "data.crop_scale": lambda recipe, facts: data.auto_crop_scale(facts.size.images_seen),
     "train.lr": lambda recipe, facts: optim.auto_lr(recipe.model.lora is not None, facts.size.base_parameters),
     "train.weight_decay": lambda recipe, facts: optim.auto_weight_decay(),
+    "train.lp_ft_head_scale": lambda recipe, facts: methods.auto_lp_ft_head_scale(
+        recipe.train.method, facts.task.method_rule, recipe.model.lora is not None, facts.size.training_images,
+        facts.size.images_seen),
     "train.head_lr": lambda recipe, facts: optim.auto_head_lr(
         recipe.train.optimizer, recipe.train.lr, head_fitted=methods.fits_head_first(recipe.train.method),
-        head_kept=facts.head_kept),
+        head_kept=facts.head_kept, head_scale=recipe.train.lp_ft_head_scale),
     "train.warmup_steps": lambda recipe, facts: optim.auto_warmup_steps(
         methods.fits_head_first(recipe.train.method), facts.size.total_steps, facts.head_kept, recipe.model.pretrained),
     "train.wise_ft_alpha": lambda recipe, facts: wise_ft.auto_alpha(recipe.train.method, facts.unaveraged,
@@ -139,7 +142,8 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
     """The recipe as this run runs it: every `auto` of `asked` resolved (AUTO) and said on the main process, and
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
     head; `attention_compiled`: why compiling would trace the base's attention too (compiling.why_attention_is_compiled).
-    A WiSE-FT average the run cannot honour is refused after the lines that say what auto chose."""
+    A WiSE-FT average or a probe head scale the run cannot honour is refused after the lines that say what auto
+    chose."""
     sharded = sharding.is_sharded(accelerator)
     facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
                      task, head_kept, wise_ft_unmeasured(asked, task, sharded), attention_compiled)
@@ -159,7 +163,9 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
         for key in AUTO:
             if key in said:
                 progress.say(said[key])
-    refused = wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharded)
+    refused = (wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharded)
+               or methods.lp_ft_head_scale_refusal(recipe.train.method, recipe.train.lp_ft_head_scale,
+                                                   auto_chose=asked.train.method == "auto"))
     if refused:
         raise RunError(refused)
     return recipe

@@ -293,6 +293,16 @@ def set_heads(model: nn.Module, weight: torch.Tensor, bias: torch.Tensor) -> Non
             head.bias.copy_(bias)
 
 
+def scale_heads(model: nn.Module, scale: float) -> None:
+    """Every classifier head's weight and bias times `scale` (train.lp_ft_head_scale): the probe's direction, its
+    outputs that many times smaller."""
+    for name in head_names(model):
+        head = model.get_submodule(name)
+        with torch.no_grad():
+            head.weight.mul_(scale)
+            head.bias.mul_(scale)
+
+
 def probe(model: nn.Module, loader, accelerator: Accelerator, task: Task, class_weights: torch.Tensor | None = None,
           mixed_precision: bool = False) -> ProbeResult:
     """Fit the model's head for `task` on the frozen features of every image of `loader` (in a fixed order) and put

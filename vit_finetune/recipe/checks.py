@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from ..methods import METHODS
+from ..methods import METHODS, lp_ft_head_scale_refusal
 from ..errors import excerpt
 from .limits import _is_dir
 
@@ -132,6 +132,7 @@ def check_recipe(recipe: Recipe) -> None:
         problems.extend(_cache_logits_problems(recipe))
     problems.extend(_method_problems(recipe))
     problems.extend(_wise_ft_problems(recipe))
+    problems.extend(_lp_ft_head_scale_problems(recipe))
     warmup = recipe.train.warmup_steps
     if isinstance(warmup, int) and warmup and recipe.train.max_steps and warmup >= recipe.train.max_steps:
         problems.append(
@@ -216,8 +217,9 @@ def probe_unused_settings(recipe: Recipe) -> list[str]:
     unused = pixel_drawing_settings(recipe) + weight_selection_settings(recipe)
     if t.max_steps is not None:
         unused.append(f"train.max_steps={t.max_steps}")
-    if t.wise_ft_alpha != "auto":
-        unused.append(f"train.wise_ft_alpha={t.wise_ft_alpha:g}")
+    for key in ("wise_ft_alpha", "lp_ft_head_scale"):
+        if getattr(t, key) != "auto":
+            unused.append(f"train.{key}={getattr(t, key):g}")
     return unused
 
 
@@ -248,6 +250,14 @@ def _wise_ft_problems(recipe: Recipe) -> list[str]:
                 f"model; the weight selections choose among evaluations of other weights); remove them, or set "
                 "train.wise_ft_alpha=auto"]
     return []
+
+
+def _lp_ft_head_scale_problems(recipe: Recipe) -> list[str]:
+    """A train.lp_ft_head_scale other than 1 with a method that fine-tunes from no probe's head (auto's choice is
+    known only once the data is read: plan.py asks the same question then)."""
+    t = recipe.train
+    refused = None if t.method == "auto" else lp_ft_head_scale_refusal(t.method, t.lp_ft_head_scale)
+    return [refused] if refused else []
 
 
 # What makes a training image's pixels differ from epoch to epoch (a random draw per image or per batch): each key,

@@ -127,6 +127,12 @@ class TrainSettings(Strict):
         "ones; 1 keeps the fine-tuned weights, 0 the probe's model where it scores no worse; auto: "
         "wise_ft.auto_alpha, 0.75 after LP-FT of a classifier where that was measured (0.5 under 0.6 epoch of "
         "fine-tuning), 0 for a regression, else 1, printed with its reason"))
+    lp_ft_head_scale: Float | Literal["auto"] = Field("auto", description=(
+        "after the linear probe (train.method=lp_ft) the fitted head times this, in (0, 1], before fine-tuning "
+        "starts; train.head_lr=auto then gives the head train.lr times it too, so a shrunk head stays small and the "
+        "backbone does the fitting; 1 fine-tunes from the probe's head as fitted; auto: "
+        "methods.auto_lp_ft_head_scale, 1/25 for a regression where the regression study measured it, else 1, "
+        "printed with its reason"))
 
     @field_validator("lr", "head_lr", mode="before")
     @classmethod
@@ -146,6 +152,18 @@ class TrainSettings(Strict):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"must be a number in [0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
                              "0 the probe's model where it scores no worse; e.g. 0.75")
+        return value
+
+    @field_validator("lp_ft_head_scale", mode="before")
+    @classmethod
+    def _head_scale_number_or_auto(cls, value):
+        """A number in (0, 1] (a string of one too) or auto."""
+        value = _number_or_auto(value, "a number in (0, 1]", "0.04")
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 fine-tunes from the probe's head "
+                             "as fitted, 0.04 from a head 25 times smaller; e.g. 0.04")
         return value
 
     # Beyond 1e6 the lr overflows inside the optimiser.
