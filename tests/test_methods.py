@@ -340,17 +340,13 @@ def test_auto_shrinks_a_regressions_probe_head_only_where_the_regression_study_m
     assert "not here" in methods.auto_lp_ft_head_scale("lp_ft", "regressor", False, low - 1, shortest)[1]
     assert auto(800, 3200, rule=SingleLabel.method_rule) == 1 and auto(800, 3200, lora=True) == 1
     assert auto(800, 3200, method="finetune") == 1
-    # train.head_lr=auto follows the scale where a probe fitted the head; a new head keeps its own lr.
-    assert optim.auto_head_lr("adamw", 2e-5, head_fitted=True, head_scale=shrunk)[0] == pytest.approx(8e-7)
-    assert optim.auto_head_lr("adamw", 2e-5, head_fitted=True)[0] == 2e-5
-    assert optim.auto_head_lr("adamw", 2e-5, head_scale=shrunk)[0] == optim.AUTO_HEAD_LR_ADAMW
-    # Through the plan, in order: the scale is resolved before the head's lr, which reads it.
+    # Through the plan: the head's lr stays train.lr, as LP-FT's has been.
     size = RunSize(images_seen=3200, training_images=800, classes=1, eval_images=200, steps_per_epoch=50,
                    total_steps=200, base_parameters=22_000_000)
     recipe = load_recipe(None, ["data.task=regression", "data.eval_split=validation", "train.batch_size=16"])
     resolved = plan_run(recipe, size, Accelerator(cpu=True), Regression([0.0], [1.0])).train
     assert (resolved.method, resolved.lp_ft_head_scale) == ("lp_ft", shrunk)
-    assert resolved.head_lr == pytest.approx(resolved.lr * shrunk)
+    assert resolved.head_lr == resolved.lr
 
 
 @pytest.mark.parametrize("method, says", [("finetune", "fits no probe"), ("linear_probe", "fine-tunes nothing")])

@@ -124,12 +124,13 @@ AUTO_RULES = {"classifier": auto_method, "regressor": auto_method_for_regression
 
 
 # train.lp_ft_head_scale=auto. The probe's head already fits the training images, so LP-FT's fine-tuning starts with
-# little loss left for the backbone, and a head learning at the backbone's lr takes up much of what is left. Shrunk
-# to 1/25 and learning at train.lr/25 (train.head_lr=auto follows the scale), the head starts near the mean and
-# stays small: the backbone does the fitting along the probe's direction. It is what a head reading raw targets of
-# spread 25 does in standardised units (AdamW moves every weight by about its lr, whatever the loss's scale), which
-# is how the Trainer led the defaults on the regression study's rotation angle (docs/regression.md). Measured there
-# for regressions, within REGRESSION_MEASURED_*; elsewhere, and for a classifier's LP-FT (not measured), 1.
+# little loss left for the backbone, and the head, free to move, takes up much of what is left. Shrunk to 1/25, the
+# head starts near the mean and the backbone does the fitting along the probe's direction: what a head on raw targets
+# of spread 25 starts as in standardised units, which is how the Trainer led the defaults on the regression study's
+# rotation angle (docs/regression.md). Shrunk, it led the head as fitted on the rotations and digit sums; its lr
+# slowed as well (train.head_lr 25 times lower) led less there, and the lr slowed alone, the head as fitted, did not
+# help. Measured for regressions within REGRESSION_MEASURED_*; elsewhere, and for a classifier's LP-FT (not
+# measured), 1.
 LP_FT_HEAD_SCALE = {"classifier": 1.0, "regressor": 1 / 25}  # Task.method_rule -> what auto takes where measured
 
 
@@ -150,8 +151,8 @@ def auto_lp_ft_head_scale(method: str, method_rule: str, lora: bool, training_im
         return 1.0, (f"{training_images:,} training images, {images_seen:,} seen: the shrunk head was measured on "
                      f"{low:,}-{high:,} training images and {shortest:,}-{longest:,} seen, not here, so the probe's "
                      "head as fitted")
-    return scale, (f"the probe's head times {scale:g}, learning at train.lr times the same, so the backbone does the "
-                   "fitting: ahead of the probe's head as fitted or within noise on every set of the regression study")
+    return scale, (f"the probe's head times {scale:g}: it starts near the mean, so the backbone does the fitting; "
+                   "ahead of the head as fitted or within noise on every set of the regression study")
 
 
 def lp_ft_head_scale_refusal(method: str, scale: float | str, auto_chose: bool = False) -> str | None:

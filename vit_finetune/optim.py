@@ -132,14 +132,9 @@ def auto_weight_decay() -> tuple[float, str]:
 AUTO_HEAD_LR_ADAMW = 2e-3
 
 
-def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False, head_kept: bool = False,
-                 head_scale: float = 1.0) -> tuple[float, str]:
+def auto_head_lr(optimizer: str, lr: float, head_fitted: bool = False, head_kept: bool = False) -> tuple[float, str]:
     """The head's peak lr that train.head_lr=auto stands for, and why; `head_fitted`: a linear probe fitted it;
-    `head_kept`: a student cut from a classifier of the same labels (student.py) kept that classifier's head;
-    `head_scale`: train.lp_ft_head_scale, what the fitted head was multiplied by."""
-    if head_fitted and head_scale != 1:
-        return lr * head_scale, (f"train.lr x train.lp_ft_head_scale ({head_scale:g}): the probe's head, shrunk, "
-                                 "learns as much slower, so the backbone does the fitting")
+    `head_kept`: a student cut from a classifier of the same labels (student.py) kept that classifier's head."""
     if head_fitted:
         return lr, "train.lr: the linear probe fitted the head, so it fine-tunes with the rest"
     if optimizer != "adamw":

@@ -93,7 +93,7 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
         facts.size.images_seen),
     "train.head_lr": lambda recipe, facts: optim.auto_head_lr(
         recipe.train.optimizer, recipe.train.lr, head_fitted=methods.fits_head_first(recipe.train.method),
-        head_kept=facts.head_kept, head_scale=recipe.train.lp_ft_head_scale),
+        head_kept=facts.head_kept),
     "train.warmup_steps": lambda recipe, facts: optim.auto_warmup_steps(
         methods.fits_head_first(recipe.train.method), facts.size.total_steps, facts.head_kept, recipe.model.pretrained),
     "train.wise_ft_alpha": lambda recipe, facts: wise_ft.auto_alpha(recipe.train.method, facts.unaveraged,

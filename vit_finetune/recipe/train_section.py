@@ -129,8 +129,8 @@ class TrainSettings(Strict):
         "fine-tuning), 0 for a regression, else 1, printed with its reason"))
     lp_ft_head_scale: Float | Literal["auto"] = Field("auto", description=(
         "after the linear probe (train.method=lp_ft) the fitted head times this, in (0, 1], before fine-tuning "
-        "starts; train.head_lr=auto then gives the head train.lr times it too, so a shrunk head stays small and the "
-        "backbone does the fitting; 1 fine-tunes from the probe's head as fitted; auto: "
+        "starts: a shrunk head starts near the mean, so the backbone does the fitting along the probe's direction; "
+        "1 fine-tunes from the probe's head as fitted; auto: "
         "methods.auto_lp_ft_head_scale, 1/25 for a regression where the regression study measured it, else 1, "
         "printed with its reason"))
 
