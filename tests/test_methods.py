@@ -329,7 +329,7 @@ def test_auto_shrinks_a_regressions_probe_head_only_where_the_regression_study_m
     low, high = methods.REGRESSION_MEASURED_TRAINING_IMAGES
     shortest, longest = methods.REGRESSION_MEASURED_IMAGES_SEEN
     shrunk = methods.LP_FT_HEAD_SCALE[Regression.method_rule]
-    assert shrunk == 1 / 25
+    assert 0 < shrunk < 1
 
     def auto(images: int, seen: int, method: str = "lp_ft", rule: str = "regressor", lora: bool = False) -> float:
         return methods.auto_lp_ft_head_scale(method, rule, lora, images, seen)[0]

@@ -131,7 +131,7 @@ class TrainSettings(Strict):
         "after the linear probe (train.method=lp_ft) the fitted head times this, in (0, 1], before fine-tuning "
         "starts: a shrunk head starts near the mean, so the backbone does the fitting along the probe's direction; "
         "1 fine-tunes from the probe's head as fitted; auto: "
-        "methods.auto_lp_ft_head_scale, 1/25 for a regression where the regression study measured it, else 1, "
+        "methods.auto_lp_ft_head_scale, 0.2 for a regression where the regression study measured it, else 1, "
         "printed with its reason"))
 
     @field_validator("lr", "head_lr", mode="before")
@@ -158,12 +158,12 @@ class TrainSettings(Strict):
     @classmethod
     def _head_scale_number_or_auto(cls, value):
         """A number in (0, 1] (a string of one too) or auto."""
-        value = _number_or_auto(value, "a number in (0, 1]", "0.04")
+        value = _number_or_auto(value, "a number in (0, 1]", "0.2")
         if value == "auto":
             return value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
             raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 fine-tunes from the probe's head "
-                             "as fitted, 0.04 from a head 25 times smaller; e.g. 0.04")
+                             "as fitted, 0.2 from a head 5 times smaller; e.g. 0.2")
         return value
 
     # Beyond 1e6 the lr overflows inside the optimiser.
