@@ -128,7 +128,7 @@ AUTO_RULES = {"classifier": auto_method, "regressor": auto_method_for_regression
 # starts nearer the mean and the backbone does more of the fitting, along the probe's direction: what a head on raw
 # targets of a wide spread starts as in standardised units, which is how the Trainer led the defaults on the
 # regression study's rotation angle (docs/regression.md). Measured there from 1/25 to 1/2 (seed 0): the smaller the
-# head, the more the rotations gained (10 epochs of rotation_2000: 2.91 degrees as fitted, 2.29 at 1/2, 2.02 at 1/5,
+# head, the more the rotations gained (10 epochs of rotation_2000: 2.90 degrees as fitted, 2.29 at 1/2, 2.02 at 1/5,
 # 1.91 at 1/25; one epoch of rotation: 9.83, 9.13, 7.49, 7.03), and 1/5 took most of 1/25's gain on every set while
 # staying nearer the head as fitted, so 1/5. Slowing the head's lr instead did not help. Measured for regressions
 # within REGRESSION_MEASURED_*; elsewhere, and for a classifier's LP-FT (not measured), 1.
