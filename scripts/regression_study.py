@@ -24,7 +24,7 @@ train, validation and test (640 / 200 / 300 images). The test split chooses noth
   elpv_2000, rotation_2000   the same with 2,000 training images (their own draws: their own test images).
 Arms (ARMS below): the toolkit (`python -m vit_finetune`, its main() in this process) from its defaults with
 data.task=regression, fine-tuning from a new head (what auto chose before the study) with one lever changed, LP-FT
-unaveraged, the toolkit's linear probe, or float32; transformers' Trainer as the image-classification example runs it
+from the probe's head at other sizes (train.lp_ft_head_scale) or lr, LP-FT unaveraged, the toolkit's linear probe, or float32; transformers' Trainer as the image-classification example runs it
 with a regression head (num_labels=1, problem_type="regression": MSE of the raw target), resize only, AdamW, linear
 schedule, no warm-up, at its default lr 5e-5 and at 2e-5; ridge regression (scikit-learn RidgeCV, alpha by
 leave-one-out cross-validation on the training split) on the frozen base's features (CLS beside the mean patch token,
@@ -267,6 +267,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
     return {"lr_used": train["lr"], "head_lr_used": train["head_lr"], "scheduler": train["scheduler"],
             "warmup_steps_used": train["warmup_steps"], "method_used": train["method"],
             "mixed_precision_used": train["mixed_precision"], "regression_loss": train["regression_loss"],
+            "lp_ft_head_scale_used": train.get("lp_ft_head_scale", 1),
             "max_grad_norm": train["max_grad_norm"], "weight_decay": train["weight_decay"],
             "head_init": recipe["model"]["head_init"], "crop_scale": recipe["data"]["crop_scale"],
             "horizontal_flip": recipe["data"]["horizontal_flip"], "target_mean": config["target_mean"],
@@ -400,14 +401,35 @@ TRAINER_LEVERS_2E5 = ("train.lr=2e-5", "train.head_lr=2e-5", *TRAINER_LEVERS[2:]
 FINETUNE = "train.method=finetune"  # what train.method=auto chose for a regression before the study
 ARMS = {
     "defaults": Arm(run_toolkit, description="the toolkit's defaults with data.task=regression"),
+    "head_as_fitted": Arm(run_toolkit, ("train.lp_ft_head_scale=1",),
+                          description="the defaults with LP-FT from the probe's head as fitted: what auto did "
+                                      "before train.lp_ft_head_scale"),
+    "head_scale_0.5": Arm(run_toolkit, ("train.lp_ft_head_scale=0.5",),
+                          description="the defaults with the probe's head 2 times smaller"),
+    "head_scale_0.04": Arm(run_toolkit, ("train.lp_ft_head_scale=0.04",),
+                           description="the defaults with the probe's head 25 times smaller"),
+    "head_scale_0.04_slow": Arm(run_toolkit, ("train.lp_ft_head_scale=0.04", "train.head_lr=8e-7"),
+                                description="the defaults with the shrunk head at train.lr/25: what raw angles "
+                                            "(spread 25) make of the head in standardised units, start and lr"),
+    "head_scale_0.2_slow": Arm(run_toolkit, ("train.lp_ft_head_scale=0.2", "train.head_lr=4e-6"),
+                               description="the probe's head 5 times smaller, at train.lr/5"),
+    "head_scale_0.01_slow": Arm(run_toolkit, ("train.lp_ft_head_scale=0.01", "train.head_lr=2e-7"),
+                                description="the probe's head 100 times smaller, at train.lr/100"),
+    "head_scale_0.04_slow_clipped": Arm(run_toolkit, ("train.lp_ft_head_scale=0.04", "train.head_lr=8e-7",
+                                                      "train.max_grad_norm=0.0016"),
+                                        description="head_scale_0.04_slow with the gradient clipped at 1/25²: "
+                                                    "where raw angles put the clip"),
+    "head_as_fitted_slow": Arm(run_toolkit, ("train.lp_ft_head_scale=1", "train.head_lr=8e-7"),
+                               description="the probe's head as fitted, at train.lr/25 (slowed, not shrunk)"),
     "finetune": Arm(run_toolkit, (FINETUNE,),
                     description="fine-tuning from a new head: the defaults before the study (auto chose it)"),
-    "defaults_fp32": Arm(run_toolkit, ("train.mixed_precision=no",),
-                         description="the defaults in float32 (auto takes bf16 on this CPU)"),
+    "head_as_fitted_fp32": Arm(run_toolkit, ("train.lp_ft_head_scale=1", "train.mixed_precision=no"),
+                               description="head_as_fitted in float32 (auto takes bf16 on this CPU)"),
     "finetune_fp32": Arm(run_toolkit, (FINETUNE, "train.mixed_precision=no"),
                          description="fine-tuning from a new head in float32"),
-    "defaults_head_2e-3": Arm(run_toolkit, ("train.head_lr=2e-3",),
-                              description="the defaults with the head at 2e-3 (LP-FT's auto gives it train.lr)"),
+    "head_as_fitted_head_2e-3": Arm(run_toolkit, ("train.lp_ft_head_scale=1", "train.head_lr=2e-3"),
+                                    description="head_as_fitted with the head at 2e-3 (LP-FT's auto gives it "
+                                                "train.lr)"),
     "finetune_linear": Arm(run_toolkit, (FINETUNE, "train.scheduler=linear"),
                            description="fine-tuning with the Trainer's linear schedule"),
     "finetune_random_head": Arm(run_toolkit, (FINETUNE, "model.head_init=random"),
@@ -452,8 +474,9 @@ ARMS = {
                       "train.max_grad_norm=0.0016"), head_scale=1 / 25,
         description="raw angles' training in standardised units: the head 25 times smaller and at lr/25, the clip "
                     "at 1/25²"),
-    "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.wise_ft_alpha=1"),
-                       description="LP-FT from the probe's ridge head, its fine-tuned weights saved whatever they score"),
+    "lp_ft_wise1": Arm(run_toolkit, ("train.method=lp_ft", "train.lp_ft_head_scale=1", "train.wise_ft_alpha=1"),
+                       description="LP-FT from the probe's ridge head as fitted, its fine-tuned weights saved whatever "
+                                   "they score"),
     "trainer_5e-5": Arm(run_trainer, lr=5e-5, description="transformers' Trainer at its default lr"),
     "trainer_2e-5": Arm(run_trainer, lr=2e-5, description="transformers' Trainer at the example README's lr"),
     "ridge": Arm(run_ridge, description="ridge regression on the frozen base's features"),
@@ -601,11 +624,12 @@ def kept_probe(run: dict, root: Path) -> bool | None:
 
 
 def gap_table(results: list[dict], root: Path) -> str:
-    """Per cell: the defaults' test MAE beside fine-tuning (the defaults before), the best of the Trainer (either lr)
-    and ridge, and the best arm of all; the difference counts as noise when within the larger seed spread of the two.
+    """Per cell: the defaults' test MAE beside LP-FT from the head as fitted (the defaults before), the best of the
+    Trainer (either lr) and ridge, and the best arm of all; the difference counts as noise when within the larger
+    seed spread of the two.
     "probe kept": in how many of the defaults' runs their end saved the probe's model."""
     peers = ("trainer_5e-5", "trainer_2e-5", "ridge")
-    out = ["| set | px | steps | defaults | probe kept | fine-tuning (before) | best of Trainer/ridge | defaults − best | "
+    out = ["| set | px | steps | defaults | probe kept | head as fitted (before) | best of Trainer/ridge | defaults − best | "
            "seeds' spread | best arm |", "|---|---|---|---|---|---|---|---|---|---|"]
     for size, steps in blocks_of(results):
         for name in SETS:
@@ -620,7 +644,8 @@ def gap_table(results: list[dict], root: Path) -> str:
             spread = f"{max(spreads):.3f}" if spreads else "–"
             kept = [kept_probe(r, root) for r in results if r["arm"] == "defaults" and r["set"] == name
                     and in_block(r, size, steps)]
-            before = f"{means['finetune']:.3f} ({len(maes['finetune'])})" if "finetune" in means else "–"
+            before = (f"{means['head_as_fitted']:.3f} ({len(maes['head_as_fitted'])})" if "head_as_fitted" in means
+                      else "–")
             out.append(f"| {name} | {size} | {steps} | {means['defaults']:.3f} ({len(maes['defaults'])}) | "
                        f"{sum(k is True for k in kept)} of {len(kept)} | {before} | {means[peer]:.3f} ({peer}, "
                        f"{len(maes[peer])}) | {means['defaults'] - means[peer]:+.3f} | {spread} | {best} "
@@ -637,7 +662,9 @@ def chosen_table(results: list[dict]) -> str:
             continue
         raw = np.all(np.ravel(run["target_mean"]) == 0) and np.all(np.ravel(run["target_std"]) == 1)
         targets = "raw" if raw else "standardised"
-        head = "the probe's ridge fit" if run.get("method_used") == "lp_ft" else run["head_init"]
+        scale = run.get("lp_ft_head_scale_used", 1)
+        head = (("the probe's ridge fit" + (f" x {scale:g}" if scale != 1 else "")) if run.get("method_used") == "lp_ft"
+                else run["head_init"])
         out.append(f"| {arm} | {run['lr_used']:g} | {run['head_lr_used']:g} | {targets} | {run['regression_loss']} | "
                    f"{run['scheduler']}, warm-up {run['warmup_steps_used']} | {head} | "
                    f"{run['mixed_precision_used']} |")
