@@ -446,8 +446,13 @@ def test_explain_shows_the_regression_values(trained, made):
 
 
 @pytest.mark.slow
-def test_a_resumed_regression_run_ends_bit_identical(made, tmp_path):
-    args = [*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", "train.epochs=1", "pictures=false"]
+@pytest.mark.parametrize("method", [[], ["train.method=lp_ft", "train.lp_ft_head_scale=0.2"]],
+                         ids=["auto", "lp_ft_from_a_shrunk_head"])
+def test_a_resumed_regression_run_ends_bit_identical(made, tmp_path, method):
+    # LP-FT: the resumed run fits the probe again for the end's choice and shrinks its head again; the checkpoint's
+    # weights then replace the model's, and the end compares with the probe's own head as the whole run did.
+    args = [*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", "train.epochs=1", "pictures=false",
+            *method]
     assert train([*args, f"output_dir={tmp_path / 'whole'}"]) == 0
     out = killed_after_a_checkpoint(args, tmp_path / "resumed")
     assert train([*args, f"output_dir={out}", "train.resume=auto"]) == 0
