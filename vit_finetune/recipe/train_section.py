@@ -49,6 +49,19 @@ def _number_or_auto(value: Any, what: str, example: str) -> Any:
     return value
 
 
+def _share_or_auto(value: Any, zero_allowed: bool, ends: str, example: str) -> Any:
+    """A number in [0, 1], or (0, 1] without `zero_allowed` (a string of one too: YAML 1.1 reads some as strings),
+    or auto; a problem names the range, what `ends` says its ends mean, and `example`."""
+    interval = "[0, 1]" if zero_allowed else "(0, 1]"
+    value = _number_or_auto(value, f"a number in {interval}", example)
+    if value == "auto":
+        return value
+    in_range = (lambda v: 0 <= v <= 1) if zero_allowed else (lambda v: 0 < v <= 1)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not in_range(value):
+        raise ValueError(f"must be a number in {interval} or auto, got {value}: {ends}; e.g. {example}")
+    return value
+
+
 class TrainSettings(Strict):
     epochs: Bounded("train.epochs") = Field(1, gt=0, description="passes over the training split")
     max_steps: Bounded("train.max_steps", StrictInt | None) = Field(None, gt=0, description="stop after this many optimiser steps; null = run all epochs")
@@ -145,26 +158,14 @@ class TrainSettings(Strict):
     @field_validator("wise_ft_alpha", mode="before")
     @classmethod
     def _alpha_number_or_auto(cls, value):
-        """A number in [0, 1] (a string of one too: YAML 1.1 reads some as strings) or auto."""
-        value = _number_or_auto(value, "a number in [0, 1]", "0.75")
-        if value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-            raise ValueError(f"must be a number in [0, 1] or auto, got {value}: 1 keeps the fine-tuned weights, "
-                             "0 the probe's model where it scores no worse; e.g. 0.75")
-        return value
+        return _share_or_auto(value, True, "1 keeps the fine-tuned weights, 0 the probe's model where it scores no "
+                                           "worse", "0.75")
 
     @field_validator("lp_ft_head_scale", mode="before")
     @classmethod
     def _head_scale_number_or_auto(cls, value):
-        """A number in (0, 1] (a string of one too) or auto."""
-        value = _number_or_auto(value, "a number in (0, 1]", "0.2")
-        if value == "auto":
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ValueError(f"must be a number in (0, 1] or auto, got {value}: 1 fine-tunes from the probe's head "
-                             "as fitted, 0.2 from a head 5 times smaller; e.g. 0.2")
-        return value
+        return _share_or_auto(value, False, "1 fine-tunes from the probe's head as fitted, 0.2 from a head 5 times "
+                                            "smaller", "0.2")
 
     # Beyond 1e6 the lr overflows inside the optimiser.
     @field_validator("lr", "head_lr")
