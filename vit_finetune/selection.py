@@ -192,7 +192,10 @@ def average_if_no_worse(model: torch.nn.Module, start: dict[str, torch.Tensor], 
     kept_average = not is_better(metric, metric_value(fine_tuned[0], metric), metric_value(averaged[0], metric))
     if not kept_average:
         restore(model, fine_tuned_weights)
-    scores = {kind: {name: metric_value(result[0], name) for name in dict.fromkeys((metric, "eval_loss"))}
+    # Every metric keep_best could rank by, the chooser first: what another choice would have kept is on record.
+    scores = {kind: {name: value for name, value in sorted(as_eval_entry(result[0]).items(),
+                                                           key=lambda item: item[0] != metric)
+                     if name in KEEP_BEST_GOALS}
               for kind, result in (("fine_tuned", fine_tuned), ("average", averaged))}
     report = {"alpha": alpha, "kept": "average" if kept_average else "fine_tuned",
               "chosen_by": f"{metric} on the eval split (as train.keep_best chooses: the reported score is the better "
