@@ -271,7 +271,24 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
             "max_grad_norm": train["max_grad_norm"], "weight_decay": train["weight_decay"],
             "head_init": recipe["model"]["head_init"], "crop_scale": recipe["data"]["crop_scale"],
             "horizontal_flip": recipe["data"]["horizontal_flip"], "target_mean": config["target_mean"],
-            "target_std": config["target_std"], "metrics_json_eval_mae": metrics["mae"]}
+            "target_std": config["target_std"], "metrics_json_eval_mae": metrics["mae"], **end_choice(metrics)}
+
+
+def end_choice(metrics: dict) -> dict:
+    """Which weights the end of an LP-FT run kept (the probe's model or the fine-tuned ones) and both candidates'
+    eval MAE and RMSE, where the run chose between them."""
+    choice = metrics.get("wise_ft")
+    if choice is None:
+        return {}
+    return {"end_kept": "probe_model" if choice["kept"] == "average" and choice["alpha"] == 0 else choice["kept"],
+            "end_chosen_by": choice["chosen_by"].split()[0],
+            **{f"end_{kind}_{name}": choice[kind].get(f"eval_{name}") for kind in ("fine_tuned", "average")
+               for name in ("mae", "rmse")}}
+
+
+def recorded_only(cell: Cell, base: Path, data: Path, out: Path) -> dict:
+    """An arm of defaults the toolkit no longer has: its rows ran at the commit each records."""
+    raise SystemExit(f"{cell.arm} ran the toolkit's earlier defaults; check out the commit its rows record to rerun it")
 
 
 def run_probe(cell: Cell, base: Path, data: Path, out: Path) -> dict:
@@ -401,6 +418,8 @@ TRAINER_LEVERS_2E5 = ("train.lr=2e-5", "train.head_lr=2e-5", *TRAINER_LEVERS[2:]
 FINETUNE = "train.method=finetune"  # what train.method=auto chose for a regression before the study
 ARMS = {
     "defaults": Arm(run_toolkit, description="the toolkit's defaults with data.task=regression"),
+    "chosen_by_rmse": Arm(recorded_only, description="the defaults when the end chose between the probe's model and "
+                                                     "the fine-tuned weights by eval RMSE (before it went by MAE)"),
     "head_as_fitted": Arm(run_toolkit, ("train.lp_ft_head_scale=1",),
                           description="the defaults with LP-FT from the probe's head as fitted: what auto did "
                                       "before train.lp_ft_head_scale"),
@@ -617,20 +636,24 @@ def tables(results: list[dict], root: Path) -> str:
 
 
 def kept_probe(run: dict, root: Path) -> bool | None:
-    """Whether a defaults run saved the probe's model (its metrics.json's wise_ft choice), None where it chose none."""
+    """Whether a defaults run saved the probe's model (its row's end_kept, or for rows from before the row recorded
+    it, its metrics.json's wise_ft choice), None where it chose none."""
+    if "end_kept" in run:
+        return run["end_kept"] == "probe_model"
     metrics = root / "runs" / Cell(run["arm"], run["set"], run["size"], run["steps"], run["seed"]).name() / "metrics.json"
     choice = json.loads(metrics.read_text()).get("wise_ft") if metrics.is_file() else None
     return None if not choice or choice["alpha"] != 0 else choice["kept"] == "average"
 
 
 def gap_table(results: list[dict], root: Path) -> str:
-    """Per cell: the defaults' test MAE beside LP-FT from the head as fitted (the defaults before), the best of the
-    Trainer (either lr) and ridge, and the best arm of all; the difference counts as noise when within the larger
-    seed spread of the two.
-    "probe kept": in how many of the defaults' runs their end saved the probe's model."""
+    """Per cell: the defaults' test MAE beside the defaults whose end chose by RMSE (chosen_by_rmse: the defaults
+    before) and LP-FT from the head as fitted (the defaults before that), the best of the Trainer (either lr) and
+    ridge, and the best arm of all; the difference counts as noise when within the larger seed spread of the two.
+    "probe kept": in how many of the defaults' runs (and of chosen_by_rmse's) their end saved the probe's model."""
     peers = ("trainer_5e-5", "trainer_2e-5", "ridge")
-    out = ["| set | px | steps | defaults | probe kept | head as fitted (before) | best of Trainer/ridge | defaults − best | "
-           "seeds' spread | best arm |", "|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| set | px | steps | defaults | probe kept | chosen by RMSE (before) | probe kept | head as fitted (earlier) | "
+           "best of Trainer/ridge | defaults − best | seeds' spread | best arm |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, steps in blocks_of(results):
         for name in SETS:
             maes = {arm: [r["test_mae"] for r in results if r["arm"] == arm and r["set"] == name
@@ -642,12 +665,17 @@ def gap_table(results: list[dict], root: Path) -> str:
             best = min(means, key=means.get)
             spreads = [statistics.stdev(maes[a]) for a in ("defaults", peer) if len(maes[a]) > 1]
             spread = f"{max(spreads):.3f}" if spreads else "–"
-            kept = [kept_probe(r, root) for r in results if r["arm"] == "defaults" and r["set"] == name
-                    and in_block(r, size, steps)]
-            before = (f"{means['head_as_fitted']:.3f} ({len(maes['head_as_fitted'])})" if "head_as_fitted" in means
-                      else "–")
-            out.append(f"| {name} | {size} | {steps} | {means['defaults']:.3f} ({len(maes['defaults'])}) | "
-                       f"{sum(k is True for k in kept)} of {len(kept)} | {before} | {means[peer]:.3f} ({peer}, "
+            def probe_kept(arm: str) -> str:
+                kept = [kept_probe(r, root) for r in results if r["arm"] == arm and r["set"] == name
+                        and in_block(r, size, steps)]
+                return f"{sum(k is True for k in kept)} of {len(kept)}" if kept else "–"
+
+            def mean_of(arm: str) -> str:
+                return f"{means[arm]:.3f} ({len(maes[arm])})" if arm in means else "–"
+
+            out.append(f"| {name} | {size} | {steps} | {mean_of('defaults')} | {probe_kept('defaults')} | "
+                       f"{mean_of('chosen_by_rmse')} | {probe_kept('chosen_by_rmse')} | {mean_of('head_as_fitted')} | "
+                       f"{means[peer]:.3f} ({peer}, "
                        f"{len(maes[peer])}) | {means['defaults'] - means[peer]:+.3f} | {spread} | {best} "
                        f"({means[best]:.3f}) |")
     return "\n".join(out)
@@ -713,7 +741,8 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=REPO / "outputs" / "regression",
                         help="the base at the reference grid, the sets and every run's output folder")
     parser.add_argument("--sets", default=",".join(SETS))
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"of: {', '.join(ARMS)}")
+    runnable = [name for name, arm in ARMS.items() if arm.run is not recorded_only]
+    parser.add_argument("--arms", default=",".join(runnable), help=f"of: {', '.join(ARMS)}")
     parser.add_argument("--sizes", default="56")
     parser.add_argument("--steps", default="40,400")
     parser.add_argument("--seeds", default="0")

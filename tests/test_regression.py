@@ -278,16 +278,18 @@ def test_lp_ft_of_a_regression_saves_the_probes_model_only_where_it_scores_no_wo
             "training images") in said
     metrics = json.loads((out / "metrics.json").read_text())
     choice = metrics["wise_ft"]
-    assert choice["alpha"] == 0 and choice["chosen_by"].startswith("eval_rmse")
-    probe_rmse, tuned_rmse = choice["average"]["eval_rmse"], choice["fine_tuned"]["eval_rmse"]
+    assert choice["alpha"] == 0 and choice["chosen_by"].startswith("eval_mae")
+    # Both candidates' every rankable score is on record, so what RMSE would have kept can be read back.
+    assert {"eval_mae", "eval_rmse", "eval_r2", "eval_loss"} <= set(choice["average"]) & set(choice["fine_tuned"])
+    probe_mae, tuned_mae = choice["average"]["eval_mae"], choice["fine_tuned"]["eval_mae"]
     saved, probe_model = load_file(str(out / "model.safetensors")), load_file(str(probed / "model.safetensors"))
     same_as_probe = all(torch.equal(saved[name], probe_model[name]) for name in saved)
     # Float32 features both ways: LP-FT's probe is the linear_probe run's head, so its start is that very model.
-    if probe_rmse <= tuned_rmse:
-        assert choice["kept"] == "average" and same_as_probe and metrics["rmse"] == pytest.approx(probe_rmse)
+    if probe_mae <= tuned_mae:
+        assert choice["kept"] == "average" and same_as_probe and metrics["mae"] == pytest.approx(probe_mae)
         assert "saved: the probe's model, as fine-tuning scored no better" in said
     else:
-        assert choice["kept"] == "fine_tuned" and not same_as_probe and metrics["rmse"] == pytest.approx(tuned_rmse)
+        assert choice["kept"] == "fine_tuned" and not same_as_probe and metrics["mae"] == pytest.approx(tuned_mae)
         assert "saved: the fine-tuned weights, as the probe's model scored lower" in said
 
 @pytest.mark.slow
@@ -313,7 +315,7 @@ def test_lp_ft_of_a_regression_fine_tunes_from_the_probes_head_shrunk_while_the_
     assert train([*RECIPE, f"model.base={made['base']}", f"data.dataset={made['data']}", f"output_dir={kept}",
                   "train.method=lp_ft", "train.lr=1e-12", "train.lp_ft_head_scale=0.04"]) == 0
     choice = json.loads((kept / "metrics.json").read_text())["wise_ft"]
-    assert choice["kept"] == "average" and choice["average"]["eval_rmse"] < choice["fine_tuned"]["eval_rmse"]
+    assert choice["kept"] == "average" and choice["average"]["eval_mae"] < choice["fine_tuned"]["eval_mae"]
     saved = load_file(str(kept / "model.safetensors"))
     assert all(torch.equal(saved[name], probe_model[name]) for name in probe_model)
 
@@ -486,7 +488,7 @@ def test_keep_best_follows_a_regression_metric_and_refuses_accuracy(made, tmp_pa
                key=lambda entry: max(entry["eval_r2"], entry["ema_eval_r2"]))
     assert metrics["best_metric"] == "eval_r2" and metrics["best_step"] == best["step"]
     assert metrics["best_value"] == pytest.approx(max(best["eval_r2"], best["ema_eval_r2"]))
-    assert {"raw_rmse", "ema_rmse"} <= set(metrics)  # what the card compares the raw and EMA weights by
+    assert {"raw_mae", "ema_mae"} <= set(metrics)  # what the card compares the raw and EMA weights by
 
 
 def test_a_saved_dataset_with_a_column_of_numbers_is_read_as_targets(tmp_path):

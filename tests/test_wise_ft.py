@@ -176,3 +176,40 @@ def test_interpolate_moves_each_floating_weight_and_only_those_the_start_holds()
     assert torch.allclose(model[0].weight, start["0.weight"] + 0.25)  # the parameter itself moved, not a copy
     with pytest.raises(ValueError, match="the probe's model has weights the fine-tuned one lacks: extra"):
         wise_ft.interpolate(model, {**start, "extra": torch.zeros(1)}, 0.5)
+
+
+def _four_level_targets_and_two_models() -> tuple[torch.Tensor, torch.Tensor, nn.Linear, dict, dict]:
+    """ELPV-like targets (0, 1/3, 2/3, 1) and two linear models of them: one right on 80 % of the images and far off
+    on the rest (fine-tuned), one that hedges every answer halfway toward the middle (the probe's model)."""
+    true = torch.tensor([0.0, 1 / 3, 2 / 3, 1.0]).repeat(10).unsqueeze(1)
+    seen = true.clone()
+    seen[::5] += 0.9  # one image in five the fine-tuned model gets badly wrong
+    model = nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.5), model.bias.fill_(0.25)
+        hedging = wise_ft.snapshot(model)
+        model.weight.fill_(1.0), model.bias.fill_(0.0)
+    return seen, true, model, hedging, wise_ft.snapshot(model)
+
+
+@pytest.mark.parametrize("metric, keeps", [(Regression.selection_metric, "fine_tuned"), ("eval_rmse", "average")])
+def test_a_regressions_end_chooses_by_its_headline_mae_where_rmse_would_keep_a_hedging_model(metric, keeps):
+    from vit_finetune import selection
+    from vit_finetune.tasks.regression import summarise
+
+    seen, true, model, hedging, fine_tuned = _four_level_targets_and_two_models()
+
+    def measure():
+        with torch.no_grad():
+            return summarise(model(seen).numpy(), true.numpy(), ["defect"]), None
+
+    final = measure()
+    kept, report = selection.average_if_no_worse(model, hedging, 0.0, metric, final, measure)
+    # Hedging halves the worst errors (RMSE 0.27 against 0.40) but misses every image (MAE 0.22 against 0.18).
+    assert report["average"]["eval_mae"] > report["fine_tuned"]["eval_mae"]
+    assert report["average"]["eval_rmse"] < report["fine_tuned"]["eval_rmse"]
+    assert Regression.selection_metric == "eval_mae" and report["chosen_by"].startswith(metric)
+    assert report["kept"] == keeps and kept[0]["mae"] == report[keeps]["eval_mae"]
+    saved = wise_ft.snapshot(model)
+    assert all(torch.equal(saved[name], (fine_tuned if keeps == "fine_tuned" else hedging)[name]) for name in saved)
+    assert list(report["fine_tuned"])[0] == metric  # the chooser's score first, as the console says it
