@@ -37,7 +37,7 @@ class Regression(Task):
     keep_best_metrics = frozenset(REGRESSION_GOALS)
     ema_compared = "mae"
     metric_names = {"mae": "MAE", "rmse": "RMSE", "r2": "R²"}
-    curve = ("eval_rmse", "Eval RMSE", None)
+    curve = ("eval_mae", "Eval MAE", None)  # the headline, which also chooses the weights
     ranks = False
     label_encoding = "values"
     other_dataset_refusal = ("evaluate --dataset matches class labels by name; evaluate a regression model on its own "
