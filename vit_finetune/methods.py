@@ -99,6 +99,17 @@ def auto_method(training_images: int, classes: int, images_seen: int, pretrained
 # fine-tuning.
 REGRESSION_MEASURED_TRAINING_IMAGES = (640, 2000)
 REGRESSION_MEASURED_IMAGES_SEEN = (640, 6400)
+REGRESSION_MEASURED_TEXT = (f"{REGRESSION_MEASURED_TRAINING_IMAGES[0]:,}-{REGRESSION_MEASURED_TRAINING_IMAGES[1]:,} "
+                            f"training images and {REGRESSION_MEASURED_IMAGES_SEEN[0]:,}-"
+                            f"{REGRESSION_MEASURED_IMAGES_SEEN[1]:,} seen")
+
+
+def regression_study_measured(training_images: int, images_seen: int) -> bool:
+    """Whether a regression run of this size is inside what the regression study measured (both ends included): the
+    range every regression rule of `auto` keeps to."""
+    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
+    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
+    return low <= training_images <= high and shortest <= images_seen <= longest
 
 
 def auto_method_for_regression(training_images: int, classes: int, images_seen: int, pretrained: bool,
@@ -110,12 +121,9 @@ def auto_method_for_regression(training_images: int, classes: int, images_seen: 
     if unusable:
         return "finetune", unusable
     epochs = images_seen / max(1, training_images)
-    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
-    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
     size = f"{training_images:,.0f} training images, {images_seen:,} seen ({epochs:,.1f} epochs)"
-    if not (low <= training_images <= high and shortest <= images_seen <= longest):
-        return "finetune", (f"{size}: the regression study measured {low:,}-{high:,} training images and "
-                            f"{shortest:,}-{longest:,} seen, not here, so fine-tuning")
+    if not regression_study_measured(training_images, images_seen):
+        return "finetune", f"{size}: the regression study measured {REGRESSION_MEASURED_TEXT}, not here, so fine-tuning"
     kept = (", the probe's model kept where it scores no worse on the eval split" if averages else "")
     return "lp_ft", (f"{size}: the probe's ridge head, then fine-tuning{kept}, was within noise of the best arm on "
                      "every set of the regression study")
@@ -149,12 +157,9 @@ def auto_lp_ft_head_scale(method: str, method_rule: str, lora: bool, training_im
     scale = LP_FT_HEAD_SCALE[method_rule]
     if scale == 1:
         return 1.0, "the shrunk head was measured for regressions, not classifiers, so the probe's head as fitted"
-    low, high = REGRESSION_MEASURED_TRAINING_IMAGES
-    shortest, longest = REGRESSION_MEASURED_IMAGES_SEEN
-    if not (low <= training_images <= high and shortest <= images_seen <= longest):
+    if not regression_study_measured(training_images, images_seen):
         return 1.0, (f"{training_images:,} training images, {images_seen:,} seen: the shrunk head was measured on "
-                     f"{low:,}-{high:,} training images and {shortest:,}-{longest:,} seen, not here, so the probe's "
-                     "head as fitted")
+                     f"{REGRESSION_MEASURED_TEXT}, not here, so the probe's head as fitted")
     return scale, (f"the probe's head times {scale:g}: its predictions start nearer the mean, so the backbone does "
                    "more of the fitting; in the regression study it gained on every rotation and digit-sum cell and "
                    "tied on the ELPV sets (docs/regression.md)")
