@@ -70,8 +70,10 @@ def peer_model(base: Path, labels: list[str]):
 
 
 def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batch_size: int, learning_rate: float,
-               seed: int, output_dir: Path, eval_every_epoch: bool = False) -> float:
-    """The example's run on `dataset`; returns the final eval accuracy."""
+               seed: int, output_dir: Path, eval_every_epoch: bool = False,
+               score_splits: tuple[str, ...] | None = None) -> float | dict[str, float]:
+    """The example's run on `dataset`; returns the final eval accuracy, or with `score_splits` the accuracy on each
+    of those splits of `dataset` (the example's evaluation transform on each)."""
     import datasets
     from transformers import AutoImageProcessor, Trainer, TrainingArguments
 
@@ -106,7 +108,14 @@ def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batc
                       data_collator=example_collate_fn, compute_metrics=accuracy)
     trainer.train()
     trainer.save_model()
-    return trainer.evaluate()["eval_accuracy"]
+    if score_splits is None:
+        return trainer.evaluate()["eval_accuracy"]
+    scores = {}
+    for name in score_splits:
+        part = splits[name]
+        part.set_transform(eval_batch)
+        scores[name] = trainer.evaluate(eval_dataset=part)["eval_accuracy"]
+    return scores
 
 
 def main() -> None:

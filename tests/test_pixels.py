@@ -10,12 +10,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from runs import train
@@ -70,7 +72,7 @@ def modes_run(base, tmp_path_factory) -> dict:
     out = root / "out"
     assert train([f"model.base={base}", f"data.dataset={root / 'images'}", f"model.image_size={SIZE}",
                   "train.batch_size=4", "train.max_steps=1", "model.head_init=random", "data.num_workers=0",
-                  f"output_dir={out}"]) == 0
+                  "data.alpha_background=null", f"output_dir={out}"]) == 0  # alpha dropped, as pipeline() drops it
     return {"out": out, "images": root / "images", "names": sorted(files)}
 
 
@@ -78,7 +80,7 @@ def our_eval_pixels_and_logits(out: Path, images: Path) -> dict[str, tuple[torch
     """file name (class/name) -> (pixels, logits) through the evaluation path of a run, on the saved model."""
     from transformers import AutoImageProcessor, ViTForImageClassification
 
-    settings = DataSettings(dataset=str(images))
+    settings = DataSettings(dataset=str(images), alpha_background=None)
     splits = data.load_splits(settings, seed=0)
     processor = AutoImageProcessor.from_pretrained(out)
     eval_set = data.eval_dataset(splits, settings, processor, SIZE)
@@ -237,7 +239,7 @@ def icons(tmp_path_factory) -> Path:
 
 def test_drawings_in_the_alpha_channel_are_refused_as_flat_with_the_fix_named(base, icons, tmp_path, capsys):
     args = [f"model.base={base}", f"data.dataset={icons}", f"model.image_size={SIZE}", "train.batch_size=4",
-            "train.max_steps=2", "data.num_workers=0", "pictures=false"]
+            "train.max_steps=2", "data.num_workers=0", "pictures=false", "data.alpha_background=null"]
     assert train([*args, f"output_dir={tmp_path / 'refused'}"]) == 1
     error = capsys.readouterr().err
     assert "16 of the 16 training images checked decode to one flat colour" in error, error[-2000:]
@@ -249,7 +251,8 @@ def test_drawings_in_the_alpha_channel_are_refused_as_flat_with_the_fix_named(ba
 
 
 @pytest.mark.slow
-def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the_page(base, icons, tmp_path, capsys):
+def test_alpha_background_chosen_by_auto_is_honoured_by_training_predict_explain_export_and_the_page(
+        base, icons, tmp_path, capsys):
     from transformers import pipeline
 
     from vit_finetune.app import classifier
@@ -258,16 +261,22 @@ def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the
 
     out = tmp_path / "out"
     assert train([f"model.base={base}", f"data.dataset={icons}", f"model.image_size={SIZE}", "train.batch_size=4",
-                  "train.max_steps=2", "data.num_workers=0", "pictures=false", "data.alpha_background=white",
+                  "train.max_steps=2", "data.num_workers=0", "pictures=false", "data.alpha_background=auto",
                   f"output_dir={out}"]) == 0
-    assert "flat colour" not in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["alpha_background"] == "white"
-    assert "`data.alpha_background: white`" in (out / "README.md").read_text()
+    printed = capsys.readouterr().out
+    assert "flat colour" not in printed
+    line = next(line for line in printed.splitlines() if line.startswith("data.alpha_background=auto"))
+    assert "16 keep their drawing in the alpha channel" in line and "cross-validated loss" in line, line
+    colour = json.loads((out / "config.json").read_text())["alpha_background"]
+    assert colour is not None and yaml.safe_load((out / "recipe.yaml").read_text())["data"]["alpha_background"] == colour
+    card = (out / "README.md").read_text()
+    assert f"`data.alpha_background: {colour}`" in card
+    # What the card tells a pipeline() user to do, run as written: its answers must be predict's.
+    snippet = re.search(r"`(Image\.alpha_composite\(.*?\)\.convert\(\"RGB\"\))`", card).group(1)
     files = sorted((icons / "validation").rglob("*.png"))
-    on_white = [Image.alpha_composite(Image.new("RGBA", (SIZE, SIZE), "white"), Image.open(f)).convert("RGB")
-                for f in files]
+    prepared = [eval(snippet, {"Image": Image, "image": Image.open(f)}) for f in files]
     classify = pipeline("image-classification", model=str(out))
-    expected = [{g["label"]: g["score"] for g in classify(image, top_k=2)} for image in on_white]
+    expected = [{g["label"]: g["score"] for g in classify(image, top_k=2)} for image in prepared]
     flat = [{g["label"]: g["score"] for g in classify(str(f), top_k=2)} for f in files]  # alpha dropped: all black
     assert all(scores == pytest.approx(flat[0]) for scores in flat) and expected != flat
     assert main(["predict", str(out), *map(str, files), "--output", str(tmp_path / "p.jsonl")]) == 0
@@ -287,7 +296,7 @@ def test_alpha_background_is_honoured_by_training_predict_explain_export_and_the
 
     processor = AutoImageProcessor.from_pretrained(out)
     parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))
-    assert torch.equal(parity.pixels, processor(images=on_white[:1], return_tensors="pt")["pixel_values"])
+    assert torch.equal(parity.pixels, processor(images=prepared[:1], return_tensors="pt")["pixel_values"])
 
 
 # ---------------------------------------------------------------- blank images the task expects

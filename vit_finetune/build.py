@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from accelerate import Accelerator
 
-from . import compiling, data, distill, methods, plan, probe, progress, tasks, wise_ft
+from . import compiling, data, distill, methods, plan, probe, probe_checks, progress, tasks, wise_ft
 from .data import augment, streaming
 from .errors import RunError
 from .lora import apply_lora
@@ -47,6 +47,10 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     tables: dict = {}
     model = build_model(recipe.model, splits.labels,
                         on_resample=lambda before, after: tables.update(before=before, after=after))
+    checks = probe_checks.FeatureChecks(model, splits, recipe.data, processor, accelerator, task, recipe.train.seed,
+                                        recipe.train.batch_size, recipe.model.image_size)
+    recipe, checked = plan.plan_from_features(recipe, checks, accelerator.is_main_process)
+    data_facts.update(checked)
     task.configure(model.config)  # pipeline(), predict and evaluate read the task back from the config
     if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back
         setattr(model.config, data.ALPHA_BACKGROUND_KEY, recipe.data.alpha_background)

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import compiling, data, evaluation, methods, optim, precision, progress, sharding, wise_ft
+from . import compiling, data, evaluation, methods, optim, precision, probe_checks, progress, sharding, wise_ft
 from .errors import RunError
 from .recipe import Recipe, probe_unused_settings, step_only_settings, weight_selection_settings, without_pixel_draws
 from .tasks import Task
@@ -208,3 +208,76 @@ def needs_optimiser_steps(recipe: Recipe) -> str | None:
 def weight_selection(recipe: Recipe) -> str | None:
     """The setting that chooses the saved weights among the evaluations during training, if any."""
     return next(iter(weight_selection_settings(recipe)), None)
+
+
+# ---------------------------------------------------------------- what the base's features decide
+
+# The keys whose `auto` the base's features of the training images decide (probe_checks.py), resolved once the model
+# is built, in this order: the mirror test reads the images laid on the background chosen first.
+
+
+def _alpha_background(recipe: Recipe, checks: probe_checks.FeatureChecks) -> tuple[str | None, str]:
+    if recipe.data.streaming:
+        return None, "a stream is not read ahead of training, so alpha is dropped as pipeline() does"
+    found = probe_checks.transparency(checks)
+    if not found.matters:
+        return None, (f"{found.transparent} of the {found.checked} training images checked have transparent pixels "
+                      f"over {probe_checks.TRANSPARENT_PIXELS:.0%} of their area, and none keeps its drawing in the "
+                      "alpha channel, so alpha is dropped as pipeline() does")
+    held = (f"{found.transparent} of the {found.checked} training images checked have transparent pixels over "
+            f"{probe_checks.TRANSPARENT_PIXELS:.0%} of their area ({found.drawn_in_alpha} keep their drawing in the "
+            "alpha channel)")
+    if not recipe.model.pretrained:
+        return "white", f"{held}; with random weights no probe can compare colours, so white, as image processors do"
+    test = probe_checks.background_test(checks, found)
+    return test.chosen, f"{held}; {test.describe()}, so {test.chosen}"
+
+
+def _horizontal_flip(recipe: Recipe, checks: probe_checks.FeatureChecks) -> tuple[bool, str]:
+    if recipe.train.distill is not None and recipe.train.distill.cache_logits:
+        return False, "train.distill.cache_logits=true labels each training image once, so its pixels stay fixed"
+    if recipe.data.streaming:
+        return False, ("a stream is not read ahead of training, so no mirror test: no flip, the safe side for digits "
+                       "and text")
+    if not recipe.model.pretrained:
+        return False, ("model.pretrained=false: random features cannot tell whether a mirror image is the same "
+                       "thing, so no flip, the safe side for digits and text")
+    test = probe_checks.mirror_test(checks, recipe.data.alpha_background)
+    if test is None:
+        return False, (f"{checks.task.name.replace('_', '-')} targets or too few training images per class to test "
+                       "whether a mirror image is the same thing, so no flip, the safe side for digits and text")
+    if test.flip_keeps_labels:
+        return True, f"{test.describe()}: to the base a mirror image is the same thing"
+    return False, f"{test.describe()}: to the base a mirror image is another thing, as a mirrored digit is"
+
+
+FROM_FEATURES: dict[str, Callable[[Recipe, probe_checks.FeatureChecks], tuple[Any, str]]] = {
+    "data.alpha_background": _alpha_background,
+    "data.horizontal_flip": _horizontal_flip,
+}
+
+
+def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_process: bool) -> tuple[Recipe, dict]:
+    """The recipe with FROM_FEATURES' keys resolved where they are `auto`, each said on the main process, and what
+    metrics.json records of the checks: a line too where the eval images look unlike the training images."""
+    said, facts = [], {}
+    for key, resolve in FROM_FEATURES.items():
+        if setting(recipe, key) == "auto":
+            value, why = resolve(recipe, checks)
+            said.append(f"{key}=auto -> {shown(value)}: {why}; set {key} to choose")
+            recipe = with_setting(recipe, key, value)
+    # An eval part held out from the training split comes from its source by construction: nothing to test.
+    if not recipe.data.streaming and checks.splits.eval_split is not None:
+        shift = probe_checks.shift_test(checks, recipe.data.alpha_background)
+        if shift is not None:
+            facts["eval_unlike_train"] = {"accuracy": round(shift.accuracy, 4), "images": shift.images,
+                                          "likely": shift.likely}
+            if shift.likely:
+                said.append(f"data: the eval images look unlike the training images: a linear probe of the base's "
+                            f"features tells them apart {shift.accuracy:.0%} of the time (chance 50%), so they likely "
+                            "come from another source; accuracy on them measures how the model carries over to it "
+                            "(docs/studies/shift.md)")
+    if main_process:
+        for line in said:
+            progress.say(line)
+    return recipe, facts

@@ -29,9 +29,10 @@ ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, never s
 
 
 def decode_image(encoded: dict, index: int, settings: DataSettings,
-                 folders: tuple[Path, ...] | None = None) -> Image.Image:
+                 folders: tuple[Path, ...] | None = None, keep_alpha: bool = False) -> Image.Image:
     """An RGB PIL image from a datasets Image(decode=False) cell, or BadImageError naming the sample. A cell
-    holding only a path is read only from `folders` (None: anywhere; see image_folders)."""
+    holding only a path is read only from `folders` (None: anywhere; see image_folders). `keep_alpha`: RGBA instead,
+    its EXIF orientation applied and its transparency kept (what data.alpha_background=auto measures)."""
     where = sample_name(encoded, index)
     raw, path = encoded.get("bytes"), encoded.get("path")
     if raw is None and not path_allowed(path, folders):
@@ -49,6 +50,8 @@ def decode_image(encoded: dict, index: int, settings: DataSettings,
             if min(width, height) < settings.min_image_side:
                 raise BadImageError(f"{width}x{height} px is under data.min_image_side={settings.min_image_side}")
             image.load()  # decode now, so a truncated file fails here and not inside a transform
+        if keep_alpha:
+            return rgba(image)
         return to_rgb(image, settings.alpha_background)
     except BadImageError as error:
         raise BadImageError(f"bad image {where}: {error}. Fix the file, or set data.skip_bad_images=true") from None
@@ -99,11 +102,23 @@ def to_rgb(image: Image.Image, alpha_background: str | None = None) -> Image.Ima
             values = values.astype(np.int32).view(np.uint32)
         scaled = np.clip(values.astype(np.float64) / white, 0.0, 1.0) * 255.0
         image = Image.fromarray(np.round(np.nan_to_num(scaled)).astype(np.uint8))  # mode L; NaN as black
-    elif alpha_background is not None and has_alpha(image):
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background_rgb(alpha_background), 255)),
-                                     rgba).convert("RGB")
+    elif alpha_background not in (None, "auto") and has_alpha(image):  # auto: a run resolves it before decoding
+        return laid_on(image, alpha_background)
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def laid_on(image: Image.Image, colour: str) -> Image.Image:
+    """An image with transparency laid on `colour` (data.alpha_background's spelling), as RGB."""
+    layer = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", layer.size, (*background_rgb(colour), 255)), layer).convert("RGB")
+
+
+def rgba(image: Image.Image) -> Image.Image:
+    """An image as RGBA, its EXIF orientation applied: opaque where it has no transparency."""
+    ImageOps.exif_transpose(image, in_place=True)
+    if image.mode in WHITE_LEVELS:  # deeper than 8 bits: scaled as to_rgb does, then opaque
+        return to_rgb(image).convert("RGBA")
+    return image.convert("RGBA")
 
 
 # ---------------------------------------------------------------- transparency and flat images
@@ -195,6 +210,11 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
     table, count = splits.train, len(splits.train)
     chosen = range(count) if count <= FLAT_CHECKED else sorted(random.Random(seed).sample(range(count), FLAT_CHECKED))
     checked, flat, drawn = 0, [], []
+    # data.alpha_background=auto lays an image that keeps its drawing in the alpha channel on a colour (probe_checks):
+    # such an image is decoded with alpha dropped here, and is no fault.
+    auto = settings.alpha_background == "auto"
+    if auto:
+        settings = settings.model_copy(update={"alpha_background": None})
     on = {name: settings.model_copy(update={"alpha_background": name}) for name in ALPHA_BACKGROUNDS}
     for index in chosen:
         row = table[index]
@@ -208,7 +228,7 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
             continue
         in_alpha = settings.alpha_background is None and any(
             not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values())
-        if not (in_alpha or suspect(row[splits.label_column])):
+        if (in_alpha and auto) or not (in_alpha or suspect(row[splits.label_column])):
             continue
         flat.append(sample_name(cell, index))
         if in_alpha:

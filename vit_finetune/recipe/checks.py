@@ -261,11 +261,12 @@ def _lp_ft_head_scale_problems(recipe: Recipe) -> list[str]:
 
 
 # What makes a training image's pixels differ from epoch to epoch (a random draw per image or per batch): each key,
-# and whether its value draws. data.crop_scale=auto counts as fixed: data.auto_crop_scale never crops (a test holds it
-# to that). train.distill.cache_logits needs every one of them off.
+# and whether its value draws. `auto` counts as fixed: where the pixels must stay fixed (train.distill.cache_logits,
+# a linear probe alone) auto draws nothing (tests hold data.auto_crop_scale and the flip's rule to that).
+# train.distill.cache_logits needs every one of them off.
 PIXEL_DRAWS: dict[str, Callable[[Any], bool]] = {
     "data.crop_scale": lambda value: value != "auto" and tuple(value) != (1.0, 1.0),
-    "data.horizontal_flip": bool,
+    "data.horizontal_flip": lambda value: value is True,
     "augment.policy": lambda value: value != "none",
     "augment.erasing_prob": lambda value: value > 0,
     "augment.mixup": bool,

@@ -119,6 +119,14 @@ class Task:
         """What a least-squares head learns for each image, as a float (images, outputs) table (probe_fit "ridge")."""
         raise NotImplementedError
 
+    # whether data.horizontal_flip=auto asks the mirror test (probe_checks.mirror_test): the task answers with classes,
+    # so an answer either changes or does not when the image is mirrored
+    mirror_tested: ClassVar[bool] = False
+
+    def probe_decisions(self, logits: torch.Tensor) -> torch.Tensor:
+        """A logistic probe's answer for each image, comparable with its labels: a class id, or a 0/1 row of labels."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------ evaluation
 
     def batch_outputs(self, logits: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

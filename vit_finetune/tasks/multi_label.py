@@ -69,6 +69,12 @@ class MultiLabel(Task):
         """One group: a label set has no one class to stratify by, so the images are dealt round-robin."""
         return torch.zeros(len(labels), dtype=torch.long)
 
+    mirror_tested = True
+
+    def probe_decisions(self, logits):
+        """The labels whose sigmoid passes 0.5: the probe's head has no threshold of its own yet."""
+        return logits > 0
+
     def batch_outputs(self, logits, labels, k):
         return logits.sigmoid(), labels, self.per_image_loss(logits, labels)
 

@@ -1,0 +1,200 @@
+"""Shift study on a real pretrained ViT: which defaults hold when the evaluation images come from another source.
+
+    python scripts/make_real_base.py       # once: the DINOv2-S/14 backbone (outputs/real_base/...)
+    python scripts/shift_study.py --sets mnist_to_digits --arms defaults,peer --steps 60,600 --seeds 0,1,2
+    python scripts/shift_study.py --table  # the tables and the picture from every result recorded so far
+
+Each set (scripts/shift_sources.py) trains on one source and is scored on two test splits: `test`, more images of
+the training source, and `shifted`, images of the same classes from another source (another scanner, another icon
+artist drawing other items, another solar-panel type). The run's own eval split (`validation`, from the training
+source) is what every choice of the run sees, as a user's held-out images would be: nothing about the shifted
+source reaches training.
+
+Cells are (arm, set, image size, optimiser steps, seed), batch 16, one torch thread, no loader workers, evaluated
+once at the end; the same reference base as the transfer study (scripts/transfer_study.py: the real backbone's grid
+moved once to 6x6, 84 px, every cell fine-tuned below it at 56 px or above it at 112 px).
+Arms: the toolkit's defaults (whatever the schema says when the cell runs, recorded with what auto chose), each
+augmentation lever alone on top of them, the methods forced, WiSE-FT's alpha, and the transformers example recipe on
+the Trainer (`peer`: crops of 8-100 % of the area and a flip, lr 2e-5, linear schedule; scripts/peer_example.py).
+Results are appended to outputs/shift/results.jsonl (a cell recorded is not redone unless --rerun); the cells
+measured so far are kept in scripts/shift_study_results.jsonl: copy it there to extend it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import shift_sources  # noqa: E402
+from transfer_study import BATCH, PEER_LR, cpu_time, reference_base  # noqa: E402
+
+ROOT = REPO / "outputs" / "shift"
+RECORDED = REPO / "scripts" / "shift_study_results.jsonl"
+
+# Arm -> overrides on top of the schema's defaults; "peer" is the Trainer, not an option set.
+ARMS = {
+    "defaults": [],
+    "linear_probe": ["train.method=linear_probe"],
+    "lp_ft": ["train.method=lp_ft"],
+    "finetune": ["train.method=finetune"],
+    "lp_ft_wise1": ["train.method=lp_ft", "train.wise_ft_alpha=1"],
+    "lp_ft_wise0.5": ["train.method=lp_ft", "train.wise_ft_alpha=0.5"],
+    # each augmentation lever alone, the rest of the defaults kept (auto's method included)
+    "flip": ["data.horizontal_flip=true"],
+    "crop08": ["data.crop_scale=[0.08,1.0]"],
+    "crop35": ["data.crop_scale=[0.35,1.0]"],
+    "crop08_flip": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=true"],  # the peer's augmentation
+    "randaugment": ["augment.policy=randaugment"],
+    "mixup_cutmix": ["augment.mixup=true", "augment.cutmix=true"],
+}
+PEER = "peer"
+
+
+@dataclass(frozen=True)
+class Cell:
+    arm: str
+    set: str
+    size: int
+    steps: int  # 0 for linear_probe, which takes no optimiser step: one cell serves every schedule
+    seed: int  # the probe draws nothing at random: seed 0 serves every seed
+
+    def name(self) -> str:
+        return f"{self.set}-{self.arm}-{self.size}px-{self.steps}st-s{self.seed}"
+
+    def key(self) -> tuple:
+        return (self.arm, self.set, self.size, self.steps, self.seed)
+
+
+def cells(arms: list[str], sets: list[str], sizes: list[int], steps: list[int], seeds: list[int]) -> list[Cell]:
+    out = []
+    for arm in arms:
+        for name in sets:
+            for size in sizes:
+                if arm == "linear_probe":
+                    out.append(Cell(arm, name, size, 0, 0))
+                    continue
+                out += [Cell(arm, name, size, n, seed) for n in steps for seed in seeds]
+    return list(dict.fromkeys(out))
+
+
+def toolkit_argv(cell: Cell, base: Path, data: Path, out: Path) -> list[str]:
+    schedule = ([f"train.max_steps={cell.steps}", "train.epochs=1000", f"train.eval_every_steps={cell.steps}",
+                 f"train.log_every_steps={cell.steps}"] if cell.steps else [])
+    return ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
+            "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
+            f"train.seed={cell.seed}", f"output_dir={out}", "overwrite=true", *ARMS[cell.arm]]
+
+
+def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
+    import yaml
+
+    from vit_finetune.cli import main
+
+    argv = toolkit_argv(cell, base, data, out)
+    print("$ python -m vit_finetune " + " ".join(argv), flush=True)
+    if main(argv) != 0:
+        raise SystemExit(f"cell {cell.name()} failed")
+    metrics = json.loads((out / "metrics.json").read_text())
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
+    recorded = {"validation_accuracy": metrics["accuracy"], "method_used": resolved["train"]["method"],
+                "crop_scale_used": resolved["data"]["crop_scale"],
+                "horizontal_flip_used": resolved["data"]["horizontal_flip"],
+                "alpha_background_used": resolved["data"].get("alpha_background"),
+                "wise_ft_alpha_used": resolved["train"]["wise_ft_alpha"], "lr_used": resolved["train"]["lr"]}
+    if "wise_ft" in metrics:
+        recorded["wise_ft_kept"] = metrics["wise_ft"]["kept"]
+    return recorded
+
+
+def score_toolkit(out: Path, data: Path) -> dict:
+    from vit_finetune.evaluate_saved import evaluate_saved
+
+    return {f"{split}_accuracy": evaluate_saved(str(out), str(data), split)["accuracy"] for split in ("test", "shifted")}
+
+
+def run_peer(cell: Cell, base: Path, data: Path, out: Path) -> dict:
+    from peer_example import train_peer
+
+    scores = train_peer(data, base, cell.size, cell.steps, BATCH, PEER_LR, cell.seed, out,
+                        score_splits=("validation", "test", "shifted"))
+    return {"validation_accuracy": scores["validation"], "test_accuracy": scores["test"],
+            "shifted_accuracy": scores["shifted"], "method_used": "finetune", "crop_scale_used": [0.08, 1.0],
+            "horizontal_flip_used": True, "alpha_background_used": None, "lr_used": PEER_LR}
+
+
+def run_cell(cell: Cell, base: Path) -> dict:
+    data = shift_sources.write(shift_sources.SETS[cell.set], ROOT / "data" / cell.set)
+    out = ROOT / "runs" / cell.name()
+    start, cpu_start = time.perf_counter(), cpu_time()
+    outcome = run_peer(cell, base, data, out) if cell.arm == PEER else run_toolkit(cell, base, data, out)
+    seconds, cpu_seconds = round(time.perf_counter() - start, 1), round(cpu_time() - cpu_start, 1)
+    if cell.arm != PEER:  # after the timing: the cell's seconds stay its training's
+        outcome.update(score_toolkit(out, data))
+    result = {"arm": cell.arm, "set": cell.set, "size": cell.size, "steps": cell.steps, "seed": cell.seed,
+              "batch": BATCH, "images_seen": cell.steps * BATCH, "seconds": seconds, "cpu_seconds": cpu_seconds,
+              **outcome}
+    with open(ROOT / "results.jsonl", "a") as handle:
+        handle.write(json.dumps(result) + "\n")
+    return result
+
+
+def read_results() -> list[dict]:
+    """Every cell's latest result (a cell measured again replaces the earlier figure)."""
+    path = ROOT / "results.jsonl"
+    latest = {}
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        run = json.loads(line)
+        latest[(run["arm"], run["set"], run["size"], run["steps"], run["seed"])] = run
+    return list(latest.values())
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sets", default=",".join(shift_sources.SETS))
+    parser.add_argument("--arms", default="defaults,peer")
+    parser.add_argument("--sizes", default="56")
+    parser.add_argument("--steps", default="60,200,600")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rerun", action="store_true", help="measure cells already recorded again")
+    parser.add_argument("--table", action="store_true")
+    args = parser.parse_args()
+    if args.table:
+        from shift_table import print_tables
+
+        print_tables(read_results())
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    base = reference_base(REPO / "outputs" / "transfer")
+    done = {(r["arm"], r["set"], r["size"], r["steps"], r["seed"]) for r in read_results()}
+    todo = [c for c in cells(args.arms.split(","), args.sets.split(","), [int(s) for s in args.sizes.split(",")],
+                             [int(s) for s in args.steps.split(",")], [int(s) for s in args.seeds.split(",")])
+            if args.rerun or c.key() not in done]
+    for arm in {c.arm for c in todo} - set(ARMS) - {PEER}:
+        raise SystemExit(f"unknown arm {arm!r}: one of {', '.join([*ARMS, PEER])}")
+    print(f"{len(todo)} cells to run", flush=True)
+    for number, cell in enumerate(todo, 1):
+        result = run_cell(cell, base)
+        print(f"[{number}/{len(todo)}] {cell.name()}: test {result['test_accuracy']:.3f}, shifted "
+              f"{result['shifted_accuracy']:.3f} ({result['cpu_seconds']:.0f} s CPU)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

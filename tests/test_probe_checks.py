@@ -1,0 +1,96 @@
+"""What the base's features decide before training (vit_finetune.probe_checks): the flip from the mirror test, the
+colour transparent pixels are laid on, and the line that says the eval images look unlike the training images. Every
+run is the real CLI on the tiny ViT; the decisions are read back from the recipe as run and metrics.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from runs import RECIPE, assert_bit_identical, train
+from tiny import write_colour_folder
+
+# Every run here needs its flip and background resolved by auto, and nothing else from auto that takes time.
+AUTO = ["data.horizontal_flip=auto", "data.alpha_background=auto"]
+
+
+def resolved(out: Path) -> dict:
+    return yaml.safe_load((out / "recipe.yaml").read_text())["data"]
+
+
+def write_halves(root: Path, train_count: int = 16, validation: int = 6, seed: int = 0) -> Path:
+    """Two classes a mirror swaps: bright on the left half, bright on the right half."""
+    rng = np.random.default_rng(seed)
+    for split, count in (("train", train_count), ("validation", validation)):
+        for name, side in (("left", 0), ("right", 1)):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                pixels = rng.normal(60, 20, (32, 32, 3))
+                pixels[:, side * 16:(side + 1) * 16] += 140
+                Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def test_the_mirror_test_turns_the_flip_off_where_a_mirror_swaps_the_classes(base, tmp_path, capsys):
+    data = write_halves(tmp_path / "halves")
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, f"output_dir={out}"]) == 0
+    assert resolved(out)["horizontal_flip"] is False
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data.horizontal_flip=auto"))
+    assert "a mirror image is another thing" in line, line
+
+
+def test_the_mirror_test_turns_the_flip_on_where_a_mirror_keeps_the_classes(base, images, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={images}", *RECIPE, *AUTO, f"output_dir={out}"]) == 0
+    assert resolved(out)["horizontal_flip"] is True
+    assert "to the base a mirror image is the same thing" in capsys.readouterr().out
+
+
+def test_with_random_weights_or_a_regression_the_flip_stays_off_and_says_why(base, images, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={images}", *RECIPE, *AUTO, "model.pretrained=false",
+                  f"output_dir={out}"]) == 0
+    assert resolved(out)["horizontal_flip"] is False
+    assert "random features cannot tell whether a mirror image is the same thing" in capsys.readouterr().out
+
+
+def test_images_without_transparency_keep_alpha_dropped_and_train_bit_identically(base, images, tmp_path, capsys):
+    auto, dropped = tmp_path / "auto", tmp_path / "dropped"
+    common = [f"model.base={base}", f"data.dataset={images}", *RECIPE, "data.horizontal_flip=false"]
+    assert train([*common, "data.alpha_background=auto", f"output_dir={auto}"]) == 0
+    assert "data.alpha_background=auto -> null: 0 of the" in capsys.readouterr().out
+    assert train([*common, "data.alpha_background=null", f"output_dir={dropped}"]) == 0
+    assert resolved(auto)["alpha_background"] is None
+    assert "alpha_background" not in json.loads((auto / "config.json").read_text())
+    assert_bit_identical(auto / "model.safetensors", dropped / "model.safetensors")
+
+
+def write_two_sources(root: Path, seed: int = 0) -> Path:
+    """The same three colours, trained from smooth images and evaluated on striped ones: another source."""
+    rng = np.random.default_rng(seed)
+    write_colour_folder(root, classes=3, train=16, validation=0, seed=seed)
+    for name, rgb in (("red", (210, 40, 40)), ("green", (40, 190, 60)), ("blue", (40, 60, 210))):
+        folder = root / "validation" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for i in range(16):
+            pixels = np.clip(np.array(rgb) + rng.normal(0, 35, (48, 40, 3)), 0, 255)
+            pixels[::4] = 255 - pixels[::4]
+            Image.fromarray(pixels.astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("shifted", [True, False])
+def test_eval_images_from_another_source_are_named_and_recorded(base, tmp_path, capsys, shifted):
+    data = write_two_sources(tmp_path / "two") if shifted else write_colour_folder(tmp_path / "one", 3, 16, 16)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, f"output_dir={out}"]) == 0
+    recorded = json.loads((out / "metrics.json").read_text())["eval_unlike_train"]
+    assert recorded["likely"] is shifted, recorded
+    assert ("the eval images look unlike the training images" in capsys.readouterr().out) is shifted
