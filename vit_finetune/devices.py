@@ -77,9 +77,9 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
     # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
     # sharded model itself, after sharding, when its config file has a dynamo_config.
     if recipe.model.compile and not sharding.is_sharded(accelerator):
-        model, where_attention_runs = compiling.compile_for_training(model)
+        model, compiled = compiling.compile_for_training(model, compiling.MODES[recipe.model.compile])
         if accelerator.is_main_process:
-            progress.say(f"model.compile: {where_attention_runs}")
+            progress.say(f"model.compile: {compiled}")
     # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
     # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
     if recipe.data.streaming:  # each process already reads only its share: Accelerate must not deal it out again
