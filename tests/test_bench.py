@@ -134,17 +134,115 @@ def test_each_lever_changes_one_setting_of_the_defaults_step(tmp_path, monkeypat
                  "--batch-size", "4", "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     levers = report["levers"]
-    assert list(levers) == ["defaults", "compile", "fused_adamw", "host_sync", "batch"]
+    assert list(levers) == ["defaults", "compile", "regional_compile", "fused_qkv", "layernorm_cast",
+                            "flash_attention", "fused_adamw", "host_sync", "batch"]
     assert levers["defaults"] == report["configs"]["model_step"]  # the same measurement, not a second one
+    assert levers["flash_attention"] == {"change": levers["flash_attention"]["change"],
+                                         "skipped": "flash_attention runs on cuda only"}  # CUDA only: not measured
     defaults = levers["defaults"]["settings"]
     changed = {name: {key for key, value in figures["settings"].items() if defaults[key] != value}
-               for name, figures in levers.items() if name != "defaults"}
-    assert changed == {"compile": {"torch_compile", "attention"}, "fused_adamw": {"optimizer"},
-                       "host_sync": {"finite_check"}, "batch": {"batch_size"}}
+               for name, figures in levers.items() if name != "defaults" and "settings" in figures}
+    compiled = {"torch_compile", "compile_mode", "attention"}
+    assert changed == {"compile": compiled, "regional_compile": compiled, "fused_qkv": {"speedups"},
+                       "layernorm_cast": {"speedups"}, "fused_adamw": {"optimizer"}, "host_sync": {"finite_check"},
+                       "batch": {"batch_size"}}
     assert (defaults["torch_compile"], levers["compile"]["settings"]["attention"]) == (False, compiling.EAGER_SDPA)
+    assert (levers["compile"]["settings"]["compile_mode"], levers["regional_compile"]["settings"]["compile_mode"]) == (
+        "whole", "regional")
+    tiny_blocks = 2
+    assert levers["fused_qkv"]["settings"]["speedups"] == {"fused_qkv": tiny_blocks}
+    assert levers["layernorm_cast"]["settings"]["speedups"] == {"layernorm_cast": 2 * tiny_blocks + 1}
     assert levers["batch"]["measured_images"] == 2 * defaults["batch_size"] * 2
     assert set(report["lever_ratios"]) == set(changed)
     assert all(ratio["images/s"] > 0 for ratio in report["lever_ratios"].values())
     table = capsys.readouterr().out
-    assert all(f"lever: {title}" in table for title in ("model.compile flipped", "AdamW not fused",
-                                                       "NaN check every step", "twice the batch"))
+    assert all(f"lever: {title}" in table for title in ("model.compile flipped", "each block compiled", "fused qkv",
+                                                       "layernorm cast", "AdamW not fused", "NaN check every step",
+                                                       "twice the batch"))
+    assert "lever: flash attention           skipped: flash_attention runs on cuda only" in table
+
+
+def tiny_model(model_type: str):
+    from tiny import tiny_family_config
+
+    from vit_finetune.families import FAMILIES
+
+    torch.manual_seed(0)
+    return FAMILIES[model_type].model_class()(tiny_family_config(model_type))
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b| over the whole tensor: rounding moves a gradient's small elements by more than their size."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def step_outputs(model, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The logits of one forward and the gradients of one backward on fixed pixels. Not the key's bias: its gradient
+    is zero in exact arithmetic (a softmax does not change when every key moves by the same vector), so what is
+    computed there is rounding alone."""
+    torch.manual_seed(1)
+    pixels = torch.randn(2, 3, model.config.image_size, model.config.image_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(pixel_values=pixels).logits
+    logits.float().square().sum().backward()
+    return logits.detach(), {name: parameter.grad for name, parameter in model.named_parameters()
+                             if not name.endswith("k_proj.bias")}
+
+
+@pytest.mark.parametrize("model_type", ["vit", "deit", "vit_msn", "dinov2", "dinov2_with_registers", "beit"])
+def test_fused_qkv_computes_what_the_three_projections_compute(model_type):
+    """Each family whose attention is ViT's (speedups.VIT_ATTENTION): one matrix product gives the logits and the
+    gradients of the three, to float32 rounding, and under bf16 autocast to bfloat16's; the state dict is as it was."""
+    import copy
+
+    from vit_finetune import speedups
+
+    for autocast, tolerance in ((False, 1e-5), (True, 2e-2)):
+        model = tiny_model(model_type)
+        fused = copy.deepcopy(model)
+        assert speedups.apply(fused, ["fused_qkv"], "cpu") == {"fused_qkv": model.config.num_hidden_layers}
+        assert list(fused.state_dict()) == list(model.state_dict())
+        logits, grads = step_outputs(model, autocast)
+        fused_logits, fused_grads = step_outputs(fused, autocast)
+        assert relative_difference(fused_logits, logits) < tolerance
+        differences = {name: relative_difference(fused_grads[name], grad) for name, grad in grads.items()
+                       if grad is not None}
+        assert max(differences.values()) < tolerance, differences
+
+
+def test_fused_qkv_leaves_lora_wrapped_projections_alone():
+    from vit_finetune import speedups
+    from vit_finetune.lora import apply_lora
+    from vit_finetune.recipe import LoraSettings
+
+    model = apply_lora(tiny_model("vit"), LoraSettings(target_modules=["query", "value"]))
+    assert speedups.apply(model, ["fused_qkv"], "cpu") == {"fused_qkv": 0}
+
+
+def test_one_cast_per_layernorm_output_gives_the_same_forward_and_gradients_to_bfloat16_rounding():
+    """Under bf16 autocast the projections would cast the LayerNorm's float32 output to bfloat16 themselves: cast
+    once before, the forward is bit-identical; the three projections' gradients now add up in bfloat16. Without
+    autocast nothing changes at all."""
+    import copy
+
+    from vit_finetune import speedups
+
+    model = tiny_model("vit")
+    cast = copy.deepcopy(model)
+    assert speedups.apply(cast, ["layernorm_cast"], "cpu") == {"layernorm_cast": 2 * model.config.num_hidden_layers + 1}
+    logits, grads = step_outputs(model, autocast=True)
+    cast_logits, cast_grads = step_outputs(cast, autocast=True)
+    assert torch.equal(cast_logits, logits)
+    differences = {name: relative_difference(cast_grads[name], grad) for name, grad in grads.items()}
+    assert 0 < max(differences.values()) < 2e-2, differences  # not bit-identical: the sum is in bfloat16 now
+    model.zero_grad(), cast.zero_grad()
+    logits, grads = step_outputs(model, autocast=False)
+    cast_logits, cast_grads = step_outputs(cast, autocast=False)
+    assert torch.equal(cast_logits, logits) and all(torch.equal(cast_grads[name], grads[name]) for name in grads)
+
+
+def test_a_speedup_for_another_device_is_refused_by_name():
+    from vit_finetune import speedups
+
+    with pytest.raises(ValueError, match="flash_attention runs on cuda only"):
+        speedups.apply(tiny_model("vit"), ["flash_attention"], "cpu")

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
-from . import compiling, layout, precision, progress, sharding
+from . import compiling, layout, precision, progress, sharding, speedups
 from .data import cpu_cores
 from .errors import RunError
 from .parts import Parts
@@ -71,9 +71,10 @@ def torch_threads(count: int | None):
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
-    """Compile the model if model.compile says so (`recipe`: as run), then hand model, optimiser and loaders to Accelerate
-    (DDP wrapping is a collective: all processes at once)."""
+    """The step's speed-ups that are on (speedups.ON), the model compiled if model.compile says so (`recipe`: as run),
+    then model, optimiser and loaders handed to Accelerate (DDP wrapping is a collective: all processes at once)."""
     model = parts.model
+    speedups.apply_those_on(model, accelerator.device.type)  # before compiling, which traces what they change
     # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
     # sharded model itself, after sharding, when its config file has a dynamo_config.
     if recipe.model.compile and not sharding.is_sharded(accelerator):

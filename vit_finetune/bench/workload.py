@@ -38,7 +38,7 @@ class Setup:
     steps: int
     workers: int
     precision: str
-    compile: bool  # model.compile of our configurations (--compile auto: levers.long_run_compile)
+    compile: bool | str  # model.compile of our configurations (--compile auto: levers.long_run_compile)
     jpegs: Path
     base: Path
     work_dir: Path
