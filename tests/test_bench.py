@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,3 +247,60 @@ def test_a_speedup_for_another_device_is_refused_by_name():
 
     with pytest.raises(ValueError, match="flash_attention runs on cuda only"):
         speedups.apply(tiny_model("vit"), ["flash_attention"], "cpu")
+
+
+def forked(argv: list[str], env: dict[str, str], log: Path) -> int:
+    """whole_job.fresh_process's stand-in: the side runs in a fork of this process, which has imported the libraries
+    already (a fresh interpreter spends ~15 CPU-seconds importing them here). The side's code and its marks are the
+    same; the GPU's measurement starts each side in a fresh interpreter."""
+    import traceback
+
+    from vit_finetune.bench import whole_job
+
+    pid = os.fork()
+    if pid == 0:  # the child: its output to the log, as a fresh process's would go
+        code = 1
+        try:
+            with open(log, "w") as out:
+                os.dup2(out.fileno(), 1), os.dup2(out.fileno(), 2)
+                os.environ.update(env)
+                code = whole_job.main(argv)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+@pytest.mark.slow
+def test_the_whole_job_times_both_sides_from_start_to_exit_and_splits_the_time_into_phases(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The main recipe's job against the Trainer's, on parquet shards in the Hub's layout: each side trains 2 epochs,
+    evaluates after each, checkpoints and saves, and the phases it passed through add up to its wall time."""
+    from vit_finetune.bench import whole_job
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    out = tmp_path / "whole_job.json"
+    code = whole_job.main(["--device", "cpu", "--images", "32", "--eval-images", "8", "--batch-size", "8",
+                           "--cache", str(tmp_path / "cache"), "--work", str(tmp_path / "work"), "--out", str(out),
+                           "--ours", "pictures=false"], launch=forked)
+    printed = capsys.readouterr().out
+    assert code == 0, printed[-3000:]
+    report = json.loads(out.read_text())
+    for side, result in report["sides"].items():
+        assert result["exit_code"] == 0 and result["steps"] == 2 * 4, side  # 32 images / batch 8, 2 epochs
+        assert sum(result["phases_s"].values()) == pytest.approx(result["wall_s"])
+        assert sum(result["groups_s"].values()) == pytest.approx(result["wall_s"])
+        assert all(seconds >= 0 for seconds in result["phases_s"].values())
+        assert result["phases_s"]["evaluation"] > 0 and result["phases_s"]["checkpoints"] > 0
+    ours, peer = report["sides"]["ours"], report["sides"]["peer"]
+    assert (ours["evaluations"], peer["evaluations"]) == (2, 3)  # the example evaluates once more, at its end
+    assert report["ours / peer wall time"] == pytest.approx(ours["wall_s"] / peer["wall_s"])
+    work = tmp_path / "work"
+    assert sorted(path.name for path in (work / "ours" / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+    assert (work / "ours" / "model.safetensors").exists() and (work / "peer" / "model.safetensors").exists()
+    assert sorted(path.name for path in (work / "peer").glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-8"]
+    recipe = (work / "ours" / "recipe.yaml").read_text()
+    assert "optimizer: sgd" in recipe and "grad_accum: 1" in recipe  # the main recipe, sized for the job
+    assert "ours / peer wall time:" in printed and "start-up and compile" in printed
