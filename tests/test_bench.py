@@ -304,3 +304,29 @@ def test_the_whole_job_times_both_sides_from_start_to_exit_and_splits_the_time_i
     recipe = (work / "ours" / "recipe.yaml").read_text()
     assert "optimizer: sgd" in recipe and "grad_accum: 1" in recipe  # the main recipe, sized for the job
     assert "ours / peer wall time:" in printed and "start-up and compile" in printed
+
+
+@pytest.mark.slow
+def test_the_inference_bench_times_evaluation_and_predict_against_the_trainer_and_pipeline(tmp_path, monkeypatch,
+                                                                                          capsys):
+    """Both evaluations read the same validation split of the shards and both predictions the same files, each timed
+    twice; the ratios are those of the second passes."""
+    from vit_finetune.bench import inference
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    out = tmp_path / "inference.json"
+    code = inference.main(["--device", "cpu", "--images", "16", "--eval-images", "12", "--predict-images", "10",
+                           "--batch-size", "4", "--workers", "0", "--cache", str(tmp_path / "cache"),
+                           "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-3000:]
+    report = json.loads(out.read_text())
+    images = {name: report[name]["images"] for name in ("evaluation_ours", "evaluation_peer", "predict_ours",
+                                                        "predict_pipeline")}
+    assert images == {"evaluation_ours": 12, "evaluation_peer": 12, "predict_ours": 10, "predict_pipeline": 10}
+    for name in images:
+        assert len(report[name]["seconds"]) == 2 and all(rate > 0 for rate in report[name]["images_per_s"])
+    second = {name: report[name]["images_per_s"][1] for name in images}
+    assert report["ratios"] == {
+        "evaluation: ours / Trainer.evaluate images/s": pytest.approx(second["evaluation_ours"] / second["evaluation_peer"]),
+        "predict: ours / pipeline() images/s": pytest.approx(second["predict_ours"] / second["predict_pipeline"])}
+    assert report["evaluation_ours"]["settings"]["compile"] is False  # auto, for a run this short
