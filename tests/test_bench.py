@@ -242,6 +242,46 @@ def test_one_cast_per_layernorm_output_gives_the_same_forward_and_gradients_to_b
     assert torch.equal(cast_logits, logits) and all(torch.equal(cast_grads[name], grads[name]) for name in grads)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the flash kernel is PyTorch's CUDA kernel (the "
+                    "CPU refuses the lever: the test below)")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_flash_attention_lever_runs_the_flash_kernel_forward_and_backward_on_cuda(compiled):
+    """bf16 on the GPU, eager or each block compiled: the profiler sees PyTorch's flash attention op and its
+    backward, no other attention kernel; the other two speed-ups on the same step still compute the same loss."""
+    import torch._dynamo
+
+    from vit_finetune import compiling, speedups
+
+    def loss_of(model) -> torch.Tensor:
+        torch.manual_seed(1)
+        pixels = torch.randn(8, 3, model.config.image_size, model.config.image_size, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(pixel_values=pixels).logits.float().square().mean()
+
+    reference = loss_of(tiny_model("vit").cuda()).item()
+    model = tiny_model("vit").cuda()
+    assert speedups.apply(model, list(speedups.SPEEDUPS), "cuda") == {
+        "fused_qkv": 2, "layernorm_cast": 5, "flash_attention": 1}
+    torch._dynamo.reset()
+    try:
+        if compiled:
+            model, said = compiling.compile_for_training(model, "regional")
+            assert "outside the compiled graph" in said
+        loss_of(model).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            loss = loss_of(model)
+            loss.backward()
+            torch.cuda.synchronize()
+    finally:
+        torch._dynamo.reset()
+    ran = {event.name for event in profiler.events() if "attention" in event.name}
+    assert {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_flash_attention_backward"} <= ran
+    assert not {"aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_efficient_attention"} & ran
+    assert loss.item() == pytest.approx(reference, rel=2e-2)
+
+
 def test_a_speedup_for_another_device_is_refused_by_name():
     from vit_finetune import speedups
 
@@ -304,6 +344,11 @@ def test_the_whole_job_times_both_sides_from_start_to_exit_and_splits_the_time_i
     recipe = (work / "ours" / "recipe.yaml").read_text()
     assert "optimizer: sgd" in recipe and "grad_accum: 1" in recipe  # the main recipe, sized for the job
     assert "ours / peer wall time:" in printed and "start-up and compile" in printed
+    from vit_finetune.bench import summary
+
+    summarised = summary.summary(tmp_path)  # what `bash scripts/bench_gpu.sh all` prints last
+    assert f"the whole job in {report['ours / peer wall time']:.3f}x the Trainer's wall time" in summarised
+    assert "== compile_cost.json\nmissing" in summarised
 
 
 @pytest.mark.slow
@@ -330,3 +375,37 @@ def test_the_inference_bench_times_evaluation_and_predict_against_the_trainer_an
         "evaluation: ours / Trainer.evaluate images/s": pytest.approx(second["evaluation_ours"] / second["evaluation_peer"]),
         "predict: ours / pipeline() images/s": pytest.approx(second["predict_ours"] / second["predict_pipeline"])}
     assert report["evaluation_ours"]["settings"]["compile"] is False  # auto, for a run this short
+    from vit_finetune.bench import summary
+
+    ratio = report["ratios"]["predict: ours / pipeline() images/s"]
+    assert f"predict: ours / pipeline() images/s {ratio:.3f} (goal >= 2)" in summary.summary(tmp_path)
+
+
+SCRIPT_MODULES = {"all": {"pytest", "vit_finetune.bench.compile_cost", "vit_finetune.bench.whole_job",
+                          "vit_finetune.bench.inference", "vit_finetune.bench", "vit_finetune.bench.summary"},
+                  "more": {"vit_finetune.bench", "vit_finetune"}}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("target", ["all", "more"])
+def test_every_command_of_the_gpu_script_is_one_its_module_accepts(target, device, tmp_path):
+    """scripts/bench_gpu.sh runs on a GPU machine only now and then: each command it would run there (and in its
+    CPU dry run) is parsed here by the module it starts, so that a renamed option fails here, not on the card."""
+    import importlib
+    import shlex
+
+    from vit_finetune.recipe import load_recipe
+
+    printed = subprocess.run(["bash", "scripts/bench_gpu.sh", target], capture_output=True, text=True, cwd=REPO,
+                             env={**os.environ, "PLAN": device, "OUT": str(tmp_path)}, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    commands = [shlex.split(line) for line in printed.stdout.splitlines()]
+    assert {command[:2] == ["python3", "-m"] for command in commands} == {True}
+    assert {command[2] for command in commands} == SCRIPT_MODULES[target]
+    for _, _, module, *args in commands:
+        if module == "pytest":
+            assert all((REPO / arg).is_file() for arg in args if arg.startswith("tests/"))
+        elif module == "vit_finetune":
+            load_recipe(None, args)  # raises, naming the key, for an override the schema refuses
+        else:  # exits, naming the option, for one the module does not know
+            importlib.import_module("vit_finetune.bench.cli" if module == "vit_finetune.bench" else module).parse_args(args)

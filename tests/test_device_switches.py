@@ -204,9 +204,11 @@ def test_compiled_code_is_cached_under_the_toolkits_cache_unless_the_user_chose_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CPU form is the test above (on a CPU the "
                     "compiler never chose the math path)")
-def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base):
-    """The H200's failure itself: inductor's compiled step, bf16, on the GPU. The profiler must see one of PyTorch's
-    fused attention ops, and none of the math path's batched products or softmax kernels."""
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base, mode):
+    """The H200's failure itself: inductor's compiled step, bf16, on the GPU, the whole model or each block. The
+    profiler must see one of PyTorch's fused attention ops, and none of the math path's batched products or softmax
+    kernels."""
     import torch._dynamo
     from transformers import ViTForImageClassification
 
@@ -216,7 +218,7 @@ def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base):
     pixels = torch.randn(8, 3, 32, 32, device="cuda")
     torch._dynamo.reset()
     try:
-        compiled, _ = compile_for_training(model)
+        compiled, _ = compile_for_training(model, mode)
 
         def training_step():
             with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -131,7 +131,7 @@ def measure_one(args: argparse.Namespace) -> dict:
     eval_compiled_s = median([timed_step(evaluate, device) for _ in range(2)])
     stats = torch._dynamo.utils.counters
     return {
-        "mode": args.one, "compiled": said, "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "mode": args.one, "compiled": said, "work_per_image": compiling.work_per_image(model, config.image_size), "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "compile_s": first_s - compiled_s, "first_compiled_step_s": first_s,
         "eager_step_ms": 1000 * eager_s, "compiled_step_ms": 1000 * compiled_s, "speedup": eager_s / compiled_s,
         "eager_images_per_s": args.batch_size / eager_s, "compiled_images_per_s": args.batch_size / compiled_s,
@@ -160,10 +160,11 @@ def run_fresh(args: argparse.Namespace, mode: str, cache: Path) -> dict:
 
 def measured_entry(args: argparse.Namespace, cold: dict) -> str:
     """The compiling.MEASURED entry these cold figures make, for a reader to copy once they are in the docs."""
+    precision = "bf16" if args.precision == "bf16" else "float32"
     where = f"{device_name(args.device)}, {args.model} at {args.image_size or MODELS[args.model].image_size} px, " \
-            f"{args.precision}, batch {args.batch_size}, {time.strftime('%Y-%m-%d')}"
+            f"{precision}, batch {args.batch_size}, {time.strftime('%Y-%m-%d')}"
     return (f'("{args.device}", "{cold["mode"]}"): CompileCost("{where}", {cold["compile_s"]:.1f}, '
-            f'{cold["speedup"]:.3f}, {cold["eager_images_per_s"]:.0f}.0, <work of the model>, {cold["memory"]:.2f})')
+            f'{cold["speedup"]:.3f}, {cold["eager_images_per_s"]:.1f}, {cold["work_per_image"]:.0f}, {cold["memory"]:.2f})')
 
 
 def device_name(device_type: str) -> str:

@@ -39,7 +39,7 @@ from .flops import MODELS
 from .whole_job import DEFAULTS as JOB_DEFAULTS
 from .workload import ensure_base_model, ensure_hub_shards, ensure_jpeg_folder
 
-DEFAULTS = {"cuda": {"predict_images": 2_048}, "cpu": {"predict_images": 16}}
+DEFAULTS = {"cuda": {"predict_images": 1_024}, "cpu": {"predict_images": 16}}
 PASSES = 2
 
 
@@ -50,7 +50,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--images", type=int, help="training images of the whole job's shards (only their "
                         "validation split is read here; the same shards are reused)")
     parser.add_argument("--eval-images", type=int, help="validation images evaluated")
-    parser.add_argument("--predict-images", type=int, help="JPEG files predicted (default: 2,048 on CUDA)")
+    parser.add_argument("--predict-images", type=int, help="JPEG files predicted (default: 1,024 on CUDA)")
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--workers", type=int, help="evaluation loader workers, both sides")
     parser.add_argument("--cache", type=Path, help="default: $VIT_FINETUNE_CACHE/bench")
