@@ -29,10 +29,12 @@ cd "$(dirname "$0")/.."
 # Missing from the GPU image (it has torch, accelerate, peft, huggingface_hub 1.x, pyarrow, torchvision, timm, pandas,
 # requests, tokenizers): transformers, whose 5.17 there is below the package's floor (5.18), datasets and evaluate
 # with their needs (dill, multiprocess, xxhash; fsspec in the versions datasets accepts), kornia with its Rust core,
-# pydantic with its core (and the typing-extensions that core imports Sentinel from), and httpx2 with what it brings
-# (for huggingface_hub 2.x's client). The image's Python is 3.12.
+# pydantic with its core (and the typing-extensions that core imports Sentinel from), httpx2 with what it brings
+# (for huggingface_hub 2.x's client), and matplotlib with its own (a run's pictures, drawn at its end: the whole job
+# times them; the image's own, if it has one, is shadowed by the same version). The image's Python is 3.12.
 PACKAGES=(transformers datasets evaluate dill multiprocess xxhash fsspec kornia kornia-rs pydantic pydantic-core
-          annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore)
+          annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore
+          matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six)
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # of the GPU image; another only to try the wheels on another Python
 export VIT_FINETUNE_CACHE=${VIT_FINETUNE_CACHE:-/tmp/vit_finetune_cache}  # the bench's data, base and compiled code
 
@@ -60,13 +62,13 @@ install_wheels() {
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
     python3 -c "import importlib.metadata as m
 for n in ('torch', 'transformers', 'accelerate', 'peft', 'huggingface_hub', 'torchvision', 'datasets', 'evaluate',
-          'kornia', 'pyarrow', 'pydantic'):
+          'kornia', 'pyarrow', 'pydantic', 'matplotlib'):
     try:
         print(n, m.version(n))
     except m.PackageNotFoundError:
         print(n, 'not installed')"
     # Fail now, naming the module, rather than minutes into the measurements.
-    python3 -c "import vit_finetune.train, vit_finetune.bench, kornia.augmentation" || {
+    python3 -c "import vit_finetune.train, vit_finetune.bench, kornia.augmentation, matplotlib.pyplot" || {
         echo "bench_gpu.sh: the package does not import here (above: the missing module); add it to PACKAGES" >&2
         exit 1; }
 }
