@@ -10,11 +10,11 @@
 #        bash scripts/bench_gpu.sh run                     # every configuration of the bench, CUDA defaults
 #        bash scripts/bench_gpu.sh run --configs end_to_end --steps 20 --profile "$OUT"   # profiler tables
 #        bash scripts/bench_gpu.sh test                    # the CUDA tests (pytest -m gpu)
-#    `all` runs, each step at most what is left of DEADLINE_S (480 s), the rest skipped and said: the CUDA tests;
-#    compile_cost.json (the whole model and each block compiled, cold and warm cache: what model.compile=auto
-#    decides from); whole_job.json (the main recipe's job, 20,000 images x 2 epochs, against the Trainer's, each a
-#    whole process); inference.json (evaluation against Trainer.evaluate, predict against pipeline()); bench.json
-#    (the model step with the defaults, then each speed-up lever alone); then summary.txt, the rows for
+#    `all` runs, each step at most what is left of DEADLINE_S (480 s), the rest skipped and said: compile_cost.json
+#    (the whole model and each block compiled, cold and warm cache: what model.compile=auto decides from);
+#    bench.json (the model step with the defaults, then each speed-up lever alone); whole_job.json (the main recipe's
+#    job, 20,000 images x 2 epochs, against the Trainer's, each a whole process); inference.json (evaluation against
+#    Trainer.evaluate, predict against pipeline()); the CUDA tests; then summary.txt, the rows for
 #    docs/performance.md (python -m vit_finetune.bench.summary "$OUT"); all.log holds everything printed.
 #    `more` writes profile_model_step.txt and profile_lever_compile.txt (profiler tables of the default step and of the
 #    other model.compile setting), precision.json (200 steps in fp16 and in bf16) and bench_other_compile.json (end to
@@ -138,21 +138,22 @@ all() {
     local work
     start
     # CUDA: ViT-B/16 at 384 px, batch 128, bf16 (each module's defaults), 20,000 + 5,000 images for the job.
-    local compile=(--steps 4) job=() inference=() levers=(--warmup 3 --steps 12)
+    local compile=(--steps 4) job=() inference=() levers=(--warmup 2 --steps 10)
     if dry_run; then
         compile=(--steps 2) job=(--images 64 --eval-images 16) inference=(--images 64 --eval-images 16)
         levers=(--warmup 1 --steps 2 --batch-size 4)
     fi
-    step 90 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
-    step 100 "compile cost: the whole model and each block, cold and warm cache" \
+    # In the order of the goals; the CUDA tests last: `bash scripts/bench_gpu.sh test` runs them alone if cut.
+    step 90 "compile cost: the whole model and each block, cold and warm cache" \
         python3 -m vit_finetune.bench.compile_cost "${compile[@]}" --out "$OUT/compile_cost.json"
+    step 100 "bench: the model step with the defaults, then each speed-up lever alone" \
+        python3 -m vit_finetune.bench --configs model_step "${levers[@]}" \
+        --levers regional_compile,fused_qkv,layernorm_cast,flash_attention --markdown --out "$OUT/bench.json"
     step 200 "the main recipe's job, timed whole: ours against the Trainer" \
         python3 -m vit_finetune.bench.whole_job "${job[@]}" --work "$work/whole_job" --out "$OUT/whole_job.json"
     step 60 "evaluation and predict: ours against Trainer.evaluate and pipeline()" \
         python3 -m vit_finetune.bench.inference "${inference[@]}" --out "$OUT/inference.json"
-    step 150 "bench: the model step with the defaults, then each speed-up lever alone" \
-        python3 -m vit_finetune.bench --configs model_step "${levers[@]}" \
-        --levers regional_compile,fused_qkv,layernorm_cast,flash_attention --markdown --out "$OUT/bench.json"
+    step 120 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
     step 20 "the figures for docs/performance.md" python3 -m vit_finetune.bench.summary "$OUT" --write "$OUT/summary.txt"
     [[ -n "${PLAN:-}" ]] || { echo "=== done in $SECONDS s; in $OUT:"; ls -la "$OUT"; }
 }

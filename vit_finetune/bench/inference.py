@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .. import data, loop
+from .. import cli, data, loop
 from ..build import run_parts
 from ..callbacks import TrainingRun
 from ..checkpoint import TrainState
@@ -36,6 +36,7 @@ from ..processes import reset_accelerate_state
 from ..recipe import validate
 from .device import synchronize
 from .flops import MODELS
+from .peer import ExampleBatchTransform, ExampleEvalTransform, example_collate_fn
 from .whole_job import DEFAULTS as JOB_DEFAULTS
 from .workload import ensure_base_model, ensure_hub_shards, ensure_jpeg_folder
 
@@ -111,8 +112,6 @@ def peer_evaluation(args: argparse.Namespace, base: Path, shards: Path, work: Pa
     import numpy as np
     from transformers import AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainingArguments
 
-    from .peer import ExampleBatchTransform, ExampleEvalTransform, example_collate_fn
-
     validation = datasets.load_dataset(str(shards), split="validation")
     processor = AutoImageProcessor.from_pretrained(base)
     size = processor.size["shortest_edge"] if "shortest_edge" in processor.size else (
@@ -135,8 +134,6 @@ def peer_evaluation(args: argparse.Namespace, base: Path, shards: Path, work: Pa
 
 
 def our_predict(args: argparse.Namespace, base: Path, folder: Path, work: Path) -> dict:
-    from .. import cli
-
     output = work / "predictions.jsonl"
     command = ["predict", str(base), str(folder), "--batch-size", str(args.batch_size), "--device", args.device,
                "--output", str(output), "--overwrite"]

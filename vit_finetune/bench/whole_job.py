@@ -33,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from .. import data
+from .. import callbacks, cli, data
 from .flops import MODELS
+from .peer import ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform, example_collate_fn
 from .workload import ensure_base_model, ensure_hub_shards
 
 DEFAULTS = {
@@ -116,8 +117,6 @@ def peak_memory_gib() -> float | None:
 
 def run_ours(job: dict, mark: Marks) -> int:
     """Our side: the command line itself, observed through the documented hook (callbacks.register)."""
-    from .. import callbacks, cli
-
     class MarkEvents(callbacks.Callback):
         def on_train_start(self, run):
             mark("train_start")
@@ -144,8 +143,6 @@ def run_peer(job: dict, mark: Marks) -> int:
     import numpy as np
     from transformers import (AutoImageProcessor, AutoModelForImageClassification, Trainer, TrainerCallback,
                               TrainingArguments)
-
-    from .peer import ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform, example_collate_fn
 
     class MarkEvents(TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
@@ -217,7 +214,7 @@ def ours_argv(args: argparse.Namespace, base: Path, shards: Path, output_dir: Pa
             f"train.epochs={args.epochs}", f"train.batch_size={args.batch_size}", f"train.grad_accum={args.grad_accum}",
             f"train.warmup_steps={warmup}", f"train.checkpoint_every_steps={steps_per_epoch}",
             f"train.mixed_precision={args.precision}", f"data.num_workers={args.workers}",
-            f"output_dir={output_dir}", *args.ours]
+            f"output_dir={output_dir}", "overwrite=true", *args.ours]  # overwrite: --work may hold an earlier run
 
 
 def fresh_process(argv: list[str], env: dict[str, str], log: Path) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
-from ..layout import CONFIG_FILE, PROCESSOR_FILE
+from ..layout import CARD_FILE, CONFIG_FILE, PROCESSOR_FILE
 from .flops import ModelSpec
 from .timing import StepClock
 
@@ -144,7 +144,7 @@ def ensure_hub_shards(root: Path, train_images: int, eval_images: int, classes: 
                      "label": [index % classes for index in range(start, end)]}, features=features)
                 table.to_parquet(staging / "data" / f"{name}-{shard:05d}-of-{shards:05d}.parquet")
             splits[name] = {"images": count, "bytes": sum(map(len, encoded)), "shards": shards}
-    (staging / "README.md").write_text(hub_card(classes, splits))
+    (staging / CARD_FILE).write_text(hub_card(classes, splits))
     stats = {"classes": classes, "splits": splits, "quality": 90,
              "mean_kib": sum(info["bytes"] for info in splits.values()) / (train_images + eval_images) / 1024}
     (staging / "stats.json").write_text(json.dumps(stats))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import hub
 from ..errors import excerpt
+from ..layout import CARD_FILE
 from ..recipe import DataSettings
 from ..sources import REPO_ID_PATTERN
 from . import labels
@@ -85,7 +86,7 @@ def is_hub_dataset_copy(folder: Path) -> bool:
     """Whether a folder is laid out as a Hub dataset repo (a `hf download --repo-type dataset` copy, say): a
     README.md whose card declares its configs or features, or parquet/arrow files at most two folders down
     (data/train-00000-of-00008.parquet, default/train/0000.parquet)."""
-    card = folder / "README.md"
+    card = folder / CARD_FILE
     text = card.read_text(errors="replace") if card.is_file() else ""
     header = text.split("\n---", 1)[0] if text.startswith("---") else ""  # the card's YAML front matter
     if re.search(r"^(configs|dataset_info):", header, re.MULTILINE):
