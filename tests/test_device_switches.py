@@ -194,8 +194,12 @@ def test_regional_compile_compiles_the_blocks_in_place_once_for_all_and_steps_as
 def test_compiled_code_is_cached_under_the_toolkits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
     from vit_finetune import compiling
 
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     monkeypatch.setenv("VIT_FINETUNE_CACHE", str(tmp_path / "toolkit"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compiling.use_compile_cache() == str(tmp_path / "toolkit" / compiling.COMPILE_CACHE)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch writes there itself
     assert compiling.use_compile_cache() == str(tmp_path / "toolkit" / compiling.COMPILE_CACHE)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compiling.use_compile_cache() == str(tmp_path / "mine")

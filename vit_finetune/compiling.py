@@ -38,6 +38,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -207,9 +208,12 @@ BACKEND = "inductor"
 
 
 def use_compile_cache() -> str:
-    """Where inductor caches compiled code: TORCHINDUCTOR_CACHE_DIR if set, else COMPILE_CACHE under the toolkit's
-    cache, set for this process (and the compile workers it starts) before anything is compiled."""
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    """Where inductor caches compiled code: TORCHINDUCTOR_CACHE_DIR if the user set it, else COMPILE_CACHE under the
+    toolkit's cache, set for this process (and the compile workers it starts) before anything is compiled. torch
+    itself writes its default (/tmp/torchinductor_USER) into the variable once transformers is imported, so that
+    value is not taken for the user's choice."""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / COMPILE_CACHE)
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
