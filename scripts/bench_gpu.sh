@@ -5,29 +5,38 @@
 #        bash scripts/bench_gpu.sh fetch
 #    downloads into .whl/ (git-ignored) the wheels the GPU image lacks, pinned to the versions installed here.
 # 2. On the GPU machine, with .whl/ copied beside the repository and $OUT naming a folder for the results:
-#        bash scripts/bench_gpu.sh all                     # everything below, in under 8 minutes on an H100/H200
-#        bash scripts/bench_gpu.sh run                     # every configuration, CUDA defaults
+#        bash scripts/bench_gpu.sh all                     # the figures of docs/performance.md, in under 8 minutes
+#        bash scripts/bench_gpu.sh more                    # profiler tables, fp16 against bf16, the other compile
+#        bash scripts/bench_gpu.sh run                     # every configuration of the bench, CUDA defaults
 #        bash scripts/bench_gpu.sh run --configs end_to_end --steps 20 --profile "$OUT"   # profiler tables
 #        bash scripts/bench_gpu.sh test                    # the CUDA tests (pytest -m gpu)
-#    `all` writes into $OUT: all.log (everything printed, nvidia-smi and versions first), bench.json (the bench with
-#    the defaults and each lever changed alone), profile_model_step.txt and profile_lever_compile.txt (profiler
-#    tables of the default step and of the other model.compile setting), precision.json (200 steps in fp16 and in
-#    bf16: both loss curves, the skipped steps, metrics.json) and bench_other_compile.json (end to end and LoRA with
-#    model.compile flipped from what auto chooses for a long run); it prints the rows for docs/performance.md's table.
+#    `all` runs, each step at most what is left of DEADLINE_S (480 s), the rest skipped and said: compile_cost.json
+#    (the whole model and each block compiled, cold and warm cache: what model.compile=auto decides from);
+#    bench.json (the model step with the defaults, then each speed-up lever alone); whole_job.json (the main recipe's
+#    job, 20,000 images x 2 epochs, against the Trainer's, each a whole process); inference.json (evaluation against
+#    Trainer.evaluate, predict against pipeline()); the CUDA tests; then summary.txt, the rows for
+#    docs/performance.md (python -m vit_finetune.bench.summary "$OUT"); all.log holds everything printed.
+#    `more` writes profile_model_step.txt and profile_lever_compile.txt (profiler tables of the default step and of the
+#    other model.compile setting), precision.json (200 steps in fp16 and in bf16) and bench_other_compile.json (end to
+#    end and LoRA with model.compile flipped from what auto chooses for a long run).
 #    `run` writes bench.json, bench.log and nvidia-smi.txt into $OUT; arguments after `run` go to the bench.
-#    On a machine without CUDA, `all` runs the same steps on the CPU (tiny model, few steps, no fp16): a dry run.
-#    DEADLINE_S (450) bounds `all`: each step gets at most what is left of it, the rest is skipped and says so.
+#    On a machine without CUDA, `all` and `more` run the same steps on the CPU (tiny model, few steps): a dry run.
+#    PLAN=cuda (or PLAN=cpu) prints the commands `all` and `more` run on that device instead of running them
+#    (tests/test_bench.py parses them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Missing from the GPU image (it has torch, accelerate, peft, huggingface_hub 1.x, pyarrow, torchvision, timm, pandas,
 # requests, tokenizers): transformers, whose 5.17 there is below the package's floor (5.18), datasets and evaluate
 # with their needs (dill, multiprocess, xxhash; fsspec in the versions datasets accepts), kornia with its Rust core,
-# pydantic with its core (and the typing-extensions that core imports Sentinel from), and httpx2 with what it brings
-# (for huggingface_hub 2.x's client). The image's Python is 3.12.
+# pydantic with its core (and the typing-extensions that core imports Sentinel from), httpx2 with what it brings
+# (for huggingface_hub 2.x's client), and matplotlib with its own (a run's pictures, drawn at its end: the whole job
+# times them; the image's own, if it has one, is shadowed by the same version). The image's Python is 3.12.
 PACKAGES=(transformers datasets evaluate dill multiprocess xxhash fsspec kornia kornia-rs pydantic pydantic-core
-          annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore)
+          annotated-types typing-inspection typing-extensions httpx2 httpcore2 truststore
+          matplotlib contourpy cycler fonttools kiwisolver pyparsing python-dateutil six)
 PYTHON_VERSION=${PYTHON_VERSION:-3.12}  # of the GPU image; another only to try the wheels on another Python
+export VIT_FINETUNE_CACHE=${VIT_FINETUNE_CACHE:-/tmp/vit_finetune_cache}  # the bench's data, base and compiled code
 
 fetch() {
     local pins=() name version
@@ -51,27 +60,30 @@ install_wheels() {
     export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
     # Everything is local: a random-weight ViT, generated JPEGs and shapes; nothing may reach for the Hub.
     export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-    export VIT_FINETUNE_CACHE=${VIT_FINETUNE_CACHE:-/tmp/vit_finetune_cache}
     python3 -c "import importlib.metadata as m
 for n in ('torch', 'transformers', 'accelerate', 'peft', 'huggingface_hub', 'torchvision', 'datasets', 'evaluate',
-          'kornia', 'pyarrow', 'pydantic'):
+          'kornia', 'pyarrow', 'pydantic', 'matplotlib'):
     try:
         print(n, m.version(n))
     except m.PackageNotFoundError:
         print(n, 'not installed')"
     # Fail now, naming the module, rather than minutes into the measurements.
-    python3 -c "import vit_finetune.train, vit_finetune.bench, kornia.augmentation" || {
+    python3 -c "import vit_finetune.train, vit_finetune.bench, kornia.augmentation, matplotlib.pyplot" || {
         echo "bench_gpu.sh: the package does not import here (above: the missing module); add it to PACKAGES" >&2
         exit 1; }
 }
 
-# ------------------------------------------------------------------ all: every measurement, one command
+# ------------------------------------------------------------------ all and more: every measurement, one command
 
-DEADLINE_S=${DEADLINE_S:-450}  # 7.5 minutes from the start; each step gets at most what is left of it
+DEADLINE_S=${DEADLINE_S:-480}  # 8 minutes from the start; each step gets at most what is left of it
 
 step() {  # step SECONDS TITLE COMMAND...: run COMMAND for at most SECONDS (less if the deadline is nearer)
     local cap=$1 title=$2 left status=0
     shift 2
+    if [[ -n "${PLAN:-}" ]]; then
+        echo "$*"
+        return 0
+    fi
     left=$((DEADLINE_S - SECONDS))
     if ((left < cap)); then cap=$left; fi
     if ((cap < 10)); then
@@ -102,24 +114,62 @@ out.write_text(json.dumps(summary, indent=1))
 PYTHON
 }
 
-all() {
-    local work precision
+has_cuda() {  # PLAN=cuda or PLAN=cpu: the device whose commands are printed
+    if [[ -n "${PLAN:-}" ]]; then [[ "$PLAN" == cuda ]]; return; fi
+    python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"
+}
+
+start() {  # the machine and the software first; a scratch folder for what is not a result
+    if [[ -n "${PLAN:-}" ]]; then
+        work=/tmp/vit-gpu.PLAN
+        return 0
+    fi
     nvidia-smi || true
     install_wheels
-    work=$(mktemp -d /tmp/vit-gpu-all.XXXX)
+    work=$(mktemp -d /tmp/vit-gpu.XXXX)
+}
+
+dry_run() {  # true without CUDA: the steps then run on the CPU with the tiny model, few images and steps
+    has_cuda && return 1
+    [[ -n "${PLAN:-}" ]] || echo "bench_gpu.sh: no CUDA device: a dry run of every step on the CPU (tiny model, few steps)"
+}
+
+all() {
+    local work
+    start
+    # CUDA: ViT-B/16 at 384 px, batch 128, bf16 (each module's defaults), 20,000 + 5,000 images for the job.
+    local compile=(--steps 4) job=() inference=() levers=(--warmup 2 --steps 10)
+    if dry_run; then
+        compile=(--steps 2) job=(--images 64 --eval-images 16) inference=(--images 64 --eval-images 16)
+        levers=(--warmup 1 --steps 2 --batch-size 4)
+    fi
+    # In the order of the goals; the CUDA tests last: `bash scripts/bench_gpu.sh test` runs them alone if cut.
+    step 90 "compile cost: the whole model and each block, cold and warm cache" \
+        python3 -m vit_finetune.bench.compile_cost "${compile[@]}" --out "$OUT/compile_cost.json"
+    step 100 "bench: the model step with the defaults, then each speed-up lever alone" \
+        python3 -m vit_finetune.bench --configs model_step "${levers[@]}" \
+        --levers regional_compile,fused_qkv,layernorm_cast,flash_attention --markdown --out "$OUT/bench.json"
+    step 200 "the main recipe's job, timed whole: ours against the Trainer" \
+        python3 -m vit_finetune.bench.whole_job "${job[@]}" --work "$work/whole_job" --out "$OUT/whole_job.json"
+    step 60 "evaluation and predict: ours against Trainer.evaluate and pipeline()" \
+        python3 -m vit_finetune.bench.inference "${inference[@]}" --out "$OUT/inference.json"
+    step 120 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
+    step 20 "the figures for docs/performance.md" python3 -m vit_finetune.bench.summary "$OUT" --write "$OUT/summary.txt"
+    [[ -n "${PLAN:-}" ]] || { echo "=== done in $SECONDS s; in $OUT:"; ls -la "$OUT"; }
+}
+
+more() {
+    local work
+    start
     # The bench's defaults on CUDA: ViT-B/16 at 384 px, batch 128, bf16. The precision runs: that random-weight ViT-B
     # (which the bench writes) at 224 px on the demo's shapes, 200 optimiser steps, evaluated once at the end.
     local bench=(--warmup 3 --steps 25) profile=(--warmup 3 --steps 8) precisions=(fp16 bf16)
     local model=(model.base="$VIT_FINETUNE_CACHE/bench/base-vit-b16-384-101-v1" model.image_size=224)
     local steps=200 batch=32 workers=8 warmup=20
-    if ! python3 -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
-        echo "bench_gpu.sh: no CUDA device: a dry run of every step on the CPU (tiny model, few steps, no fp16)"
+    if dry_run; then  # no fp16 either
         bench=(--warmup 1 --steps 2 --batch-size 4) profile=(--warmup 1 --steps 2 --batch-size 4) precisions=(bf16)
         model=(model.base="$VIT_FINETUNE_CACHE/bench/base-tiny-4-v1" model.image_size=64) steps=4 batch=8 workers=0 warmup=1
     fi
-    step 240 "bench: the configurations, then each lever changed alone" \
-        python3 -m vit_finetune.bench "${bench[@]}" --levers all --markdown --out "$OUT/bench.json"
-    step 120 "the CUDA tests" python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py)
     step 90 "profiler tables: the default step and the other model.compile setting" \
         python3 -m vit_finetune.bench --configs model_step --levers compile "${profile[@]}" --profile "$OUT" \
         --out "$work/profiled.json"
@@ -130,25 +180,22 @@ all() {
             train.eval_every_steps="$steps" train.mixed_precision="$precision" pictures=false \
             output_dir="$work/precision-$precision"
     done
-    precision_summary "$work" "$OUT/precision.json"
+    [[ -n "${PLAN:-}" ]] || precision_summary "$work" "$OUT/precision.json"
     # End to end and LoRA under the other compile setting: what auto's choice is worth beyond the model step.
-    local other=off
-    python3 -c "import sys, torch; from vit_finetune.bench.levers import long_run_compile as compiled
-sys.exit(not compiled('cuda' if torch.cuda.is_available() else 'cpu'))" || other=on
-    step 120 "end to end and LoRA, model.compile=$other" python3 -m vit_finetune.bench --configs end_to_end,lora \
-        --compile "$other" "${bench[@]}" --out "$OUT/bench_other_compile.json"
-    echo "=== done in $SECONDS s; in $OUT:"
-    ls -la "$OUT"
+    step 120 "end to end and LoRA, model.compile flipped from auto's choice" python3 -m vit_finetune.bench \
+        --configs end_to_end,lora --compile other "${bench[@]}" --out "$OUT/bench_other_compile.json"
+    [[ -n "${PLAN:-}" ]] || { echo "=== done in $SECONDS s; in $OUT:"; ls -la "$OUT"; }
 }
 
 case "${1:-run}" in
     fetch)
         fetch
         ;;
-    all)
+    all | more)
         : "${OUT:?OUT is unset: set OUT to the folder for the results}"
+        if [[ -n "${PLAN:-}" ]]; then "$1"; exit 0; fi
         mkdir -p "$OUT"
-        all 2>&1 | tee "$OUT/all.log"
+        "$1" 2>&1 | tee "$OUT/$1.log"
         ;;
     run)
         shift || true
@@ -163,7 +210,7 @@ case "${1:-run}" in
         python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark.gpu" tests/test_*.py) "$@"
         ;;
     *)
-        echo "usage: bash scripts/bench_gpu.sh fetch | all | run [bench arguments] | test [pytest arguments]" >&2
+        echo "usage: bash scripts/bench_gpu.sh fetch | all | more | run [bench arguments] | test [pytest arguments]" >&2
         exit 2
         ;;
 esac

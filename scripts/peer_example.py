@@ -31,24 +31,6 @@ sys.path.insert(0, str(REPO))
 LEARNING_RATE = 2e-5  # the example README's documented value
 
 
-def eval_transform(size: int, mean, std):
-    """Resize(size) (shorter side, bilinear, antialiased as PIL is) + CenterCrop(size), ToTensor, Normalize."""
-    import torch
-    from PIL import Image
-
-    mean_t, std_t = torch.tensor(mean).view(-1, 1, 1), torch.tensor(std).view(-1, 1, 1)
-
-    def transform(image: Image.Image):
-        width, height = image.size
-        scale = size / min(width, height)
-        image = image.resize((max(size, round(width * scale)), max(size, round(height * scale))), Image.BILINEAR)
-        left, top = (image.width - size) // 2, (image.height - size) // 2
-        image = image.crop((left, top, left + size, top + size))
-        tensor = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1).float().div(255)
-        return (tensor - mean_t) / std_t
-    return transform
-
-
 def peer_model(base: Path, labels: list[str]):
     """The peer's model, loaded as the example loads it: a new head for these labels. transformers reports that head
     as an incompatible num_labels and a MISSING (or MISMATCH) load report, which read like errors; it is the head swap
@@ -77,21 +59,17 @@ def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batc
     import datasets
     from transformers import AutoImageProcessor, Trainer, TrainingArguments
 
-    from vit_finetune.bench.peer import ExampleBatchTransform, ExampleTrainTransform, example_collate_fn
+    from vit_finetune.bench.peer import (ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform,
+                                         example_collate_fn)
 
     splits = datasets.load_from_disk(str(dataset))
     labels = splits["train"].features["label"].names
     processor = AutoImageProcessor.from_pretrained(model)
     train_transform = ExampleTrainTransform(image_size, processor.image_mean, processor.image_std)
-    to_pixels = eval_transform(image_size, processor.image_mean, processor.image_std)
-
-    def eval_batch(batch: dict) -> dict:
-        batch["pixel_values"] = [to_pixels(image.convert("RGB")) for image in batch["image"]]
-        return batch
-
     train_set, eval_set = splits["train"], splits["validation"]
     train_set.set_transform(ExampleBatchTransform(train_transform))
-    eval_set.set_transform(eval_batch)
+    eval_set.set_transform(ExampleBatchTransform(ExampleEvalTransform(image_size, processor.image_mean,
+                                                                      processor.image_std)))
     network = peer_model(model, labels)
     per_epoch = "epoch" if eval_every_epoch else "no"
     args = TrainingArguments(

@@ -41,6 +41,24 @@ def test_image_folder_with_splits_gives_labels_from_folder_names(tmp_path):
     assert (splits.image_column, splits.label_column) == ("image", "label")
 
 
+def test_a_local_copy_of_a_hub_dataset_repo_reads_as_the_hub_dataset_does(tmp_path):
+    """Parquet shards in the Hub's layout (data/train-0000i-of-0000n.parquet: an image column of encoded bytes, a
+    ClassLabel column) under the card that declares them, as ethz/food101 is: read by load_dataset, its labels the
+    card's names; not taken for an image folder. Without the card, the shards alone are read the same way."""
+    from vit_finetune.bench.workload import ensure_hub_shards
+
+    folder, stats = ensure_hub_shards(tmp_path, train_images=6, eval_images=3, classes=3, processes=1)
+    assert sorted(path.name for path in (folder / "data").iterdir()) == [
+        "train-00000-of-00002.parquet", "train-00001-of-00002.parquet", "validation-00000-of-00001.parquet"]
+    splits = data.load_splits(DataSettings(dataset=str(folder)), seed=0)
+    assert splits.labels == ["class_000", "class_001", "class_002"] and splits.eval_split == "validation"
+    assert (len(splits.train), len(splits.eval), splits.image_column) == (6, 3, "image")
+    (folder / "README.md").unlink()
+    images = write_colour_folder(tmp_path / "images", classes=2, train=1, validation=1)
+    assert data.is_hub_dataset_copy(folder) and not data.is_hub_dataset_copy(images)
+    assert sorted(data.open_dataset(DataSettings(dataset=str(folder)))) == ["train", "validation"]
+
+
 def test_string_labels_become_a_classlabel_and_an_eval_split_is_carved_stratified(tmp_path):
     labels = ["cat"] * 20 + ["dog"] * 20 + ["owl"] * 10
     settings = DataSettings(dataset=str(saved_dataset(tmp_path, labels)), eval_fraction=0.2)

@@ -148,12 +148,71 @@ def test_the_compiled_training_graph_keeps_the_fused_attention(base):
     assert "outside the compiled graph" in said
 
 
+def test_regional_compile_compiles_the_blocks_in_place_once_for_all_and_steps_as_eager(tmp_path, monkeypatch):
+    """model.compile=regional: each block compiled in place (the model and its state dict unchanged: checkpoints and
+    the saved model read as an eager one's), its attention kept out of the graphs, one compiled code for all blocks
+    (as many graphs for 4 blocks as for 2), and a training step's loss and gradients those of eager, to float32
+    rounding. AOT autograd's graphs with inductor's decompositions, run as they are (no code generated)."""
+    import copy
+
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from vit_finetune import compiling
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    graphs_for: dict[int, int] = {}
+    for layers in (2, 4):
+        torch.manual_seed(0)
+        model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                                                    intermediate_size=64, image_size=32, patch_size=8, num_labels=3))
+        eager, keys = copy.deepcopy(model), list(model.state_dict())
+        graphs: list = []
+        torch._dynamo.reset()
+        try:
+            compiled, said = compiling.compile_for_training(model, "regional", backend=recording_backend(graphs))
+            pixels, labels = torch.randn(4, 3, 32, 32), torch.tensor([0, 1, 2, 0])
+            losses = []
+            for network in (compiled, eager):
+                loss = network(pixel_values=pixels, labels=labels).loss
+                loss.backward()
+                losses.append(loss.item())
+        finally:
+            torch._dynamo.reset()
+        assert compiled is model and list(model.state_dict()) == keys
+        assert f"{layers} blocks compiled one by one (ViTLayer)" in said and "outside the compiled graph" in said
+        assert str(tmp_path / "cache") in said  # the cache a user set is kept
+        in_graphs = {str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function"}
+        assert "aten.mm.default" in in_graphs or "aten.addmm.default" in in_graphs
+        assert not in_graphs & DECOMPOSED_ATTENTION
+        graphs_for[layers] = len(graphs)
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        for (name, compiled_parameter), eager_parameter in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(compiled_parameter.grad, eager_parameter.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert graphs_for[4] == graphs_for[2] > 0
+
+
+def test_compiled_code_is_cached_under_the_toolkits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
+    from vit_finetune import compiling
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    monkeypatch.setenv("VIT_FINETUNE_CACHE", str(tmp_path / "toolkit"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compiling.use_compile_cache() == str(tmp_path / "toolkit" / compiling.COMPILE_CACHE)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())  # what torch writes there itself
+    assert compiling.use_compile_cache() == str(tmp_path / "toolkit" / compiling.COMPILE_CACHE)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compiling.use_compile_cache() == str(tmp_path / "mine")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the CPU form is the test above (on a CPU the "
                     "compiler never chose the math path)")
-def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base):
-    """The H200's failure itself: inductor's compiled step, bf16, on the GPU. The profiler must see one of PyTorch's
-    fused attention ops, and none of the math path's batched products or softmax kernels."""
+@pytest.mark.parametrize("mode", ["whole", "regional"])
+def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base, mode):
+    """The H200's failure itself: inductor's compiled step, bf16, on the GPU, the whole model or each block. The
+    profiler must see one of PyTorch's fused attention ops, and none of the math path's batched products or softmax
+    kernels."""
     import torch._dynamo
     from transformers import ViTForImageClassification
 
@@ -163,7 +222,7 @@ def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base):
     pixels = torch.randn(8, 3, 32, 32, device="cuda")
     torch._dynamo.reset()
     try:
-        compiled, _ = compile_for_training(model)
+        compiled, _ = compile_for_training(model, mode)
 
         def training_step():
             with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -310,21 +369,47 @@ def test_a_default_cpu_run_steps_the_fused_adamw_uncompiled_and_says_why(args, t
     assert yaml.safe_load((out / "recipe.yaml").read_text())["model"]["compile"] is False
 
 
-def test_model_compile_auto_compiles_only_a_long_single_process_cuda_run():
-    """On CUDA the compile that keeps attention out was measured faster once it has paid for its compile time;
-    auto compiles one process's run from that many training images on, and nowhere it was not measured."""
-    from vit_finetune.compiling import CUDA_COMPILE_PAYS_FROM_IMAGES as enough, auto_compile
+def test_model_compile_auto_compiles_a_single_process_cuda_run_once_the_measured_compile_pays_back():
+    """auto's rule from the measured costs (compiling.MEASURED): the H200's whole-model compile of ViT-B/16 at 384 px
+    (17 s, 1.12x eager's 902 images/s) pays back after 17 / ((1 - 1/1.12) / 902) = 143,120 training images, and
+    auto waits for twice that; a base with half the work per image runs eager twice as fast, so it waits for twice
+    as many images. Off where nothing was measured, with the reason."""
+    from vit_finetune.compiling import VIT_B16_384_WORK, CompileFacts, auto_compile
 
-    assert auto_compile("cuda", False, enough, processes=1)[0]
-    short, why = auto_compile("cuda", False, enough - 1, processes=1)
-    assert not short and f"this run sees {enough - 1:,}" in why and "1.12x" in why
-    several, why = auto_compile("cuda", False, 10 * enough, processes=2)
+    vit_b = CompileFacts(work_per_image=VIT_B16_384_WORK)
+    enough = 2 * 17 / ((1 - 1 / 1.12) / 902)
+    assert auto_compile("cuda", False, int(enough) + 1, processes=1, facts=vit_b)[0] is True
+    short, why = auto_compile("cuda", False, int(enough) - 1, processes=1, facts=vit_b)
+    assert not short and f"this run sees {int(enough) - 1:,}" in why and "1.12x" in why
+    assert "the 143,000 training images that pay it back" in why and "(286,000;" in why
+    assert "regional compilation not measured on cuda" in why  # until the GPU measures it
+    half = CompileFacts(work_per_image=VIT_B16_384_WORK / 2)
+    assert not auto_compile("cuda", False, int(1.9 * enough), processes=1, facts=half)[0]
+    assert auto_compile("cuda", False, int(2.1 * enough), processes=1, facts=half)[0] is True
+    several, why = auto_compile("cuda", False, int(10 * enough), processes=2, facts=vit_b)
     assert not several and "2 processes were not measured compiled" in why
-    own, why = auto_compile("cuda", False, 10 * enough, processes=1, attention_compiled="X calls its own attention")
+    own, why = auto_compile("cuda", False, int(10 * enough), processes=1,
+                            facts=CompileFacts("X calls its own attention", VIT_B16_384_WORK))
     assert not own and why.startswith("X calls its own attention, so compiled, its attention would be traced")
-    assert not auto_compile("cuda", True, 10 * enough, processes=1)[0]  # sharded: Accelerate compiles after sharding
-    assert not auto_compile("cpu", False, 10 * enough, processes=1)[0]
-    assert auto_compile("mps", False, 10 * enough, processes=1) == (False, "compiling was never measured on mps")
+    unestimated, why = auto_compile("cuda", False, int(10 * enough), processes=1, facts=CompileFacts())
+    assert not unestimated and "work per image is not estimated" in why  # a Swin: its stages merge patches
+    assert not auto_compile("cuda", True, int(10 * enough), processes=1, facts=vit_b)[0]  # sharded: Accelerate's
+    assert not auto_compile("cpu", False, int(10 * enough), processes=1, facts=vit_b)[0]
+    assert auto_compile("mps", False, 10**8, processes=1, facts=vit_b) == (False, "compiling was never measured on mps")
+
+
+def test_auto_chooses_the_measured_mode_that_saves_the_run_the_most_time(monkeypatch):
+    """With two modes measured, a short run takes the cheap compile and a long one the faster step."""
+    from vit_finetune import compiling
+
+    monkeypatch.setitem(compiling.MEASURED, ("cuda", "regional"), compiling.CompileCost(
+        "a card", compile_seconds=2.0, speedup=1.05, eager_images_per_s=1000.0,
+        work_per_image=compiling.VIT_B16_384_WORK, memory=0.9))
+    vit_b = compiling.CompileFacts(work_per_image=compiling.VIT_B16_384_WORK)
+    short, why = compiling.auto_compile("cuda", False, 100_000, processes=1, facts=vit_b)
+    assert short == "regional" and "not measured" not in why and "estimated to save" in why
+    assert compiling.auto_compile("cuda", False, 10_000_000, processes=1, facts=vit_b)[0] is True
+    assert not compiling.auto_compile("cuda", False, 50_000, processes=1, facts=vit_b)[0]
 
 
 @pytest.mark.parametrize("images_seen, processes, attention_compiled, compiled", [
@@ -338,6 +423,7 @@ def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_se
 
     from accelerate.utils import DistributedType
 
+    from vit_finetune.compiling import VIT_B16_384_WORK, CompileFacts
     from vit_finetune.plan import RunSize, plan_run
     from vit_finetune.recipe import load_recipe
     from vit_finetune.tasks import SingleLabel
@@ -348,9 +434,10 @@ def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_se
     size = RunSize(images_seen=images_seen, training_images=75_000, classes=101, eval_images=25_000,
                    steps_per_epoch=1_000, total_steps=images_seen // 75, base_parameters=86_000_000)
     recipe = load_recipe(None, ["train.method=finetune", "train.batch_size=75", "train.mixed_precision=bf16"])
-    assert plan_run(recipe, size, cuda, SingleLabel(), attention_compiled=attention_compiled).model.compile is compiled
+    facts = CompileFacts(attention_compiled, VIT_B16_384_WORK)
+    assert plan_run(recipe, size, cuda, SingleLabel(), compile_facts=facts).model.compile is compiled
     said = capsys.readouterr().out
-    assert f"model.compile=auto -> {str(compiled).lower()}: {attention_compiled or 'on a GPU the compile'}" in said
+    assert f"model.compile=auto -> {str(compiled).lower()}: {attention_compiled or 'on a GPU the whole model'}" in said
 
 
 def test_a_base_whose_attention_cannot_be_kept_out_is_known_before_it_is_built(tmp_path):
@@ -366,6 +453,22 @@ def test_a_base_whose_attention_cannot_be_kept_out_is_known_before_it_is_built(t
     assert "Data2Vec-vision calls PyTorch's attention itself" in why_attention_is_compiled(
         base_on_meta(ModelSettings(base=str(tmp_path / "data2vec-vision"))).model)
     assert why_attention_is_compiled(base_on_meta(ModelSettings(base=str(tmp_path / "vit"))).model) is None
+
+
+def test_the_work_per_image_auto_scales_by_is_read_off_the_base_on_the_meta_device():
+    """ViT-B/16 at 384 px is the measured model's own work; at 224 px a third of it (196 patches of 576); a Swin,
+    whose stages merge patches, is not estimated."""
+    from transformers import SwinConfig, SwinForImageClassification, ViTForImageClassification
+
+    from vit_finetune.bench import MODELS
+    from vit_finetune.compiling import VIT_B16_384_WORK, facts_of
+
+    with torch.device("meta"):
+        vit_b = ViTForImageClassification(MODELS["vit-b16-384"].vit_config())
+        swin = SwinForImageClassification(SwinConfig(embed_dim=16, depths=[1, 1], num_heads=[1, 1]))
+    assert facts_of(vit_b, 384).work_per_image == VIT_B16_384_WORK
+    assert facts_of(vit_b, 224).work_per_image == VIT_B16_384_WORK * 196 / 576
+    assert facts_of(swin, 224).work_per_image is None and facts_of(swin, 224).attention_compiled is None
 
 
 def test_model_compile_null_reads_as_auto_as_earlier_versions_wrote_it():

@@ -37,7 +37,7 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     size = plan.RunSize.of(asked, rows, len(splits.labels), None if streamed else len(splits.eval),
                            accelerator.num_processes, base_parameter_count(base))
     recipe = plan.plan_run(asked, size, accelerator, task, head_kept=keeps_base_head(asked.model, splits.labels),
-                           attention_compiled=compiling.why_attention_is_compiled(base.model))
+                           compile_facts=compiling.facts_of(base.model, asked.model.image_size))
     # From here on only the recipe as run is read.
     method = methods.METHODS[recipe.train.method]
     total_steps = size.total_steps if method.fine_tunes else 0  # the probe alone is the whole training

@@ -13,7 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
-from . import compiling, layout, precision, progress, sharding
+from . import compiling, layout, precision, progress, sharding, speedups
 from .data import cpu_cores
 from .errors import RunError
 from .parts import Parts
@@ -71,15 +71,16 @@ def torch_threads(count: int | None):
 
 
 def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
-    """Compile the model if model.compile says so (`recipe`: as run), then hand model, optimiser and loaders to Accelerate
-    (DDP wrapping is a collective: all processes at once)."""
+    """The step's speed-ups that are on (speedups.ON), the model compiled if model.compile says so (`recipe`: as run),
+    then model, optimiser and loaders handed to Accelerate (DDP wrapping is a collective: all processes at once)."""
     model = parts.model
+    speedups.apply_those_on(model, accelerator.device.type)  # before compiling, which traces what they change
     # Never before sharding (run() refused model.compile=true there, auto resolves to false): Accelerate compiles a
     # sharded model itself, after sharding, when its config file has a dynamo_config.
     if recipe.model.compile and not sharding.is_sharded(accelerator):
-        model, where_attention_runs = compiling.compile_for_training(model)
+        model, compiled = compiling.compile_for_training(model, compiling.MODES[recipe.model.compile])
         if accelerator.is_main_process:
-            progress.say(f"model.compile: {where_attention_runs}")
+            progress.say(f"model.compile: {compiled}")
     # Prepared (not register_for_checkpointing), the scheduler is saved as scheduler.bin and read back with
     # torch.load(weights_only=True); a registered object is read back with weights_only=False, a full unpickle.
     if recipe.data.streaming:  # each process already reads only its share: Accelerate must not deal it out again

@@ -58,7 +58,7 @@ class RunFacts:
     task: Task
     head_kept: bool  # a student keeps its base's trained head
     unaveraged: str | None  # a setting WiSE-FT's average was not measured with (auto's alpha is then 1)
-    attention_compiled: str | None = None  # why compiling would trace the base's attention too; None: kept out
+    compile_facts: compiling.CompileFacts = compiling.CompileFacts()  # the base, as model.compile=auto reads it
 
 
 def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
@@ -84,7 +84,7 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
                                                     precision.auto_mixed_precision(facts.device_type)[1]),
     "model.compile": lambda recipe, facts: compiling.auto_compile(facts.device_type, facts.sharded,
                                                                   facts.size.images_seen, facts.processes,
-                                                                  facts.attention_compiled),
+                                                                  facts.compile_facts),
     "data.crop_scale": lambda recipe, facts: data.auto_crop_scale(facts.size.images_seen),
     "train.lr": lambda recipe, facts: optim.auto_lr(recipe.model.lora is not None, facts.size.base_parameters),
     "train.weight_decay": lambda recipe, facts: optim.auto_weight_decay(),
@@ -138,15 +138,15 @@ def with_setting(recipe: Recipe, key: str, value: Any) -> Recipe:
 
 
 def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: bool = False,
-             attention_compiled: str | None = None) -> Recipe:
+             compile_facts: compiling.CompileFacts = compiling.CompileFacts()) -> Recipe:
     """The recipe as this run runs it: every `auto` of `asked` resolved (AUTO) and said on the main process, and
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
-    head; `attention_compiled`: why compiling would trace the base's attention too (compiling.why_attention_is_compiled).
+    head; `compile_facts`: the base as model.compile=auto reads it (compiling.facts_of).
     A WiSE-FT average or a probe head scale the run cannot honour is refused after the lines that say what auto
     chose."""
     sharded = sharding.is_sharded(accelerator)
     facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
-                     task, head_kept, wise_ft_unmeasured(asked, task, sharded), attention_compiled)
+                     task, head_kept, wise_ft_unmeasured(asked, task, sharded), compile_facts)
     recipe, said = asked, {}
     for key, resolve in AUTO.items():
         if setting(recipe, key) == "auto":

@@ -57,9 +57,9 @@ def refuse_unsupported(recipe: Recipe, engine: str | None) -> None:
             f"{' and '.join(copies)} keep a full copy of the weights on every process, which {engine} shards to save "
             "that very memory; they are not supported with sharding. Fix: drop them (train.ema_decay=null "
             f"train.keep_best=null), or launch with {DDP_CONFIG} if the model fits one device")
-    if recipe.model.compile is True:
+    if recipe.model.compile in (True, "regional"):
         raise ShardingError(
-            f"model.compile=true with {engine}: the model must be compiled after it is sharded, which Accelerate does. "
+            f"model.compile={str(recipe.model.compile).lower()} with {engine}: the model must be compiled after it is sharded, which Accelerate does. "
             "Fix: set model.compile=auto and add `dynamo_config: {dynamo_backend: INDUCTOR}` to the Accelerate "
             "config file")
 

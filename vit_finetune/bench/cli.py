@@ -52,9 +52,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workers", type=int,
                         help="data loader workers for ours and the peer; default: data.default_num_workers")
     parser.add_argument("--precision", choices=("bf16", "no"), help="default: bf16 on CUDA, no (float32) on CPU")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                        help="model.compile for our configurations; auto = what model.compile=auto chooses for one "
-                             "process of a run long enough for compiling to pay (compiling.auto_compile)")
+    parser.add_argument("--compile", choices=("auto", "on", "regional", "off", "other"), default="auto",
+                        help="model.compile for our configurations (on: the whole model; regional: each block); auto = "
+                             "what model.compile=auto chooses for one process of a long run (levers.long_run_compile); "
+                             "other = the whole model compiled where auto does not compile, else off")
     parser.add_argument("--levers", metavar="all|" + ",".join(LEVERS),
                         help="after the configurations, our model step with the defaults and then with each of these "
                              "levers changed alone (see vit_finetune/bench/levers.py)")
@@ -85,6 +86,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def compile_setting(asked: str, device_type: str) -> bool | str:
+    """model.compile of our configurations for --compile `asked` on this device type."""
+    auto = long_run_compile(device_type)
+    return {"auto": auto, "on": True, "regional": "regional", "off": False, "other": auto is False}[asked]
+
+
 def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
     device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
     defaults = DEVICE_DEFAULTS[device_type]
@@ -106,7 +113,7 @@ def make_setup(args: argparse.Namespace, work_dir: Path) -> tuple[Setup, dict]:
     setup = Setup(
         device=torch.device(device_type), model_name=model_name, spec=spec, batch_size=batch_size, warmup=warmup,
         steps=steps, workers=workers, precision=args.precision or defaults["precision"],
-        compile={"auto": long_run_compile(device_type), "on": True, "off": False}[args.compile], jpegs=jpegs,
+        compile=compile_setting(args.compile, device_type), jpegs=jpegs,
         base=base, work_dir=work_dir,
         profile_dir=args.profile,
     )
@@ -172,9 +179,13 @@ def main(argv: list[str] | None = None) -> int:
                 "model step, defaults", lambda: run_ours("model_step", setup, peak, memory))
             for name in args.levers:
                 lever = LEVERS[name]
-                variant = lever.flip(DEFAULTS, setup.device.type)
-                levers[name] = {"change": lever.change(setup.device.type), **measure(
-                    lever.title, lambda: run_ours("model_step", setup, peak, memory, variant, f"lever_{name}"))}
+                device_type = setup.device.type
+                variant = lever.flip(DEFAULTS, device_type)
+                skipped = lever.unavailable(device_type)
+                if skipped:
+                    print(f"vit_finetune bench: {lever.title} skipped: {skipped}", flush=True)
+                levers[name] = {"change": lever.change(device_type), **({"skipped": skipped} if skipped else measure(
+                    lever.title, lambda: run_ours("model_step", setup, peak, memory, variant, f"lever_{name}")))}
                 report = write()
     print(format_table(report))
     if args.markdown:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import checkpoint, loop
+from .. import checkpoint, compiling, loop, speedups
 from ..build import run_parts
 from ..devices import make_accelerator, prepare
 from ..optim import build_scheduler
@@ -58,14 +58,15 @@ def run_ours(config: str, setup: Setup, peak: dict, memory: PeakMemory, variant:
     if not variant.fused_adamw:
         parts.optimizer = unfused_adamw(parts.optimizer)
         parts.scheduler = build_scheduler(parts.optimizer, recipe, parts.total_steps)
-    prepare(accelerator, parts, recipe)  # torch.compile (model.compile) and accelerator.prepare
+    changed = speedups.apply(parts.model, variant.speedups, accelerator.device.type)  # before prepare compiles it
+    prepare(accelerator, parts, recipe)  # speedups.ON, torch.compile (model.compile) and accelerator.prepare
     clock = setup.clock(label or config)
     if config == "model_step":
         source = device_batches(setup.spec, recipe.train.batch_size, accelerator.device)
     else:
         check_one_epoch_covers(setup, parts.train_loader)
         source = parts.train_loader
-    settings = our_settings(accelerator, parts, recipe, variant)
+    settings = our_settings(accelerator, parts, recipe, variant, changed)
     timed = dataclasses.replace(parts, train_loader=TimedBatches(source, clock, parts.train_loader))
     loop.train_loop(TrainingRun(recipe, accelerator, timed, checkpoint.TrainState(), asked),
                     finite_check_every_step=variant.finite_check_every_step)
@@ -86,14 +87,19 @@ def run_our_loader(setup: Setup, peak: dict, memory: PeakMemory) -> dict:
     return measured(clock, None, peak, memory, loader_settings(accelerator, loader))
 
 
-def our_settings(accelerator, parts, recipe, variant: Variant) -> dict:
-    """The levers in effect, read off the built objects rather than assumed (`recipe`: as the run resolved it)."""
+def our_settings(accelerator, parts, recipe, variant: Variant, changed: dict[str, int]) -> dict:
+    """The levers in effect, read off the built objects rather than assumed (`recipe`: as the run resolved it;
+    `changed`: the modules each speed-up beyond speedups.ON changed)."""
     optimizer = getattr(parts.optimizer, "optimizer", parts.optimizer)
     model = accelerator.unwrap_model(parts.model, keep_torch_compile=False)
+    compiled_blocks = sum(module._compiled_call_impl is not None for module in compiling.repeated_blocks(model))
+    whole = hasattr(parts.model, "_orig_mod") or type(parts.model).__name__ == "OptimizedModule"
     return {
         "precision": recipe.train.mixed_precision,
         "batch_size": recipe.train.batch_size,
-        "torch_compile": hasattr(parts.model, "_orig_mod") or type(parts.model).__name__ == "OptimizedModule",
+        "torch_compile": whole or compiled_blocks > 0,
+        "compile_mode": "whole" if whole else "regional" if compiled_blocks else None,
+        "speedups": {**{name: "on for every run" for name in speedups.ON}, **changed},
         "attention": getattr(model.config, "_attn_implementation", None),
         "optimizer": f"{type(optimizer).__name__}(fused={optimizer.defaults.get('fused')})",
         "finite_check": "after every step" if variant.finite_check_every_step else "at logs, evaluations, checkpoints",

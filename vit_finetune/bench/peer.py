@@ -73,10 +73,47 @@ class ExampleTrainTransform:
         return (height - h) // 2, (width - w) // 2, h, w
 
 
-class ExampleBatchTransform:
-    """The example's `train_transforms(example_batch)`, a class so that spawned workers could pickle it."""
+class ExampleEvalTransform:
+    """Compose([Resize(size), CenterCrop(size), ToTensor(), Normalize(mean, std)]) of the example's evaluation.
 
-    def __init__(self, transform: ExampleTrainTransform, image_column: str = "image"):
+    torchvision's own classes when it is installed; otherwise the same steps with PIL and torch: an int size resizes
+    the shorter side (bilinear, antialiased as PIL is) and crops the centre, a (height, width) resizes to it.
+    """
+
+    def __init__(self, size: int | tuple[int, int], mean: list[float], std: list[float]):
+        self.size = size
+        self.mean = torch.as_tensor(mean, dtype=torch.float32).view(-1, 1, 1)
+        self.std = torch.as_tensor(std, dtype=torch.float32).view(-1, 1, 1)
+        try:
+            from torchvision.transforms import CenterCrop, Compose, Normalize, Resize, ToTensor
+
+            self.compose = Compose([Resize(size), CenterCrop(size), ToTensor(), Normalize(mean=mean, std=std)])
+        except ImportError:
+            self.compose = None
+
+    def __call__(self, image: Image.Image) -> torch.Tensor:
+        if self.compose is not None:
+            return self.compose(image)
+        if isinstance(self.size, int):
+            width, height = image.size
+            scale = self.size / min(width, height)
+            image = image.resize((max(self.size, round(width * scale)), max(self.size, round(height * scale))),
+                                 Image.BILINEAR)
+            crop_height = crop_width = self.size
+        else:
+            crop_height, crop_width = self.size
+            image = image.resize((crop_width, crop_height), Image.BILINEAR)
+        left, top = (image.width - crop_width) // 2, (image.height - crop_height) // 2
+        image = image.crop((left, top, left + crop_width, top + crop_height))
+        tensor = torch.from_numpy(np.array(image, np.uint8, copy=True)).permute(2, 0, 1).float().div(255)
+        return (tensor - self.mean) / self.std
+
+
+class ExampleBatchTransform:
+    """The example's `train_transforms(example_batch)` (or `val_transforms`), a class so that spawned workers could
+    pickle it."""
+
+    def __init__(self, transform: ExampleTrainTransform | ExampleEvalTransform, image_column: str = "image"):
         self.transform, self.image_column = transform, image_column
 
     def __call__(self, example_batch: dict) -> dict:

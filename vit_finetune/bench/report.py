@@ -62,7 +62,7 @@ def lever_ratios(levers: dict) -> dict[str, dict[str, float]]:
         return {}
     return {name: {"images/s": figures["images_per_s"] / defaults["images_per_s"],
                    "peak memory": figures["peak_memory_gib"] / defaults["peak_memory_gib"]}
-            for name, figures in levers.items() if name != "defaults" and "error" not in figures}
+            for name, figures in levers.items() if name != "defaults" and "images_per_s" in figures}
 
 
 def build_report(argv: list[str], setup: Setup, jpeg_stats: dict, peak: dict, memory: PeakMemory,
@@ -99,6 +99,8 @@ def build_report(argv: list[str], setup: Setup, jpeg_stats: dict, peak: dict, me
 def _row(title: str, result: dict) -> str:
     if "error" in result:
         return f"{title:32s} failed: {result['error'][:200]}"
+    if "skipped" in result:
+        return f"{title:32s} skipped: {result['skipped']}"
     mfu = "-" if result["mfu"] is None else f"{100 * result['mfu']:.2f}%"
     return (f"{title:32s} {result['images_per_s']:10,.1f} {mfu:>8s} {result['peak_memory_gib']:8.2f} GiB "
             f"{100 * result['data_wait_share']:9.1f}%")
@@ -147,8 +149,9 @@ def markdown_rows(report: dict) -> list[str]:
                    for name, result in report.get("levers", {}).items()}}
     rows = []
     for title, result in measured.items():
-        if "error" in result:
-            rows.append(f"| {card} | {date} | {title} | failed: {result['error'][:80]} | | | `{report['command']}` |")
+        if "error" in result or "skipped" in result:
+            why = f"failed: {result['error'][:80]}" if "error" in result else f"skipped: {result['skipped']}"
+            rows.append(f"| {card} | {date} | {title} | {why} | | | `{report['command']}` |")
             continue
         mfu = "" if result["mfu"] is None else f"{100 * result['mfu']:.1f} %"
         rows.append(f"| {card} | {date} | {title} | {result['images_per_s']:,.0f} | {mfu} | "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .. import hub
 from ..errors import excerpt
+from ..layout import CARD_FILE
 from ..recipe import DataSettings
 from ..sources import REPO_ID_PATTERN
 from . import labels
@@ -37,8 +38,8 @@ def refuse_unreachable(settings: DataSettings) -> None:
 
 
 def open_dataset(settings: DataSettings, notes: list[str] | None = None):
-    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a label file or an image folder; what the run
-    should say of it (a label file found multi-label) is added to `notes`."""
+    """A DatasetDict from a Hub id, a saved dataset (save_to_disk), a local copy of a Hub dataset repo, a label file
+    or an image folder; what the run should say of it (a label file found multi-label) is added to `notes`."""
     import datasets
 
     source = Path(settings.dataset).expanduser()
@@ -52,6 +53,8 @@ def open_dataset(settings: DataSettings, notes: list[str] | None = None):
             loaded = labels.load_label_file(label_file, settings, notes)
         elif source.is_dir() and ((source / "dataset_dict.json").exists() or (source / "state.json").exists()):
             loaded = datasets.load_from_disk(str(source))
+        elif source.is_dir() and is_hub_dataset_copy(source):  # read as load_dataset reads the Hub repo itself
+            loaded = datasets.load_dataset(str(source))
         elif source.is_dir():
             check_image_folder_layout(source, settings.dataset)
             loaded = datasets.load_dataset("imagefolder", data_dir=str(source))
@@ -73,6 +76,22 @@ def open_dataset(settings: DataSettings, notes: list[str] | None = None):
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({settings.train_split: loaded})
     return loaded
+
+
+# The data files a Hub dataset repo holds, which datasets reads by itself (an image folder holds images).
+HUB_DATA_FILES = ("*.parquet", "*.arrow")
+
+
+def is_hub_dataset_copy(folder: Path) -> bool:
+    """Whether a folder is laid out as a Hub dataset repo (a `hf download --repo-type dataset` copy, say): a
+    README.md whose card declares its configs or features, or parquet/arrow files at most two folders down
+    (data/train-00000-of-00008.parquet, default/train/0000.parquet)."""
+    card = folder / CARD_FILE
+    text = card.read_text(errors="replace") if card.is_file() else ""
+    header = text.split("\n---", 1)[0] if text.startswith("---") else ""  # the card's YAML front matter
+    if re.search(r"^(configs|dataset_info):", header, re.MULTILINE):
+        return True
+    return any(next(folder.glob(f"{depth}{pattern}"), None) for depth in ("", "*/", "*/*/") for pattern in HUB_DATA_FILES)
 
 
 def is_local(settings: DataSettings) -> bool:

@@ -41,11 +41,12 @@ class ModelSettings(Strict):
     revision: str | None = Field(None, description="Hub branch, tag or commit of model.base; null = main")
     trust_remote_code: bool = Field(False,
         description="run the base's own Python code from the Hub; off unless you trust it")
-    compile: bool | Literal["auto"] = Field("auto", description=(
-        "torch.compile the model, its attention kept out of the compiled graph on the fused kernels (compiling.py); "
-        "auto: compiling.auto_compile, on only where compiling was measured faster and the run is long enough to pay "
-        "for it (so far: one CUDA process, from 300,000 training images, attention kept out), printed and saved "
-        "resolved in the output's recipe.yaml"))
+    compile: bool | Literal["auto", "regional"] = Field("auto", description=(
+        "torch.compile the model, its attention kept out of the compiled graph on the fused kernels (compiling.py): "
+        "true = the whole model, regional = each repeated block on its own (a shorter compile); auto: "
+        "compiling.auto_compile, on only where compiling was measured faster and the run long enough to pay for it "
+        "(so far: one CUDA process, the whole model, from about 286,000 training images of a ViT-B/16 at 384 px, "
+        "attention kept out), printed and saved resolved in the output's recipe.yaml"))
     window_size: Bounded("model.window_size", StrictInt | None) = Field(None, gt=0, description=(
         "Swin/Swinv2 attention window; null = keep the checkpoint's (a new one resizes Swin's bias tables)"))
     drop_path_rate: Float | None = Field(None, ge=0, lt=1, description=(
