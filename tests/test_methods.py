@@ -402,10 +402,17 @@ def test_auto_is_conservative_outside_what_was_measured():
     # A probe alone would leave LoRA's adapters or the teacher unused: LP-FT.
     assert auto(high, shortest, needs_steps="model.lora")[0] == "lp_ft"
     assert auto(400, 1600, needs_steps="model.lora")[0] == "lp_ft"
-    # Beyond the range, on either axis: fine-tuning, saying why.
-    for per_class, seen in ((high * 2, longest), (low - 1, longest), (40, longest * 2), (40, shortest // 2)):
+    # Beyond the images per class measured: fine-tuning, as at scale, saying why.
+    for per_class, seen in ((high * 2, longest), (low - 1, longest)):
         method, why = auto(per_class, seen, averages=True)
         assert method == "finetune" and "not here" in why, (per_class, seen)
+    # Past the longest schedule on data of a measured size: LP-FT on, no cliff at the range's end, said as beyond it;
+    # shorter than the shortest: the probe alone, as just inside it.
+    for seen in (longest + 16, longest * 4):
+        method, why = auto(40, seen, averages=True)
+        assert method == "lp_ft" and "past that, LP-FT, the conservative side" in why, seen
+    assert auto(40, longest)[0] == auto(40, longest + 16)[0] == "lp_ft"
+    assert auto(40, shortest // 2)[0] == "linear_probe"
     assert auto(40, 1000, pretrained=False)[0] == "finetune"
     assert auto(40, 1000, streaming=True)[0] == "finetune"
 

@@ -68,9 +68,16 @@ def auto_method(training_images: int, classes: int, images_seen: int, pretrained
     low, high = MEASURED_IMAGES_PER_CLASS
     shortest, longest = MEASURED_IMAGES_SEEN
     size = f"{images_per_class:,.0f} training images per class, {images_seen:,} seen ({epochs:,.1f} epochs)"
-    if not (low <= images_per_class <= high and shortest <= images_seen <= longest):
-        return "finetune", (f"{size}: the methods were measured on {low}-{high} images per class and {shortest:,}-"
-                            f"{longest:,} images seen, not here, so fine-tuning, as at scale")
+    measured = f"the methods were measured on {low}-{high} images per class and {shortest:,}-{longest:,} images seen"
+    if not low <= images_per_class <= high:
+        return "finetune", f"{size}: {measured}, not here, so fine-tuning, as at scale"
+    if images_seen > longest:
+        # A longer schedule on data of a measured size: no cliff at the range's end. From the probe's head the
+        # fine-tuning moves the pretrained features least (Kumar et al.), and LP-FT led or tied fine-tuning from a
+        # new head on the longest schedules measured, the shift study's included.
+        return "lp_ft", (f"{size}: {measured}; past that, LP-FT, the conservative side: on the longest schedules "
+                         "measured it led or tied fine-tuning from a new head, with and without a shift between "
+                         "sources")
     if images_seen < PROBE_ALONE_BELOW_IMAGES_SEEN:
         short = f"with fewer than {PROBE_ALONE_BELOW_IMAGES_SEEN:,} images seen"
         why = "the probe alone beat fine-tuning and LP-FT in the transfer study"
