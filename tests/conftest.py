@@ -175,10 +175,10 @@ def args(base, images) -> list[str]:
 # named keep their alphabetical order after these.
 LONGEST_FILES_FIRST = ("test_serving.py", "test_launch.py", "test_streaming.py", "test_stopping.py", "test_resume.py",
                        "test_safety_io.py", "test_hub_roundtrip.py", "test_resume_safety.py", "test_sharded.py",
-                       "test_first_minutes.py", "test_device_switches.py", "test_methods.py", "test_bench.py",
-                       "test_readme_commands.py", "test_multilabel.py", "test_multiprocess.py", "test_families.py",
-                       "test_warm_launch.py", "test_overwrite.py", "test_distill.py", "test_hostile_configs.py",
-                       "test_unreachable_hub.py", "test_model.py", "test_security.py")
+                       "test_deepspeed.py", "test_first_minutes.py", "test_device_switches.py", "test_methods.py",
+                       "test_bench.py", "test_readme_commands.py", "test_multilabel.py", "test_multiprocess.py",
+                       "test_families.py", "test_warm_launch.py", "test_overwrite.py", "test_distill.py",
+                       "test_hostile_configs.py", "test_unreachable_hub.py", "test_model.py", "test_security.py")
 
 
 def pytest_collection_modifyitems(items):

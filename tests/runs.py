@@ -69,7 +69,7 @@ class WarmLauncher:
     def start(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
               cwd: Path | None = None, module: str = "vit_finetune") -> list[int]:
         """Fork the ranks of one launch of `-m module ARGS` (the launcher's environment with `changes`, its output in
-        `log` and `log`.err, in `cwd` or the launcher's); returns their pids."""
+        `log` and `log`.err, in `cwd` or the launcher's); returns their pids, rank 0's first."""
         log.parent.mkdir(parents=True, exist_ok=True)
         request = {"processes": 2, "config_file": str(config_file) if config_file else None,
                    "module_and_args": [module, *args], "env": {**self.env, **changes},
@@ -93,13 +93,14 @@ class WarmLauncher:
 
     def run_and_kill(self, args: list[str], changes: dict[str, str], log: Path,
                      when: Callable[[], bool], config_file: Path | None = None,
-                     timeout: float = 300) -> tuple[int, list[int]]:
-        """A launch whose ranks are sent SIGKILL as soon as `when()` holds; returns its exit code and the ranks' pids."""
+                     timeout: float = 300, only_rank: int | None = None) -> tuple[int, list[int]]:
+        """A launch whose ranks (or rank `only_rank` alone: the launcher then stops the others) are sent SIGKILL as
+        soon as `when()` holds; returns its exit code and the ranks' pids."""
         ranks = self.start(args, changes, log, config_file)
         deadline = time.monotonic() + timeout
         while not when() and time.monotonic() < deadline:
             time.sleep(0.005)
-        for pid in ranks:
+        for pid in ranks if only_rank is None else [ranks[only_rank]]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # it ended on its own first

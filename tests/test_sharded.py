@@ -1,4 +1,5 @@
-"""Sharded models: FSDP (and DeepSpeed ZeRO) through Accelerate's own config files in recipes/accelerate/.
+"""Sharded models: FSDP through Accelerate's own config files in recipes/accelerate/ (DeepSpeed's runs:
+test_deepspeed.py; its refusals are here with FSDP's).
 
 `accelerate launch --config_file recipes/accelerate/fsdp_full_shard.yaml --num_processes 2 -m vit_finetune ...`
 must write sharded checkpoints (one file per rank), resume from them after a kill -9 to the same weights, bit for
@@ -7,7 +8,7 @@ bit, and end with one ordinary safetensors folder equal to the same run under DD
 On a machine without GPUs, Accelerate 1.15 does not set up FSDP (it falls back to DDP, which the toolkit refuses:
 tested here for real). PyTorch's FSDP2 and Accelerate's FSDP2 code paths do run on CPU over gloo once Accelerate's
 state says FSDP, which tests/fsdp_on_cpu.py makes it say (standing in for the GPUs, and nothing else); with two
-GPUs the same tests run on them for real. DeepSpeed cannot run on CPU here (see test_deepspeed_zero_runs_end_to_end).
+GPUs the same tests run on them for real.
 The shared FSDP run is launched by `accelerate launch --config_file` itself; the others take the same config through
 Accelerate's own parser with their ranks forked warm (tests/warm_launch.py), which spares each launch two imports.
 """
@@ -148,6 +149,40 @@ def test_fsdp_on_a_machine_without_gpus_is_refused_not_run_as_ddp(data, tmp_path
     assert not (out / "model.safetensors").exists() and not (out / "checkpoints").exists()
 
 
+@pytest.mark.skipif(GPUS > 0 or importlib.util.find_spec("deepspeed") is None,
+                    reason="tests Accelerate's fallback on a machine without GPUs, with DeepSpeed installed")
+def test_deepspeed_on_a_machine_without_gpus_is_refused_not_run_as_ddp(data, tmp_path, monkeypatch, capsys):
+    # What `accelerate launch` with deepspeed_zero2.yaml exports to each process (accelerate/utils/launch.py).
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_GRADIENT_CLIPPING", "1.0")
+    out = tmp_path / "out"
+    assert train([*data["args"], f"output_dir={out}"]) == 1
+    error = capsys.readouterr().err
+    assert "DeepSpeed" in error and "GPUs only" in error and "torchrun --nproc_per_node" in error
+    assert not (out / "model.safetensors").exists() and not (out / "checkpoints").exists()
+
+
+# The launch's ZeRO-3 variables (accelerate/utils/launch.py): zero3_init_flag true, or left out (ZeRO-3's default is
+# true), partitions each model as it is built, where the toolkit builds it whole; zero3_save_16bit_model false would
+# stop the run at its end, when the weights are gathered.
+@pytest.mark.parametrize("flags, refused", [
+    ({"ACCELERATE_DEEPSPEED_ZERO3_INIT": "true", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"},
+     "Fix: set zero3_init_flag: false"),
+    ({"ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true"}, "Fix: set zero3_init_flag: false"),
+    ({"ACCELERATE_DEEPSPEED_ZERO3_INIT": "false", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "false"},
+     "Fix: set zero3_save_16bit_model: true")], ids=["init true", "init left out", "no 16-bit gather"])
+def test_zero3_settings_the_toolkit_cannot_train_with_are_refused_before_any_work(data, tmp_path, monkeypatch,
+                                                                                  capsys, flags, refused):
+    for name, value in {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", **flags}.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "out"
+    assert train([*data["args"], f"output_dir={out}"]) == 1
+    error = capsys.readouterr().err
+    assert refused in error and "Traceback" not in error
+    assert not out.exists()  # refused before output_dir was touched
+
+
 @pytest.mark.parametrize("keys", [["train.ema_decay=0.9"], ["train.keep_best=eval_loss"],
                                   ["train.ema_decay=0.9", "train.keep_best=eval_accuracy"], ["model.compile=true"]])
 def test_what_keeps_a_full_copy_of_the_weights_is_refused_under_sharding(data, tmp_path, monkeypatch, capsys, keys):
@@ -253,22 +288,3 @@ def test_fsdp_with_bf16_computes_in_bf16_and_keeps_float32_weights(data, fsdp_ru
     assert bf16 != fp32 and bf16 == pytest.approx(fp32, rel=0.05)  # bf16 rounding: near, never equal
     assert json.loads((out / "run_info.json").read_text())["mixed_precision"] == "bf16"
     assert {tensor.dtype for tensor in load_file(str(out / "model.safetensors")).values()} == {torch.float32}
-
-
-# ------------------------------------------------------------------ DeepSpeed
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(GPUS < 2 or importlib.util.find_spec("deepspeed") is None,
-                    reason="DeepSpeed needs 2 GPUs and `pip install deepspeed`: on CPU, Accelerate 1.15 ignores a "
-                           "DEEPSPEED config when cpu=True, and without it fails ('train_batch_size is not equal to "
-                           "micro_batch_per_gpu * gradient_acc_step * world_size 2 != 2 * 1 * 2')")
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_runs_end_to_end(data, stage):
-    from transformers import ViTForImageClassification
-
-    out = data["root"] / f"zero{stage}"
-    config = REPO / "recipes" / "accelerate" / f"deepspeed_zero{stage}.yaml"
-    launch(accelerate_launch(config, [*data["args"], f"output_dir={out}", "train.max_grad_norm=1.0"]), plain_env())
-    assert (out / "checkpoints" / "step-00000006" / "COMPLETE").exists()
-    assert ViTForImageClassification.from_pretrained(out).config.image_size == 32

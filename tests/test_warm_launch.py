@@ -3,6 +3,7 @@ ends a run as torchrun does when a rank fails: the tests that use it to save two
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +18,9 @@ from runs import free_port, torchrun_command, warm_launch_command
 from tiny import REPO
 
 FSDP_CONFIG = REPO / "recipes" / "accelerate" / "fsdp_full_shard.yaml"
+ZERO3_CONFIG = REPO / "recipes" / "accelerate" / "deepspeed_zero3.yaml"
+NEEDS_DEEPSPEED = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                     reason="`accelerate launch` runs a DeepSpeed config only with deepspeed installed")
 # Differ by design: the rendezvous address, and what only torchrun's agent uses (its store and error file) or only
 # NCCL reads; here rank 0 hosts the store, and the ranks run on the CPU.
 PER_LAUNCH = {"MASTER_PORT", "MASTER_ADDR", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
@@ -43,7 +47,8 @@ def reports(prefix: list[str], folder: Path) -> dict[str, dict]:
     return found
 
 
-@pytest.mark.parametrize("config", [None, FSDP_CONFIG], ids=["torchrun", "accelerate launch --config_file fsdp"])
+@pytest.mark.parametrize("config", [None, FSDP_CONFIG, pytest.param(ZERO3_CONFIG, marks=NEEDS_DEEPSPEED)],
+                         ids=["torchrun", "accelerate launch --config_file fsdp", "accelerate launch ... zero3"])
 def test_each_rank_gets_the_variables_and_the_command_its_real_launcher_gives_it(config, tmp_path):
     if config is None:
         real_launcher = torchrun_command()
@@ -57,8 +62,11 @@ def test_each_rank_gets_the_variables_and_the_command_its_real_launcher_gives_it
         assert warm[rank]["environ"] == real[rank]["environ"]
         assert warm[rank]["argv"] == real[rank]["argv"] == ["--flag", "value"]
         assert warm[rank]["session"] == warm[rank]["pid"]  # a session of its own, as torchrun's workers
-    if config is not None:  # the config reached the ranks: Accelerate's FSDP variables
+    if config == FSDP_CONFIG:  # the config reached the ranks: Accelerate's FSDP variables
         assert warm["rank-0"]["environ"]["ACCELERATE_USE_FSDP"] == "true"
+    if config == ZERO3_CONFIG:  # and its DeepSpeed ones
+        assert warm["rank-0"]["environ"]["ACCELERATE_USE_DEEPSPEED"] == "true"
+        assert warm["rank-0"]["environ"]["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "3"
     assert warm["rank-0"]["pid"] != warm["rank-1"]["pid"]
 
 

@@ -18,10 +18,10 @@ is paid once for them all, and a launch that would change a variable some librar
 Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
 elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
 and with a config file the variables Accelerate's own launcher derives from it (accelerate.utils.
-prepare_multi_gpu_env). The environment is set before the import, so what libraries read when imported (HF_ENDPOINT,
-HF_HUB_OFFLINE) is what a fresh process reads. The tests' site hooks (tests/observed_site/sitecustomize.py: the
-recorder, FSDP on CPU) run in each rank after the fork, as they would at a fresh rank's start, so each rank records
-under its own pid. As with torchrun, when one rank fails the others are sent SIGTERM (SIGKILL 30 s later) and the
+prepare_multi_gpu_env, or prepare_deepspeed_cmd_env). The environment is set before the import, so what libraries
+read when imported (HF_ENDPOINT, HF_HUB_OFFLINE) is what a fresh process reads. The tests' site hooks
+(tests/observed_site/sitecustomize.py: the recorder, FSDP and DeepSpeed on CPU) run in each rank after the fork, as
+they would at a fresh rank's start, so each rank records under its own pid. As with torchrun, when one rank fails the others are sent SIGTERM (SIGKILL 30 s later) and the
 launcher exits 1; a SIGTERM or SIGINT to the launcher is passed on to the ranks. What a library draws once when it
 is imported is drawn once for all the ranks (transformers' session id, numpy's and random's seeds): a test that tells
 the ranks apart by such a thing keeps the real launcher, or tells them apart otherwise (tests/test_hub_roundtrip.py
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import importlib.util
 import json
 import os
 import runpy
@@ -45,13 +46,16 @@ from pathlib import Path
 SITE = Path(__file__).resolve().parent / "observed_site"
 # The variables that make tests/observed_site/sitecustomize.py install a hook: held back from this process's own
 # start (the hooks are per rank) and given back to each rank.
-SITE_HOOK_VARIABLES = ("VIT_FINETUNE_RECORD", "VIT_FINETUNE_FSDP_ON_CPU")
+SITE_HOOK_VARIABLES = ("VIT_FINETUNE_RECORD", "VIT_FINETUNE_FSDP_ON_CPU", "VIT_FINETUNE_DEEPSPEED_ON_CPU")
 HELD = "WARM_LAUNCH_HELD_"
 STOP_GRACE_S = 30.0
 # What a rank spends its start-up importing; imported once here, before the fork. The package itself is not: each
 # rank imports it, so what happens when it loads (the tests' recorder registers then) happens in the rank.
 THIRD_PARTY_IMPORTS = ("torch", "accelerate", "datasets", "evaluate", "peft", "safetensors.torch",
                        "transformers.models.vit.modeling_vit", "transformers.models.vit.image_processing_pil_vit")
+# Imported too where DeepSpeed is installed: the module its ZeRO optimizers import as they start, which compiles three
+# functions with torch.compile as it loads (3.6 CPU-s with DeepSpeed itself, measured, in each rank of each launch).
+DEEPSPEED_IMPORTS = ("deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
 def hold_site_hooks_back(argv: list[str]) -> None:
@@ -81,14 +85,26 @@ def accelerate_environment(config_file: str, processes: int, port: int, module_a
     """The variables `accelerate launch --config_file C --num_processes N` sets for torchrun's ranks: its own parser,
     its own validation (the config file's values), and its own multi-process environment."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils import prepare_multi_gpu_env
+    from accelerate.utils import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
     args = launch_command_parser().parse_args(["--config_file", config_file, "--num_processes", str(processes),
                                                "--main_process_port", str(port), "-m", *module_and_args])
-    args, _defaults, _mixed_precision_from_config = _validate_launch_command(args)
-    if not (args.multi_gpu or args.use_fsdp) or args.cpu or args.use_deepspeed:
-        raise SystemExit(f"{config_file}: Accelerate would not start this through torchrun; launch it for real")
-    return prepare_multi_gpu_env(args)
+    args, defaults, mixed_precision_from_config = _validate_launch_command(args)
+    refusal = f"{config_file}: Accelerate would not start this through torchrun; launch it for real"
+    if not (args.multi_gpu or args.use_fsdp or args.use_deepspeed) or args.cpu:
+        raise SystemExit(refusal)
+    if not args.use_deepspeed:
+        return prepare_multi_gpu_env(args)
+    # As accelerate.commands.launch does for DeepSpeed: import it (which sets PYTORCH_NVML_BASED_CUDA_CHECK for the
+    # ranks), name the DeepSpeed fields the config file set. A command back means DeepSpeed's own launcher (several
+    # machines), not torchrun.
+    importlib.import_module("deepspeed.launcher.runner")
+    fields = list(defaults.deepspeed_config) if defaults else []
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mixed_precision_from_config)
+    command, environment = prepare_deepspeed_cmd_env(args)
+    if command is not None:
+        raise SystemExit(refusal)
+    return environment
 
 
 def rank_environment(rank: int, processes: int, port: int) -> dict[str, str]:
@@ -162,6 +178,9 @@ def main(argv: list[str]) -> int:
 def import_and_freeze() -> None:
     for name in THIRD_PARTY_IMPORTS:
         importlib.import_module(name)
+    if importlib.util.find_spec("deepspeed") is not None:
+        for name in DEEPSPEED_IMPORTS:
+            importlib.import_module(name)
     # What the imports made lives as long as the ranks do: out of the collector's reach, a rank's collections and its
     # exit do not write to (and so copy) every page of it. Measured: 1.1 CPU-s a rank instead of 2.3 on a tiny run.
     gc.freeze()
@@ -198,14 +217,17 @@ def changed_at_import(requested: dict[str, str], started: dict[str, str]) -> lis
 
 def serve() -> int:
     """Read launches from stdin, one JSON object a line: {"processes", "config_file", "module_and_args", "env", "cwd",
-    "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} once its ranks are forked (each with that env and
-    cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have ended."""
+    "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} (rank 0's first) once its ranks are forked (each
+    with that env and cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have ended."""
     hooked = [name for name in SITE_HOOK_VARIABLES if name in os.environ]
     if hooked:  # sitecustomize has installed them in this process already
         raise SystemExit(f"--serve: start without {hooked}; give them to each launch that wants them")
     started = dict(os.environ)
+    # The answers get a descriptor of their own; what a library prints to stdout as it loads (DeepSpeed logs there)
+    # goes to stderr, and in each rank to the launch's stdout, as in a rank of a real launch.
+    channel = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     import_and_freeze()
-    channel = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
         changed = changed_at_import(request["env"], started)
@@ -223,13 +245,14 @@ def serve() -> int:
             os.chdir(request["cwd"])
             os.environ.clear()
             os.environ.update(environment)
-            for stream, path, mode in ((0, os.devnull, os.O_RDONLY),
+            # The answers' descriptor is the launcher's own: a rank that outlives it must not hold the pipe open.
+            for stream, path, mode in ((0, os.devnull, os.O_RDONLY), (channel.fileno(), os.devnull, os.O_WRONLY),
                                        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_APPEND),
                                        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
                 os.dup2(os.open(path, mode, 0o644), stream)
 
         ranks = fork_ranks(request["processes"], port, request["module_and_args"], become_the_launch)
-        print(json.dumps({"pids": sorted(ranks)}), file=channel, flush=True)
+        print(json.dumps({"pids": sorted(ranks, key=ranks.get)}), file=channel, flush=True)  # in rank order
         print(json.dumps({"exit_code": wait_for(ranks)}), file=channel, flush=True)
     return 0
 

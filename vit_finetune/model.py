@@ -377,8 +377,10 @@ def base_parameter_count(base: MetaBase) -> int:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    """(trainable, all) parameters of the whole model, sharded or not."""
+    # DeepSpeed ZeRO-3 leaves each process an empty placeholder per parameter, its whole size in ds_numel.
+    sizes = [(getattr(p, "ds_numel", p.numel()), p.requires_grad) for p in model.parameters()]
+    return sum(size for size, trainable in sizes if trainable), sum(size for size, _trainable in sizes)
 
 
 def describe(config: PretrainedConfig) -> str:

@@ -9,11 +9,14 @@ really set it up (on a machine without GPUs it quietly falls back to DDP), and g
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import accelerate
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DeepSpeedPlugin, DistributedType
+from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
 
 from .errors import VitFinetuneError
 from .lora import apply_lora, is_lora
@@ -57,11 +60,29 @@ def refuse_unsupported(recipe: Recipe, engine: str | None) -> None:
             f"{' and '.join(copies)} keep a full copy of the weights on every process, which {engine} shards to save "
             "that very memory; they are not supported with sharding. Fix: drop them (train.ema_decay=null "
             f"train.keep_best=null), or launch with {DDP_CONFIG} if the model fits one device")
+    if engine == "DeepSpeed":
+        _refuse_unsupported_zero3(DeepSpeedPlugin())  # the plugin Accelerate builds from the launch's environment
     if recipe.model.compile in (True, "regional"):
         raise ShardingError(
             f"model.compile={str(recipe.model.compile).lower()} with {engine}: the model must be compiled after it is sharded, which Accelerate does. "
             "Fix: set model.compile=auto and add `dynamo_config: {dynamo_backend: INDUCTOR}` to the Accelerate "
             "config file")
+
+
+def _refuse_unsupported_zero3(plugin: DeepSpeedPlugin) -> None:
+    if plugin.zero3_init_flag:
+        raise ShardingError(
+            "the Accelerate config asks for zero3_init_flag=true (ZeRO-3's default when the key is left out): each "
+            "model partitioned as it is built. The toolkit builds the model whole on every process (it resizes the "
+            "head, resamples the position embeddings, adds LoRA) and DeepSpeed partitions it as training starts. "
+            "Fix: set zero3_init_flag: false under deepspeed_config in the config file")
+    zero = plugin.deepspeed_config.get("zero_optimization", {})
+    if plugin.hf_ds_config.is_zero3() and not zero.get("stage3_gather_16bit_weights_on_model_save"):
+        # Accelerate's get_state_dict would stop on it after the training, when the final model is gathered.
+        raise ShardingError(
+            "the Accelerate config leaves zero3_save_16bit_model false under ZeRO-3: DeepSpeed could not gather the "
+            "trained weights into the final model at the end. Fix: set zero3_save_16bit_model: true under "
+            "deepspeed_config in the config file (stage3_gather_16bit_weights_on_model_save in a DeepSpeed JSON)")
 
 
 def could_not_set_up(engine: str, error: RuntimeError) -> ShardingError:
@@ -93,6 +114,27 @@ def check_set_up(engine: str | None, accelerator: Accelerator, recipe: Recipe) -
 def _on_cpu_advice(engine: str) -> str:
     return (f"Accelerate {accelerate.__version__} runs {engine} on GPUs only. Fix: on a machine without GPUs train "
             f"with DDP (torchrun --nproc_per_node N -m vit_finetune ...); keep the {engine} config for a GPU machine")
+
+
+@contextmanager
+def models_built_whole(accelerator: Accelerator) -> Iterator[None]:
+    """Every model built inside is whole on each process, under DeepSpeed ZeRO-3 too, which partitions it in prepare.
+
+    Accelerate hands transformers the DeepSpeed config whatever the config file's zero3_init_flag says (Accelerate
+    1.15), and under ZeRO-3 transformers then partitions each model as from_pretrained builds it (deepspeed.zero.Init).
+    The toolkit resizes the head, resamples the position embeddings and adds LoRA on the whole model, and one process
+    loads first while the others wait (processes.local_main_first): a partitioned build's collectives would wait
+    for those processes forever.
+    """
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()  # Accelerate's own call: transformers sees the config again
 
 
 def unsharded_model(trained: torch.nn.Module, recipe: Recipe, full_state: dict[str, torch.Tensor]) -> torch.nn.Module:

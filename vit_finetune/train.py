@@ -87,7 +87,8 @@ def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator)
             return resume_from, *build.run_parts(asked, accelerator, resuming=resume_from is not None)
 
     # As in run(): one process per machine downloads, the others then read its cache.
-    resume_from, recipe, parts = local_main_first(accelerator, load_data_and_model)
+    with sharding.models_built_whole(accelerator):
+        resume_from, recipe, parts = local_main_first(accelerator, load_data_and_model)
     prepare(accelerator, parts, recipe)
     state = checkpoint.TrainState()
     if resume_from:

@@ -1,4 +1,5 @@
-"""Loaded by every interpreter started with this folder on PYTHONPATH (tests only): see tests/recorder.py."""
+"""Loaded by every interpreter started with this folder on PYTHONPATH (tests only): see tests/recorder.py,
+tests/fsdp_on_cpu.py and tests/deepspeed_on_cpu.py."""
 
 import os
 
@@ -11,3 +12,8 @@ if os.environ.get("VIT_FINETUNE_FSDP_ON_CPU"):
     import fsdp_on_cpu
 
     fsdp_on_cpu.install()
+
+if os.environ.get("VIT_FINETUNE_DEEPSPEED_ON_CPU"):
+    import deepspeed_on_cpu
+
+    deepspeed_on_cpu.install()
