@@ -4,7 +4,9 @@ it, float32 elsewhere; a value the recipe sets is kept. Which CPU runs the suite
 
 from __future__ import annotations
 
+import inspect
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,17 +59,22 @@ def test_a_precision_the_recipe_sets_is_kept_on_a_cpu_with_native_bfloat16(args,
 
 class ProbeForwardDtypes:
     """The dtypes a Linear layer computes in during the probe's pass over the training images: the pass is wrapped
-    (head_inputs, as the run calls it), so training and evaluation forwards are not counted."""
+    (head_inputs, as the run calls it), so training and evaluation forwards are not counted. The checks that decide
+    data.horizontal_flip and data.alpha_background read features through the same function; their dtypes are kept
+    apart, in checks_dtypes."""
 
     def __init__(self):
         self.dtypes: set[torch.dtype] = set()
+        self.checks_dtypes: set[torch.dtype] = set()
 
     def patch(self) -> tuple:
         original = probe.head_inputs
 
         def observed(model, loader, accelerator, mixed_precision):
+            caller = Path(inspect.stack()[1].filename).stem
+            seen = self.checks_dtypes if caller == "probe_checks" else self.dtypes
             layer = next(module for module in model.modules() if isinstance(module, torch.nn.Linear))
-            hook = layer.register_forward_hook(lambda _module, _inputs, output: self.dtypes.add(output.dtype))
+            hook = layer.register_forward_hook(lambda _module, _inputs, output: seen.add(output.dtype))
             try:
                 return original(model, loader, accelerator, mixed_precision)
             finally:
@@ -85,6 +92,7 @@ def test_the_probe_reads_float32_features_for_a_final_head_and_the_runs_precisio
                   f"output_dir={tmp_path / 'out'}"], patches=[seen.patch()])
     assert code == 0
     assert seen.dtypes == {dtype}
+    assert seen.checks_dtypes == {torch.float32}  # the data checks decide on float32 features whatever the run's precision
     assert f"(32 each, {said}) in" in capsys.readouterr().out
 
 

@@ -28,7 +28,7 @@ VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
 
 # What metrics.json records of the training itself: `evaluate` on the run's own eval split measures everything else.
 TRAINING_ONLY_METRICS = ("steps", "skipped_images", "labels_without_train_images", "train_images_without_labels",
-                         "distillation", "method", "probe")
+                         "distillation", "method", "probe", "eval_unlike_train")
 
 
 def run_info(device: str, processes: int, mixed_precision: str, history: list[dict], training_seconds: float,

@@ -151,7 +151,7 @@ def decoding_settings(config, **settings) -> DataSettings:
 
 def alpha_card_text(settings: DataSettings) -> str:
     """The card's word on transparency: what training did with it, and what a pipeline() user must do the same."""
-    if settings.alpha_background is None:
+    if settings.alpha_background in (None, "auto"):  # auto is resolved before training; unresolved, nothing was done
         return ""
     return (f"Images with transparency were laid on {settings.alpha_background} before their alpha channel was "
             f"dropped (`data.alpha_background: {settings.alpha_background}`, saved as `{ALPHA_BACKGROUND_KEY}` in "
@@ -318,7 +318,7 @@ def train_transform(image: Image.Image, size: int, rng: random.Random, settings:
         crop = torch.from_numpy(np.array(image, dtype=np.uint8))[top:bottom, left:right].permute(2, 0, 1)
         pixels = torch.nn.functional.interpolate(crop[None], size=(size, size), mode=mode, antialias=True,
                                                  align_corners=False)[0]
-    if settings.horizontal_flip and rng.random() < 0.5:
+    if settings.horizontal_flip is True and rng.random() < 0.5:  # auto is resolved before training
         pixels = pixels.flip(-1)
     return pixels.contiguous()
 
