@@ -44,6 +44,9 @@ RECORDED = REPO / "scripts" / "shift_study_results.jsonl"
 # Arm -> overrides on top of the schema's defaults; "peer" is the Trainer, not an option set.
 ARMS = {
     "defaults": [],
+    # the same run without the data checks: the flip off and alpha dropped, the earlier defaults
+    "unchecked": ["data.horizontal_flip=false", "data.alpha_background=null"],
+    "alpha_white": ["data.alpha_background=white"],
     "linear_probe": ["train.method=linear_probe"],
     "lp_ft": ["train.method=lp_ft"],
     "finetune": ["train.method=finetune"],
