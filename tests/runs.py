@@ -22,11 +22,14 @@ from vit_finetune.processes import reset_accelerate_state
 # 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images. No pictures:
 # drawing them is most of a tiny run's time; the tests that look at them say pictures=true. The loop's tests need its
 # steps and its evaluation after each epoch: fine-tuning and eval_every_steps=null say so whatever `auto` would choose.
-# float32 on every host: auto would choose bf16 on a CPU with native bfloat16 and change the last bits.
+# float32 on every host: auto would choose bf16 on a CPU with native bfloat16 and change the last bits. No flip: the
+# mirror test that data.horizontal_flip=auto runs is tested on its own (test_probe_checks.py); here it would only
+# cost each run its cross-validated fits and make the pixels depend on what it decides.
 FLOAT32 = "train.mixed_precision=no"
+NO_FLIP = "data.horizontal_flip=false"
 RECIPE = ["model.image_size=32", "train.batch_size=4", "train.epochs=2", "train.lr=0.005", "train.seed=1",
           "train.log_every_steps=1", "data.num_workers=0", "pictures=false", "train.method=finetune",
-          "train.eval_every_steps=null", FLOAT32]
+          "train.eval_every_steps=null", FLOAT32, NO_FLIP]
 STEPS_PER_EPOCH, TRAIN_IMAGES = 6, 24
 WARM_LAUNCH = Path(__file__).resolve().parent / "warm_launch.py"
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
+from runs import FLOAT32, NO_FLIP, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import make_tiny_vit, write_label_sets
 from vit_finetune.tasks import label_sets as multilabel
 from vit_finetune.data.augment import BatchAugmenter
@@ -22,7 +22,7 @@ from vit_finetune.tasks import MultiLabel
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
           "data.num_workers=0", "train.log_every_steps=1",
-          FLOAT32]
+          FLOAT32, NO_FLIP]
 
 
 # ---------------------------------------------------------------- pieces
