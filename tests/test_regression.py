@@ -117,6 +117,23 @@ def regression_data(root: Path, columns: dict[str, list[float]]):
                                          target_columns=list(columns)), seed=0)
 
 
+@pytest.mark.parametrize("rows, fraction, said", [
+    (1, 0.1, "no eval_fraction can, each part needs an image"),
+    (4, 0.9, "Fix: an eval_fraction of at most 0.75"),
+])
+def test_an_eval_split_that_cannot_be_held_out_of_a_regressions_images_is_a_clean_error(tmp_path, rows, fraction,
+                                                                                         said):
+    """A label file with no split column: eval_fraction of its images is held out, as for classes."""
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    folder = write_values(tmp_path / "data", {"target": [float(i) for i in range(rows)]})
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(DataSettings(dataset=str(folder), task="regression", eval_fraction=fraction), seed=0)
+    assert f"data.eval_fraction={fraction} cannot hold out an eval split" in str(caught.value)
+    assert said in str(caught.value)
+
+
 def test_a_target_too_large_for_float32_is_refused_before_any_model_loads(made, tmp_path, capsys):
     from vit_finetune import model as vit
 
