@@ -76,6 +76,27 @@ def test_float_keys_still_take_yaml_ints_and_exponent_notation():
     assert isinstance(recipe.train.lr, float) and load_recipe(None, ["train.batch_size=16"]).train.batch_size == 16
 
 
+@pytest.mark.parametrize("override", ["train.lp_ft_head_scale=1e-300", "train.lr=1e-300", "train.head_lr=1e-45",
+                                      "model.lora={alpha: 1e-300}", "train.max_grad_norm=1e-300",
+                                      "train.ema_decay=1e-300", "train.layer_decay=1e-300", "data.crop_scale=[1e-300, 1]",
+                                      "train.distill={teacher: t, temperature: 1e-300}"])
+def test_a_positive_float_that_float32_holds_as_zero_is_refused_with_the_value_and_the_fix(override):
+    import torch
+
+    from vit_finetune.recipe.fields import FLOAT32_SMALLEST_NORMAL
+
+    assert FLOAT32_SMALLEST_NORMAL == torch.finfo(torch.float32).tiny
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [override])
+    message = str(caught.value)
+    tiny = override.split("1e-")[1].split("}")[0].split(",")[0]
+    assert f"1e-{tiny} is below float32's smallest normal number" in message and "at least 1.175e-38" in message
+    key = override.split("=")[0]
+    smallest = {"model.lora": "model.lora={alpha: %s}", "train.distill": "train.distill={teacher: t, temperature: %s}",
+                "data.crop_scale": "data.crop_scale=[%s, 1]"}.get(key, key + "=%s") % FLOAT32_SMALLEST_NORMAL
+    load_recipe(None, [smallest])  # float32's smallest normal itself is a number training can use
+
+
 # The tiny ViT (patch 4) at 1024 px: its largest grid, 256 a side; at that batch about 800 GiB, more than any machine.
 @pytest.mark.parametrize("size, batch", [(1024, 4096)])
 def test_an_image_size_that_cannot_fit_is_refused_before_weights_load_with_the_estimate(args, tmp_path, capsys, size,
