@@ -85,6 +85,30 @@ def test_an_eval_fraction_too_small_or_large_for_every_class_names_the_key_and_t
     assert sorted(carved.eval["kind"]) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("labels, need", [
+    (["cat", "dog", "owl"], "at least two images of each class and 6 in all"),  # one image a class
+    (["cat"] * 5 + ["dog"], "at least two images of each class and 4 in all"),  # enough images, a class of one
+])
+def test_with_too_few_images_for_any_eval_fraction_the_fix_is_more_images_or_an_eval_split(tmp_path, labels, need):
+    settings = DataSettings(dataset=str(saved_dataset(tmp_path, labels)), eval_fraction=0.5)
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(settings, seed=0)
+    message = str(caught.value)
+    assert "no eval_fraction can" in message and need in message and "between" not in message
+    assert "add images to data.train_split" in message and "data.eval_split" in message
+
+
+def test_label_sets_held_out_of_one_image_say_no_eval_fraction_can(tmp_path):
+    colour_image((120, 30, 30), np.random.default_rng(0)).save(tmp_path / "0.png")
+    (tmp_path / "labels.jsonl").write_text('{"file_name": "0.png", "labels": ["cat", "dog"]}\n')
+    settings = DataSettings(dataset=str(tmp_path / "labels.jsonl"))
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(settings, seed=0)
+    message = str(caught.value)
+    assert "(1 image)" in message and "no eval_fraction can, each part needs an image" in message
+    assert "-" not in message.split("Fix:")[1]
+
+
 def test_a_missing_column_lists_the_columns(tmp_path):
     path = saved_dataset(tmp_path, ["a", "b"] * 3)
     with pytest.raises(data.DataError) as caught:

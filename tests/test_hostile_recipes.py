@@ -76,6 +76,27 @@ def test_float_keys_still_take_yaml_ints_and_exponent_notation():
     assert isinstance(recipe.train.lr, float) and load_recipe(None, ["train.batch_size=16"]).train.batch_size == 16
 
 
+@pytest.mark.parametrize("override", ["train.lp_ft_head_scale=1e-300", "train.lr=1e-300", "train.head_lr=1e-45",
+                                      "model.lora={alpha: 1e-300}", "train.max_grad_norm=1e-300",
+                                      "train.ema_decay=1e-300", "train.layer_decay=1e-300", "data.crop_scale=[1e-300, 1]",
+                                      "train.distill={teacher: t, temperature: 1e-300}"])
+def test_a_positive_float_that_float32_holds_as_zero_is_refused_with_the_value_and_the_fix(override):
+    import torch
+
+    from vit_finetune.recipe.fields import FLOAT32_SMALLEST_NORMAL
+
+    assert FLOAT32_SMALLEST_NORMAL == torch.finfo(torch.float32).tiny
+    with pytest.raises(RecipeError) as caught:
+        load_recipe(None, [override])
+    message = str(caught.value)
+    tiny = override.split("1e-")[1].split("}")[0].split(",")[0]
+    assert f"1e-{tiny} is below float32's smallest normal number" in message and "at least 1.175e-38" in message
+    key = override.split("=")[0]
+    smallest = {"model.lora": "model.lora={alpha: %s}", "train.distill": "train.distill={teacher: t, temperature: %s}",
+                "data.crop_scale": "data.crop_scale=[%s, 1]"}.get(key, key + "=%s") % FLOAT32_SMALLEST_NORMAL
+    load_recipe(None, [smallest])  # float32's smallest normal itself is a number training can use
+
+
 # The tiny ViT (patch 4) at 1024 px: its largest grid, 256 a side; at that batch about 800 GiB, more than any machine.
 @pytest.mark.parametrize("size, batch", [(1024, 4096)])
 def test_an_image_size_that_cannot_fit_is_refused_before_weights_load_with_the_estimate(args, tmp_path, capsys, size,
@@ -115,6 +136,46 @@ def test_vit_b16_at_4096_px_is_refused_and_at_384_px_fits_a_gpu():
     # Eager attention keeps tokens^2 scores per head; the estimate counts them.
     b16._attn_implementation = "eager"
     assert memory.training_bytes(b16, 384, 128, "bf16") > memory.training_bytes(ViTConfig(), 384, 128, "bf16")
+
+
+def test_a_pass_estimated_far_beyond_interactive_is_warned_of_with_a_size_that_trains_in_reasonable_time():
+    from transformers import AutoConfig
+
+    from vit_finetune import memory
+    from vit_finetune.sources import ASSETS_DIR
+
+    tiny = AutoConfig.from_pretrained(ASSETS_DIR / "tiny-vit-32")  # the demo's model, patch 4
+    at_60_gflops = 60e9  # a CPU core's float32 speed, as measured_flops_per_s measures it
+    warning = memory.slow_pass_warning(tiny, 1024, 1, 1, at_60_gflops)
+    assert warning and "model.image_size=1024 with train.batch_size=1 takes at least 6 min" in warning
+    assert "65,537 tokens per image" in warning and "a second one ends the process at once" in warning
+    suggested = int(warning.split("Fix: model.image_size=")[1].split(" ")[0])
+    assert memory.step_flops(tiny, suggested, 1) / at_60_gflops <= memory.SUGGESTED_STEP_SECONDS
+    # A large batch: fewer images a pass, with the accumulation that keeps the step's images.
+    batched = memory.slow_pass_warning(tiny, 256, 128, 2, at_60_gflops)
+    fewer = batched.split("train.batch_size=")[2].split(" ")[0]
+    assert f"train.batch_size={fewer} with train.grad_accum={2 * 128 // int(fewer)}" in batched
+    # The demo as shipped (64 px, batch 32) is a fraction of a second a pass: no warning, and no speed measured.
+    assert memory.slow_pass_warning(tiny, 64, 32, 1, at_60_gflops) is None
+    assert memory.step_flops(tiny, 64, 32) / memory.SLOWEST_FLOPS_PER_S <= memory.UNINTERRUPTIBLE_PASS_SECONDS
+
+
+def test_the_demo_at_1024_px_warns_of_its_pass_before_training(images, tmp_path):
+    """The warning comes before the output folder is held: here another run holds it, so the run ends there,
+    before any weight loads or any image is read."""
+    from vit_finetune.run_lock import RunLock
+
+    out = tmp_path / "out"
+    lock = RunLock(out)
+    assert lock.acquire() is None
+    try:
+        done = run_cli("--recipe", "demo", "model.image_size=1024", "train.batch_size=1", f"data.dataset={images}",
+                       f"output_dir={out}", timeout=120)
+    finally:
+        lock.release()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "warning: model.image_size=1024 with train.batch_size=1 takes at least" in done.stdout
+    assert "another run" in done.stderr
 
 
 def test_a_class_folder_named_like_a_split_is_named_as_the_problem(tmp_path):

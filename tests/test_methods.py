@@ -471,3 +471,23 @@ def test_a_run_with_eval_every_steps_auto_evaluates_as_the_rule_says(args, tmp_p
     assert train([*args, "train.eval_every_steps=auto", "train.keep_best=eval_accuracy",
                   f"output_dir={tmp_path}/best"]) == 0
     assert [e["step"] for e in history(tmp_path / "best") if "eval_accuracy" in e] == [6, 12]
+
+
+@pytest.mark.parametrize("rows, overrides, seen", [
+    (33, ["train.grad_accum=1"], 12 * 33),
+    (33, ["train.grad_accum=4"], 12 * 33),
+    (33, ["train.grad_accum=64"], 12 * 33),  # one step an epoch, reading the 33 images once
+    (2, ["train.epochs=1"], 2),  # a batch of 32 on 2 images reads 2
+    (33, ["train.max_steps=3"], 33 + 32),  # 2 steps an epoch: a whole epoch, then one step of 32
+])
+def test_images_seen_are_the_images_the_run_reads(rows, overrides, seen, capsys):
+    """The demo recipe (12 epochs of batch 32) on `rows` images in 3 classes: an epoch reads each image once whatever
+    the accumulation, so every `auto` that reads images seen, the method first, decides the same."""
+    recipe = load_recipe("demo", ["train.method=auto", *overrides])
+    size = RunSize.of(recipe, rows, classes=3, eval_images=3, processes=1, base_parameters=460_000)
+    assert size.images_seen == seen
+    if rows == 33 and "train.max_steps=3" not in overrides:
+        resolved = plan_run(recipe, size, Accelerator(cpu=True), SingleLabel())
+        chosen, _why = methods.auto_method(33, 3, 12 * 33, pretrained=True, streaming=False)
+        assert resolved.train.method == chosen
+        assert "396 seen (12.0 epochs)" in capsys.readouterr().out

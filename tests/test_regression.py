@@ -117,6 +117,23 @@ def regression_data(root: Path, columns: dict[str, list[float]]):
                                          target_columns=list(columns)), seed=0)
 
 
+@pytest.mark.parametrize("rows, fraction, said", [
+    (1, 0.1, "no eval_fraction can, each part needs an image"),
+    (4, 0.9, "Fix: an eval_fraction of at most 0.75"),
+])
+def test_an_eval_split_that_cannot_be_held_out_of_a_regressions_images_is_a_clean_error(tmp_path, rows, fraction,
+                                                                                         said):
+    """A label file with no split column: eval_fraction of its images is held out, as for classes."""
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    folder = write_values(tmp_path / "data", {"target": [float(i) for i in range(rows)]})
+    with pytest.raises(data.DataError) as caught:
+        data.load_splits(DataSettings(dataset=str(folder), task="regression", eval_fraction=fraction), seed=0)
+    assert f"data.eval_fraction={fraction} cannot hold out an eval split" in str(caught.value)
+    assert said in str(caught.value)
+
+
 def test_a_target_too_large_for_float32_is_refused_before_any_model_loads(made, tmp_path, capsys):
     from vit_finetune import model as vit
 
@@ -489,6 +506,40 @@ def test_keep_best_follows_a_regression_metric_and_refuses_accuracy(made, tmp_pa
     assert metrics["best_metric"] == "eval_r2" and metrics["best_step"] == best["step"]
     assert metrics["best_value"] == pytest.approx(max(best["eval_r2"], best["ema_eval_r2"]))
     assert {"raw_mae", "ema_mae"} <= set(metrics)  # what the card compares the raw and EMA weights by
+
+
+def test_keep_best_eval_r2_on_one_eval_image_is_refused_before_the_model_is_built(made, tmp_path, capsys):
+    from vit_finetune import build
+
+    data = write_targets(tmp_path / "data", images=4)  # its split column puts image 0 alone in validation
+    built = []
+    code = train([*RECIPE, f"model.base={made['base']}", f"data.dataset={data}", "train.keep_best=eval_r2",
+                  f"output_dir={tmp_path / 'out'}"],
+                 patches=[(build, "build_model", lambda *a, **k: built.append(1))])
+    err = capsys.readouterr().err
+    assert code == 1 and built == [] and "Traceback" not in err, err[-2000:]
+    assert "train.keep_best=eval_r2: R² is undefined on this eval split (1 eval image)" in err
+    assert "Fix: train.keep_best=eval_mae" in err
+
+
+def test_keep_best_eval_r2_needs_eval_targets_that_differ(tmp_path):
+    from vit_finetune import data
+    from vit_finetune.recipe import DataSettings
+
+    def splits_with_eval(values: list[float]):
+        """Six training images of different values; the eval split's images hold `values`."""
+        folder = write_values(tmp_path / str(len(list(tmp_path.iterdir()))), {"target": [*range(6), *values]})
+        lines = (folder / "metadata.csv").read_text().splitlines()
+        (folder / "metadata.csv").write_text("\n".join([lines[0] + ",split"] + [
+            f"{line},{'train' if row < 6 else 'validation'}" for row, line in enumerate(lines[1:])]) + "\n")
+        return data.load_splits(DataSettings(dataset=str(folder), task="regression"), seed=0)
+
+    task = Regression(mean=[2.0], std=[1.0])
+    same = splits_with_eval([2.0, 2.0])
+    assert len(same.eval) == 2 and "(2 eval images, every target the same in each)" in task.keep_best_refusal(
+        "eval_r2", same)
+    assert task.keep_best_refusal("eval_mae", same) is None  # MAE is defined on any eval split
+    assert task.keep_best_refusal("eval_r2", splits_with_eval([2.0, 3.0])) is None
 
 
 def test_a_saved_dataset_with_a_column_of_numbers_is_read_as_targets(tmp_path):

@@ -395,6 +395,19 @@ def test_no_cell_of_predicts_csv_runs_as_a_spreadsheet_formula(kind, trained, tm
         assert all(row[2].startswith("'") and sorted(row[2][1:].split(";")) == sorted(FORMULAS[:3]) for row in rows[1:])
 
 
+def test_negative_values_in_predicts_csv_stay_numbers_and_a_formula_named_target_stays_inert(trained, photo, tmp_path):
+    import pandas
+
+    # The trained model's three outputs read as three regression targets around -100: every predicted value negative.
+    model = relabelled(trained, tmp_path / "model", ["-2+3", "weight", "depth"], problem_type="regression",
+                       target_mean=[-100.0] * 3, target_std=[1.0] * 3, regression_loss="mse")
+    assert main(["predict", str(model), str(photo), "--output", str(tmp_path / "p.csv")]) == 0
+    table = pandas.read_csv(tmp_path / "p.csv")
+    assert list(table.columns) == ["image", "error", "'-2+3", "weight", "depth"]
+    values = table[["'-2+3", "weight", "depth"]]
+    assert all(dtype == "float64" for dtype in values.dtypes) and (values < -90).all().all(), table
+
+
 @pytest.mark.parametrize("read", ["the label file", "an image"])
 def test_predict_never_writes_its_output_over_a_file_it_reads(read, trained, tmp_path, capsys):
     from tiny import write_label_sets

@@ -65,6 +65,40 @@ def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_n
         flag.restore()
 
 
+# One C call of minutes that leaves the GIL to other threads, as a long forward pass or a collective does: Python
+# runs no signal handler of the main thread until it returns.
+IN_A_LONG_PASS = """
+import hashlib
+from vit_finetune.interrupts import InterruptFlag
+flag = InterruptFlag()
+print("ready", flush=True)
+hashlib.pbkdf2_hmac("sha256", b"password", b"salt", 2 ** 31 - 1)
+print("the pass ended", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_signal_ends_the_process_soon_even_in_the_middle_of_a_long_pass():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-c", IN_A_LONG_PASS], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert process.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # in the pass
+        process.send_signal(signal.SIGTERM)  # the first: heard, to stop at the pass's end
+        time.sleep(0.5)
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)  # the second: now
+        code = process.wait(timeout=30)
+        assert time.monotonic() - started < 10
+    finally:
+        process.kill()
+    said = process.stderr.read()
+    assert code == 128 + signal.SIGINT, said
+    assert "a second SIGINT: stopped at once" in said and "Traceback" not in said
+    assert "the pass ended" not in process.stdout.read()
+
+
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory) -> Path:
     """One cache for both launches: the first generates the demo's images, the second reads them."""

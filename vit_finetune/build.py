@@ -25,6 +25,10 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     splits, rows = open_data(asked, accelerator)
     task = tasks.for_training(splits, asked.train)  # chosen once: everything after asks it
     data_facts = check_training_data(splits, asked, accelerator, task)
+    # A stream's eval split is not read ahead of training: what its metric needs is not known.
+    refused = None if streamed else task.keep_best_refusal(asked.train.keep_best, splits)
+    if refused:
+        raise RunError(refused)
     processor = load_image_processor(asked.model, asked.model.image_size)
     normalize = data.PixelNormalizer(processor, accelerator.device)
     teacher = None

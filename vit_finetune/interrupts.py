@@ -1,10 +1,14 @@
 """SIGINT/SIGTERM during training: heard as a flag, agreed on by every process at a step's end (or between two
-forward passes, where the step's partial work is dropped), then a checkpoint and an exit with the shell's code."""
+forward passes, where the step's partial work is dropped), then a checkpoint and an exit with the shell's code.
+A second signal stops the process at once, even in the middle of a pass."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import signal
+import threading
 
 import numpy as np
 import torch
@@ -25,6 +29,51 @@ class Interrupted(VitFinetuneError):
     exit_code = 130
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# After a second signal the main thread's KeyboardInterrupt has this long to leave the loop before the process ends.
+SECOND_SIGNAL_GRACE_S = 2.0
+
+
+class SecondSignalWatch:
+    """Ends the process soon after a second SIGINT/SIGTERM, even while the main thread cannot hear it.
+
+    Python runs a signal's handler only between two bytecodes of the main thread: during one long forward pass (a
+    single C call) or a collective that waits for another process, a second Ctrl-C would wait as long as the first.
+    Python's C-level handler writes each signal's number to the wakeup fd at once, so a thread reading it hears the
+    second signal on time; if the main thread has not left the loop SECOND_SIGNAL_GRACE_S later, it ends the process
+    with the shell's code (128 + the signal). Nothing is left half-written: a checkpoint is published by an atomic
+    rename, and a partial one is recorded as the run's own."""
+
+    def __init__(self):
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)  # set_wakeup_fd requires it: the C handler must never block
+        self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="second-signal-watch", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        heard = 0
+        while not self.stopped.is_set():
+            for signum in os.read(self.read_fd, 64):
+                heard += signum in STOP_SIGNALS
+                if heard == 2 and not self.stopped.wait(SECOND_SIGNAL_GRACE_S):
+                    os.write(2, f"\nerror: a second {signal.Signals(signum).name}: stopped at once, without a "
+                                "checkpoint of this step (a checkpoint already saved is whole)\n".encode())
+                    os._exit(128 + signum)
+
+    def stop(self) -> None:
+        """Back to the previous wakeup fd; the thread wakes on a byte that is no signal and ends."""
+        signal.set_wakeup_fd(self.previous_fd)
+        self.stopped.set()
+        with contextlib.suppress(BlockingIOError):  # a full pipe: the thread has bytes to wake on already
+            os.write(self.write_fd, b"\0")
+        self.thread.join(timeout=SECOND_SIGNAL_GRACE_S)
+        if not self.thread.is_alive():  # else it is still reading: its pipe stays open for the process's life
+            os.close(self.read_fd)
+            os.close(self.write_fd)
+
+
 class InterruptFlag:
     """SIGINT/SIGTERM set a flag; the loop checkpoints at the next optimiser step, or, with gradient accumulation,
     at the next forward pass (see StepBoundary), and exits.
@@ -35,10 +84,12 @@ class InterruptFlag:
 
     def __init__(self):
         self.heard = self.raised = False
-        self.previous = {signum: signal.signal(signum, self._handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {signum: signal.signal(signum, self._handle) for signum in STOP_SIGNALS}
+        self.watch = SecondSignalWatch()
 
     def restore(self) -> None:
         """After the loop, Ctrl-C must stop evaluation, export or a push at once, as usual."""
+        self.watch.stop()
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
 

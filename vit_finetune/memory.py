@@ -25,6 +25,12 @@ BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 # A suggested fix must fit in memory and take at most this long a step, estimated from the device's measured
 # matrix-product speed (a lower bound: a real step has more than matrix products).
 SUGGESTED_STEP_SECONDS = 60
+# Past this, one forward and backward pass is warned of before training: a stop (Ctrl-C, SIGTERM) is heard only
+# between passes, so the first one waits this long.
+UNINTERRUPTIBLE_PASS_SECONDS = 120
+# No device multiplies slower than this: a pass estimated quick at this speed is quick anywhere, and the device's
+# speed is then not measured (0.2 s a run).
+SLOWEST_FLOPS_PER_S = 1e9
 MATMUL_DTYPES = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -102,7 +108,7 @@ def why_it_cannot_fit(config, recipe: Recipe, device: torch.device) -> str | Non
                 f"{duration(step_flops(config, s, b) / speed)} a step here")
 
     patch = config.patch_size
-    sizes = [*(range(size - patch, 0, -patch) if size < 64 * patch else (patch * 2 ** k for k in range(12, 0, -1)))]
+    sizes = smaller_sizes(size, patch)
     batches = [b for b in (batch // 2 ** k for k in range(1, 64)) if b >= 1]
     fitting_sizes = [s for s in sizes if s < size and fits(s, batch)]
     fitting_batches = [b for b in batches if fits(size, b)]
@@ -118,6 +124,46 @@ def why_it_cannot_fit(config, recipe: Recipe, device: torch.device) -> str | Non
         f"({tokens_per_image(size, patch):,} tokens per image x {config.num_hidden_layers} layers), more than the "
         f"{gib(available)} of {where}. Fix: {fix}"
     )
+
+
+def smaller_sizes(size: int, patch: int) -> list[int]:
+    """The image sizes a fix may suggest below `size`, largest first: each patch size down, or powers of two."""
+    return [s for s in (range(size - patch, 0, -patch) if size < 64 * patch else (patch * 2 ** k for k in range(12, 0, -1)))
+            if s < size]
+
+
+def why_a_pass_is_slow(config, recipe: Recipe, device: torch.device) -> str | None:
+    """None if one training pass of train.batch_size images is estimated to take under UNINTERRUPTIBLE_PASS_SECONDS
+    here; else a warning with the estimate and what trains in reasonable time."""
+    size, batch = recipe.model.image_size, recipe.train.batch_size
+    if step_flops(config, size, batch) / SLOWEST_FLOPS_PER_S <= UNINTERRUPTIBLE_PASS_SECONDS:
+        return None
+    speed = measured_flops_per_s(device, resolved(recipe.train.mixed_precision, device.type))
+    return slow_pass_warning(config, size, batch, recipe.train.grad_accum, speed)
+
+
+def slow_pass_warning(config, size: int, batch: int, grad_accum: int, flops_per_s: float) -> str | None:
+    """why_a_pass_is_slow at a device speed of `flops_per_s`."""
+    def seconds(s: int, b: int) -> float:
+        return step_flops(config, s, b) / flops_per_s
+
+    if seconds(size, batch) <= UNINTERRUPTIBLE_PASS_SECONDS:
+        return None
+    patch = config.patch_size
+    quick_size = next((s for s in smaller_sizes(size, patch) if seconds(s, batch) <= SUGGESTED_STEP_SECONDS), None)
+    quick_batch = next((b for b in (batch // 2 ** k for k in range(1, 64)) if b >= 1
+                        and seconds(size, b) <= SUGGESTED_STEP_SECONDS), None)
+    fixes = [f"model.image_size={quick_size} (at least {duration(seconds(quick_size, batch))} a pass here)"
+             if quick_size else None,
+             f"train.batch_size={quick_batch} with train.grad_accum={grad_accum * (batch // quick_batch)} (the same "
+             f"images a step, a stop heard between passes of at least {duration(seconds(size, quick_batch))})"
+             if quick_batch else None,
+             "a faster device"]
+    return (f"warning: model.image_size={size} with train.batch_size={batch} takes at least "
+            f"{duration(seconds(size, batch))} a forward and backward pass here ({tokens_per_image(size, patch):,} "
+            f"tokens per image, {flops_per_s / 1e9:,.0f} GFLOP/s measured), and a stop (Ctrl-C, SIGTERM) waits for "
+            "the pass to end; a second one ends the process at once, without a checkpoint. Fix: "
+            + " or ".join(f for f in fixes if f))
 
 
 def duration(seconds: float) -> str:

@@ -42,8 +42,16 @@ class RunSize:
         t = recipe.train
         steps_per_epoch = math.ceil(math.ceil(rows / (t.batch_size * processes)) / t.grad_accum)
         total_steps = t.max_steps or t.epochs * steps_per_epoch
-        return cls(total_steps * t.batch_size * processes * t.grad_accum, rows, classes, eval_images, steps_per_epoch,
-                   total_steps, base_parameters)
+        return cls(images_read(rows, steps_per_epoch, total_steps, t.batch_size * processes * t.grad_accum), rows,
+                   classes, eval_images, steps_per_epoch, total_steps, base_parameters)
+
+
+def images_read(rows: int, steps_per_epoch: int, total_steps: int, images_per_step: int) -> int:
+    """The training images `total_steps` steps read: an epoch's last step takes what is left of it (no batch is
+    padded, none repeats an image), so an epoch reads each of its `rows` images once however large the step is."""
+    whole_epochs, steps_left = divmod(total_steps, max(1, steps_per_epoch))
+    per_epoch = min(rows, steps_per_epoch * images_per_step)
+    return whole_epochs * per_epoch + min(rows, steps_left * images_per_step)
 
 
 @dataclass(frozen=True)

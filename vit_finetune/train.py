@@ -46,9 +46,13 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
         config = local_main_first(accelerator, partial(check_base_and_data, recipe, accelerator))
         # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
-        too_big = memory.why_it_cannot_fit(family_of(config).vision_config(config), recipe, accelerator.device)
+        vision = family_of(config).vision_config(config)
+        too_big = memory.why_it_cannot_fit(vision, recipe, accelerator.device)
         if too_big:
             raise RunError(too_big)
+        slow = memory.why_a_pass_is_slow(vision, recipe, accelerator.device)
+        if slow and accelerator.is_main_process:
+            progress.say(slow)
         lock = output_guard.hold_output_dir(accelerator, recipe)  # the first write into output_dir
         try:
             return _run(recipe, callbacks, accelerator)

@@ -238,7 +238,7 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
 
 # ---------------------------------------------------------------- the training crop and resize
 
-# data.crop_scale=auto: the crop area from the training images a run will see (optimiser steps x images per step).
+# data.crop_scale=auto: the crop area from the training images a run will see (plan.images_read: what its steps read).
 # Measured (docs/studies/small-data.md, "The crop rule"): against no crop, every random-resized-crop range tried lost
 # or tied up to AUTO_CROP_MEASURED_UP_TO images seen, on three real sets and on held-out digits. No crop range is
 # measured to help clearly anywhere, and longer runs are not measured: there auto stays conservative (no crop) rather

@@ -5,7 +5,9 @@ none, and subsampling; and what a checkpoint records of the data.
 
 from __future__ import annotations
 
+import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,8 +142,7 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
         refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
     train = as_targets(train, image_column, names, settings.train_split)
     if eval_split is None:
-        carved = train.train_test_split(test_size=settings.eval_fraction, seed=seed)
-        train, evaluation = carved["train"], carved["test"]
+        train, evaluation = hold_out_eval(train, settings, None, None, seed)
     else:
         evaluation = as_targets(loaded[eval_split], image_column, names, eval_split)
     train = subsample(train, settings.max_train_samples, seed)
@@ -180,19 +181,55 @@ def as_label_sets(table, label_column: str, name: str):
     return table.map(lambda row: {label_column: [row[label_column]]}, features=features)
 
 
-def hold_out_eval(train, settings: DataSettings, label_column: str | None, classes: int, seed: int):
-    """(train, eval): data.eval_fraction of train held out, stratified by `label_column` so every class is in both
-    parts (None: a plain seeded split, as for label sets, which have no single class to stratify by)."""
+def hold_out_eval(train, settings: DataSettings, label_column: str | None, classes: int | None, seed: int):
+    """(train, eval): data.eval_fraction of train held out, stratified by `label_column` over its `classes` so every
+    class is in both parts (None: a plain seeded split, as for label sets, which have no single class to stratify
+    by, and regression targets)."""
     try:
         carved = train.train_test_split(test_size=settings.eval_fraction, stratify_by_column=label_column, seed=seed)
     except ValueError as error:  # too few images for a part to hold every class, or a class of one image
-        raise DataError(
-            f"data.eval_fraction={settings.eval_fraction} cannot hold out a stratified eval split from "
-            f"data.train_split={settings.train_split!r} ({len(train)} images, {classes} classes): {error}. Fix: "
-            f"an eval_fraction between {classes / len(train):.2f} and {1 - classes / len(train):.2f}, at least two "
-            "images per class, or a dataset split to evaluate on (data.eval_split)"
-        ) from None
+        raise DataError(cannot_hold_out(train, settings, label_column, classes, error)) from None
     return carved["train"], carved["test"]
+
+
+def eval_fractions(images: int, least: int) -> tuple[float, float] | None:
+    """The eval fractions, rounded inward, that leave both parts at least `least` images (the held-out part is
+    ceil(fraction x images), as datasets counts it); None where there are none."""
+    if images < 2 * least:
+        return None
+    for decimals in (2, 4, 6):
+        scale = 10 ** decimals
+        low, high = math.ceil(least / images * scale) / scale, math.floor((1 - least / images) * scale) / scale
+        if 0 < low <= high < 1:
+            return low, high
+    return None
+
+
+# Where the images to evaluate on can come from when none can be held out of train.
+EVAL_SPLIT_SOURCES = ("a split column in a label file (train / validation), a validation/ folder beside train/, or "
+                      "data.eval_split naming one of the dataset's splits")
+
+
+def cannot_hold_out(train, settings: DataSettings, label_column: str | None, classes: int | None,
+                    error: ValueError) -> str:
+    """Why data.eval_fraction cannot be held out of `train`, and a fix that works: the fractions that can where there
+    are some (each part needs an image, or, stratified, an image of every class), else more images or an eval split."""
+    images = len(train)
+    stratified = label_column is not None
+    what = f"{images} images, {classes} classes" if stratified else f"{images} image{'s' * (images != 1)}"
+    said = f"data.eval_fraction={settings.eval_fraction} cannot hold out {'a stratified' if stratified else 'an'} " \
+           f"eval split from data.train_split={settings.train_split!r} ({what})"
+    smallest = min(Counter(train[label_column]).values()) if stratified and images else None
+    fractions = eval_fractions(images, classes if stratified else 1)
+    if fractions and (smallest is None or smallest >= 2):
+        low, high = fractions
+        which = f"between {low} and {high}" if stratified else f"of at most {high}"
+        return (f"{said}: {error}. Fix: an eval_fraction {which}, or images to evaluate on as a split of their own "
+                f"({EVAL_SPLIT_SOURCES})")
+    need = (f"a stratified split puts every class in both parts: at least two images of each class and "
+            f"{2 * classes} in all" if stratified else "each part needs an image: at least two in all")
+    return (f"{said}: no eval_fraction can, {need}. Fix: add images to data.train_split, or give the images to "
+            f"evaluate on as a split of their own ({EVAL_SPLIT_SOURCES})")
 
 
 def training_facts(splits: Splits) -> dict:

@@ -67,6 +67,23 @@ HOME_PATH_KEYS = ("model.base", "data.dataset", "train.resume", "train.distill.t
 # Numbers refuse booleans; a float key still takes a YAML int (lr: 1) and YAML 1.1's 1e-4, which it reads as a string.
 Float = Annotated[float, BeforeValidator(_not_a_bool)]
 
+# float32's smallest normal number, torch.finfo(torch.float32).tiny: training computes in float32, where a positive
+# value below it is a denormal or exactly 0, the very value a key that must be above 0 refuses.
+FLOAT32_SMALLEST_NORMAL = 2.0 ** -126
+
+
+def survives_float32(value: Any) -> Any:
+    """A positive number as float32 holds it: one below FLOAT32_SMALLEST_NORMAL is refused with the fix."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < FLOAT32_SMALLEST_NORMAL:
+        raise ValueError(f"{value:g} is below float32's smallest normal number ({FLOAT32_SMALLEST_NORMAL:.4g}): "
+                         "training computes in float32, where it becomes 0, which this key refuses; give a number of "
+                         f"at least {FLOAT32_SMALLEST_NORMAL:.4g}")
+    return value
+
+
+# A float key that must be above 0 (its Field says gt=0) and is computed with in float32.
+PositiveFloat = Annotated[float, BeforeValidator(_not_a_bool), AfterValidator(survives_float32)]
+
 
 class Strict(BaseModel):
     # No path, id or name is longer than PATH_MAX: a longer string is a mistake, and would flood every message.

@@ -14,13 +14,13 @@ from pydantic import AfterValidator, Field, StrictInt, field_validator, model_va
 from ..errors import excerpt
 from ..sources import REPO_ID_PATTERN
 from .checks import check_data_section, check_recipe, fold_older_spellings
-from .fields import Bounded, Float, HomePath, Strict, check_colour
+from .fields import Bounded, Float, HomePath, PositiveFloat, Strict, check_colour, survives_float32
 from .train_section import TrainSettings
 
 
 class LoraSettings(Strict):
     r: Bounded("model.lora.r") = Field(16, gt=0, description="LoRA rank: higher = more capacity, more memory")
-    alpha: Float = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
+    alpha: PositiveFloat = Field(16, gt=0, description="LoRA scale: the update is multiplied by alpha / r")
     dropout: Float = Field(0.1, ge=0, lt=1, description="dropout on the LoRA branch's input")
     # Roles, not module names: they are mapped onto the loaded model's own names (transformers 4.x or 5.x).
     target_modules: list[Literal["query", "key", "value", "attention_output", "mlp_in", "mlp_out"]] = Field(
@@ -160,6 +160,7 @@ class DataSettings(Strict):
         low, high = value
         if not 0 < low <= high <= 1:
             raise ValueError(f"must satisfy 0 < low <= high <= 1, got {list(value)}; e.g. [0.05, 1.0]")
+        survives_float32(low)
         return value
 
     @model_validator(mode="before")

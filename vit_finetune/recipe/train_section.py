@@ -11,7 +11,7 @@ from pydantic import Field, StrictInt, field_validator, model_validator
 from ..methods import METHODS
 from ..metric_goals import KEEP_BEST_GOALS  # each task's, for train.keep_best
 from .checks import check_train_section
-from .fields import Bounded, Float, HomePath, Strict
+from .fields import Bounded, Float, HomePath, PositiveFloat, Strict, survives_float32
 from .limits import SEED_MAX
 
 
@@ -24,7 +24,7 @@ class DistillSettings(Strict):
     weight: Float = Field(0.5, ge=0, le=1, description=(
         "share of the loss that follows the teacher (the rest follows the labels); a DeiT student's distillation "
         "head follows the teacher, its class head the labels, both weighted so"))
-    temperature: Float = Field(1.0, gt=0, description=(
+    temperature: PositiveFloat = Field(1.0, gt=0, description=(
         "soft targets: both logits are divided by it before the softmax (higher = flatter, timm uses 4); the loss "
         "is multiplied by its square"))
     mode: Literal["soft", "hard"] = Field("hard", description=(
@@ -59,7 +59,7 @@ def _share_or_auto(value: Any, zero_allowed: bool, ends: str, example: str) -> A
     in_range = (lambda v: 0 <= v <= 1) if zero_allowed else (lambda v: 0 < v <= 1)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not in_range(value):
         raise ValueError(f"must be a number in {interval} or auto, got {value}: {ends}; e.g. {example}")
-    return value
+    return value if zero_allowed else survives_float32(value)
 
 
 class TrainSettings(Strict):
@@ -83,7 +83,7 @@ class TrainSettings(Strict):
         "with its reason"))
     scheduler: Literal["cosine", "linear", "constant"] = Field("cosine",
         description="lr decay after the warm-up: cosine, linear or constant")
-    max_grad_norm: Float | None = Field(1.0, gt=0,
+    max_grad_norm: PositiveFloat | None = Field(1.0, gt=0,
         description="clip the global gradient norm to this; null = no clipping")
     label_smoothing: Float = Field(0.0, ge=0, lt=1, description="cross-entropy label smoothing")
     seed: StrictInt = Field(0, description=(
@@ -116,7 +116,7 @@ class TrainSettings(Strict):
     collective_timeout_s: Bounded("train.collective_timeout_s") = Field(
         600, gt=0, description="several processes: seconds one waits for the others in a collective before the run "
                                "stops with the stuck rank named (a frozen process would hang the rest forever)")
-    ema_decay: Float | None = Field(None, gt=0, lt=1, description=(
+    ema_decay: PositiveFloat | None = Field(None, gt=0, lt=1, description=(
         "keep an EMA of the weights, e.g. 0.999 (it forgets over ~1/(1-decay) steps: keep that well below the run's "
         "steps); evaluated beside the raw weights, the better is saved; null = off"))
     keep_best: Literal[tuple(KEEP_BEST_GOALS)] | None = Field(None, description=(
@@ -124,7 +124,7 @@ class TrainSettings(Strict):
         "eval_top5_accuracy) instead of the last; null = the last"))
     early_stopping_patience: Bounded("train.early_stopping_patience", StrictInt | None) = Field(None, gt=0, description=(
         "stop after this many evaluations without gain in train.keep_best; null = never"))
-    layer_decay: Float | None = Field(None, gt=0, le=1, description=(
+    layer_decay: PositiveFloat | None = Field(None, gt=0, le=1, description=(
         "layer-wise lr decay, e.g. 0.75: lr x decay^(blocks + 1 - depth), embeddings at depth 0, the head at "
         "blocks + 1; null = one lr"))
     method: Literal[("auto", *METHODS)] = Field("auto", description=(
@@ -173,7 +173,7 @@ class TrainSettings(Strict):
     def _lr_positive(cls, value: float | str) -> float | str:
         if value != "auto" and not 0 < value <= 1e6:
             raise ValueError(f"must be a learning rate above 0 (at most 1e6) or auto, got {value}; e.g. 0.002")
-        return value
+        return survives_float32(value)
 
     @model_validator(mode="after")
     def _keys_agree(self) -> TrainSettings:

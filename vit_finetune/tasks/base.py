@@ -101,6 +101,11 @@ class Task:
         a word: a flat image filed under a class is a broken file or a lost drawing (the default)."""
         return True
 
+    def keep_best_refusal(self, keep_best: str | None, splits) -> str | None:
+        """Why train.keep_best cannot choose on this eval split (its metric is undefined there), with the fix; None
+        where it can. Read before the model is built."""
+        return None
+
     def balancing(self, kind: str | None, splits, seed: int) -> tuple:
         """data.class_balance -> (the training sampler or None, the loss's class weights or None)."""
         return balance.balancing(kind, splits, seed)

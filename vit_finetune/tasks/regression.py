@@ -56,6 +56,22 @@ class Regression(Task):
         """Never on its own: a blank image can have a value (a count of 0, an empty dish)."""
         return False
 
+    def keep_best_refusal(self, keep_best, splits):
+        """R² divides by the eval targets' spread: with no target that varies over the eval split (fewer than two
+        images, or the same values in every one) it is undefined, `summarise` writes 0 at every evaluation, and
+        keep_best would keep the first evaluation's weights whatever came after."""
+        if keep_best != "eval_r2":
+            return None
+        values = np.asarray(splits.eval[splits.label_column], dtype=np.float64).reshape(len(splits.eval), -1)
+        if len(values) >= 2 and (values.max(axis=0) > values.min(axis=0)).any():
+            return None
+        seen = f"{len(values)} eval image{'s' * (len(values) != 1)}" + (", every target the same in each"
+                                                                       if len(values) >= 2 else "")
+        return (f"train.keep_best=eval_r2: R² is undefined on this eval split ({seen}): it needs at least 2 eval "
+                "images whose targets differ, else it reads 0 at every evaluation and the first is kept. Fix: "
+                "train.keep_best=eval_mae (or eval_rmse), or more eval images (a larger data.eval_fraction, or "
+                "data.eval_split naming a larger split)")
+
     @classmethod
     def from_targets(cls, values: np.ndarray, loss_kind: str) -> Regression:
         """Standardised by the training targets (N, T); a constant target keeps a scale of 1."""
