@@ -135,6 +135,29 @@ def test_predict_and_evaluate_read_the_same_split_by_default(trained, images, tm
     assert evaluated["eval_split"] == "validation" and evaluated["eval_samples"] == len(predicted)
 
 
+def test_with_no_split_a_dataset_is_read_by_the_split_it_has(trained, tmp_path, capsys):
+    """A plain class folder has one split (train): evaluate and predict read it. Of several, validation, else test;
+    else the splits are named, with the option."""
+    flat = write_colour_folder(tmp_path / "flat", classes=3, train=1, splits=False)
+    assert main(["evaluate", str(trained), "--dataset", str(flat)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["eval_split"] == "train" and shown["eval_samples"] == 3
+    assert main(["predict", str(trained), "--dataset", str(flat), "--output", str(tmp_path / "flat.jsonl")]) == 0
+    assert len((tmp_path / "flat.jsonl").read_text().splitlines()) == 3
+    capsys.readouterr()
+    two = write_colour_folder(tmp_path / "two", classes=3, train=1, validation=1)
+    (two / "validation").rename(two / "test")
+    assert main(["evaluate", str(trained), "--dataset", str(two)]) == 0
+    assert json.loads(capsys.readouterr().out)["eval_split"] == "test"
+    listed = [f"{path.relative_to(flat)},{path.parent.name},{split}"
+              for path, split in zip(sorted(flat.rglob("*.png")), ("train", "holdout", "spare"))]
+    (flat / "labels.csv").write_text("\n".join(["file_name,label,split", *listed]) + "\n")
+    assert main(["evaluate", str(trained), "--dataset", str(flat / "labels.csv")]) == 1
+    error = capsys.readouterr().err
+    assert "has the splits ['train', 'holdout', 'spare'] and none is validation or test" in error, error
+    assert "--split spare" in error
+
+
 @pytest.mark.parametrize("model", ["outputs/nonexist", "./nonexist", "/no/such/run"])
 def test_a_missing_model_folder_fails_at_once(model, photos):
     start = time.perf_counter()

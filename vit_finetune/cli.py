@@ -31,8 +31,9 @@ from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FIL
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
               "their saved thresholds, at most k of them, highest first (default: all of them)")
-# predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
-DATASET_SPLIT = "validation"
+# predict and evaluate read the same split of a --dataset unless told otherwise (predict.chosen_split).
+SPLIT_HELP = ("the split of --dataset (default, as for both predict and evaluate: its only split, else validation, "
+              "else test)")
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -79,7 +80,7 @@ def _predict_parser() -> argparse.ArgumentParser:
                                     "An unreadable image gets its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
-    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
+    parser.add_argument("--split", help=SPLIT_HELP)
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
@@ -126,7 +127,10 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
                                     "the run's own eval split, reproducing its metrics.json.")
     parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
-    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as predict)")
+    parser.add_argument("--split", help=SPLIT_HELP)
+    parser.add_argument("--target-columns", help="a regression model: the --dataset's columns holding its targets, "
+                                                 "comma-separated in the model's order (default: the target names the "
+                                                 "model was trained on, its config.json's id2label)")
     parser.add_argument("--output-dir", type=Path,
                         help="also write metrics.json, confusion_matrix.png and misclassified.png here")
     parser.add_argument("--overwrite", action="store_true", help="replace those files if --output-dir holds them")
@@ -255,8 +259,12 @@ def evaluate_command(argv: list[str]) -> int:
 
     if args.output_dir is not None:
         evaluate_saved.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
-    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
-                                            args.batch_size, _device(args.device), args.output_dir)
+    if args.dataset is None and (args.split or args.target_columns):
+        raise saved_model.InputError("--split and --target-columns read a --dataset; give --dataset D, or leave them "
+                                     "out to evaluate on the run's own eval split")
+    target_columns = [name.strip() for name in args.target_columns.split(",")] if args.target_columns else None
+    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split, args.batch_size,
+                                            _device(args.device), args.output_dir, target_columns)
     shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
     print(json.dumps(shown, indent=1))
     return 0
