@@ -9,6 +9,7 @@
     python -m vit_finetune push outputs/food101_384 --repo-id you/vit-food101-384
     python -m vit_finetune export outputs/food101_384 --onnx --quantize int8
     python -m vit_finetune app outputs/food101_384 --port 7860
+    python -m vit_finetune restore outputs/food101_384    # the run a stopped overwrite=true run was replacing
 
 A user's mistake exits non-zero with a one-paragraph message, never a traceback. Nothing heavy (torch,
 transformers, datasets) is imported until a command needs it, so the help and the listings answer at once.
@@ -22,9 +23,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import progress, saved_model
+from . import previous_run, progress, saved_model
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
-from .errors import PRINTING_RANK, VitFinetuneError, report
+from .errors import EXIT_INTERRUPTED, PRINTING_RANK, VitFinetuneError, report
 from .onnx_classifier import load_onnx_classifier
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
@@ -40,7 +41,7 @@ def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
         description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
-                    "predict, evaluate, explain, export, app, push.",
+                    "predict, evaluate, explain, export, app, push, restore.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
@@ -167,6 +168,16 @@ def _push_parser() -> argparse.ArgumentParser:
     parser.add_argument("--space-app", action="store_true",
                         help="also add space/ (app.py, requirements.txt, README.md): a Gradio app to try the model, "
                              "ready to copy into a Space; the model files are pushed as without it")
+    return parser
+
+
+def _restore_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit_finetune restore",
+        description="Put back the run that an overwrite=true run into OUTPUT_DIR was replacing, when that run stopped "
+                    "before it finished (killed, or Ctrl-C twice): it is kept in OUTPUT_DIR/.vit_finetune_previous. "
+                    "The stopped run's files (its checkpoints too) are removed; the user's own files stay.")
+    parser.add_argument("output_dir")
     return parser
 
 
@@ -339,11 +350,17 @@ def push_command(argv: list[str]) -> int:
     return 0
 
 
+def restore_command(argv: list[str]) -> int:
+    args = _restore_parser().parse_args(argv)
+    print(previous_run.restore(Path(args.output_dir).expanduser()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
-                "export": export_command, "app": app_command, "push": push_command}
+                "export": export_command, "app": app_command, "push": push_command, "restore": restore_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
@@ -353,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         except VitFinetuneError as error:
             report(error)
             return error.exit_code
+        except KeyboardInterrupt:  # Ctrl-C where no handler of a run hears it (loading, predict): one line, no traceback
+            print("stopped by Ctrl-C", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 def main_exit() -> None:

@@ -22,7 +22,7 @@ from transformers.utils import logging as transformers_logging
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import hub, student
+from . import hub, previous_run, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
@@ -108,9 +108,10 @@ def check_config_file(location: str, settings: ModelSettings) -> None:
 
     path = cached_file(location, CONFIG_NAME, revision=settings.revision)
     if path is None:  # a local folder without the file: cached_file answers None, not an error
-        raise ModelError(f"model.base={settings.base!r} is a folder but holds no {CONFIG_NAME}: not a saved model. "
-                         "Fix: give a folder written by save_pretrained (a run's output_dir) or a Hub id such as "
-                         "google/vit-base-patch16-224")
+        stopped = previous_run.not_a_model_because_stopped(Path(location).expanduser())
+        raise ModelError(f"model.base={settings.base!r} is a folder but holds no {CONFIG_NAME}: " + (
+            stopped or "not a saved model. Fix: give a folder written by save_pretrained (a run's output_dir) or a "
+                       "Hub id such as google/vit-base-patch16-224"))
     size = os.path.getsize(path)
     if size > MAX_CONFIG_BYTES:
         raise ModelError(f"model.base={settings.base!r}: its {CONFIG_NAME} is {size:,} bytes; a ViT's is a few KB. "
