@@ -167,3 +167,24 @@ def test_a_second_ctrl_c_stops_in_one_line_saying_where_the_previous_run_is_and_
     assert main(["restore", str(previous)]) == 1
     assert "holds no run set aside" in capsys.readouterr().err
     assert snapshot(previous) == before
+
+
+def test_a_users_file_in_the_staging_folder_is_refused_by_name_not_deleted(args, previous, capsys):
+    """The final save's staging folder is cleared by every run: only of what the final save writes there. A file of
+    the user's in it stops the run before anything moves, naming it and the fix."""
+    from vit_finetune.layout import STAGING
+
+    staging = previous / STAGING
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")  # what a final save cut short leaves: the toolkit's to clear
+    (staging / "my_notes.txt").write_text("mine\n")
+    before = snapshot(previous)
+    assert train([*args, *SHORT, f"output_dir={previous}", "overwrite=true"]) == 1
+    error = capsys.readouterr().err
+    assert f"{staging} holds ['my_notes.txt'], which this toolkit did not write" in error, error
+    assert f"Fix: move '{staging / 'my_notes.txt'}' out of {STAGING}, then run again" in error
+    assert snapshot(previous) == before and not (previous / PREVIOUS_RUN).exists()
+
+    (staging / "my_notes.txt").rename(previous.parent / "my_notes.txt")
+    assert train([*args, *SHORT, f"output_dir={previous}", "overwrite=true"]) == 0
+    assert not staging.exists() and (previous.parent / "my_notes.txt").read_text() == "mine\n"
