@@ -240,6 +240,11 @@ def predict_command(argv: list[str]) -> int:
     predict.refuse_output_among_inputs(args.output, sources or [], args.dataset)
     saved_model.model_location(args.model)
     sources = sources or predict.dataset_images(args.dataset, args.split)
+    output = Path(args.output).expanduser() if args.output else None
+    shown = 0  # rows listed on the terminal as well, when the listing goes to a file of predict's choosing
+    if write is None and sys.stdout.isatty() and len(sources) > predict.TERMINAL_ROWS:
+        output = predict.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
+        write, shown = (predict.write_csv, predict.TERMINAL_ROWS) if output else (None, 0)
     if args.runtime == "torch":
         model, processor = saved_model.load_classifier(args.model, _device(args.device))
     else:
@@ -258,9 +263,10 @@ def predict_command(argv: list[str]) -> int:
         predict.write_text(rows)
         return 0
     columns = min(args.top_k or predict.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
-    count = predict.write_output(write, rows, Path(args.output).expanduser(), columns)
-    print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
-                                                f"{unreadable[:5]}" if unreadable else ""))
+    count = predict.write_output(write, predict.listing_first(rows, shown), output, columns)
+    where = (f" (the first {shown} listed above; --output FILE.csv or FILE.jsonl names the file)" if shown else "")
+    print(f"{count} images -> {output}{where}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
+                                                  f"{unreadable[:5]}" if unreadable else ""))
     return 0
 
 

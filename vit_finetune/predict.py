@@ -4,6 +4,7 @@ and the rows written as CSV or JSON Lines (atomically), or listed on the console
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -222,6 +223,28 @@ def write_text(rows: Iterator[dict], stream=None) -> int:
 
 
 WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
+# No --output, on a terminal: images listed there at most; past them, the whole listing goes to a file (listing_file)
+# and the terminal shows these first rows and where the rest are. Piped, every row goes to stdout as ever.
+TERMINAL_ROWS = 20
+LISTING_STEM = "predictions"
+
+
+def listing_file(folder: Path) -> Path | None:
+    """The file a listing too long for the terminal is written to: predictions.csv in `folder`, or the first of
+    predictions-2.csv, predictions-3.csv, ... that does not exist (a file is never replaced); None if `folder`
+    cannot be written."""
+    if not os.access(folder, os.W_OK):
+        return None
+    names = (f"{LISTING_STEM}.csv" if n == 1 else f"{LISTING_STEM}-{n}.csv" for n in itertools.count(1))
+    return next(folder / name for name in names if not os.path.lexists(folder / name))
+
+
+def listing_first(rows: Iterator[dict], shown: int, stream=None) -> Iterator[dict]:
+    """`rows` passed on, the first `shown` of them also listed as write_text lists them."""
+    for index, row in enumerate(rows):
+        if index < shown:
+            write_text([row], stream)
+        yield row
 
 
 def writer_for_model(write, config):
