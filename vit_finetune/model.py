@@ -260,7 +260,8 @@ def build_model(settings: ModelSettings, labels: list[str],
     """Pretrained model at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
 
     `on_resample(before, after)` receives the absolute position table as loaded and as resampled (before is None
-    for a model from random weights), e.g. to draw them; it is not called for a family without one.
+    for a model from random weights), e.g. to draw them; it is not called for a family without one, nor for a table
+    kept at the base's own grid (nothing moved: a "before and after" would show the same table twice).
     """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
@@ -285,7 +286,7 @@ def build_model(settings: ModelSettings, labels: list[str],
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
         resize(state, moved)
-    if on_resample is not None and before is not None:
+    if on_resample is not None and before is not None and moved.old_grid != moved.new_grid:  # a table resampled
         on_resample(before, absolute_table(family, state))
     if not keeps_head:
         state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
