@@ -135,8 +135,11 @@ def test_a_second_ctrl_c_stops_in_one_line_saying_where_the_previous_run_is_and_
     import os
 
     from vit_finetune.cli import main
+    from vit_finetune.previous_run import after_a_stop_at_once
 
     before = snapshot(previous)
+    # Stopped before it set the finished run aside, an overwrite says that run is untouched (not: resume its checkpoint).
+    assert after_a_stop_at_once(previous) == f"the finished run in {previous} is as it was"
 
     def ctrl_c_twice(batch: int) -> None:
         if batch == 2:

@@ -14,7 +14,8 @@ import shlex
 import shutil
 from pathlib import Path
 
-from .layout import CHECKPOINTS, COMPLETE, MANIFEST, PREVIOUS_RUN, describe_write_error, fsync_folder, written
+from .layout import (CHECKPOINTS, COMPLETE, MANIFEST, PREVIOUS_RUN, describe_write_error, fsync_folder, is_finished,
+                     written)
 from .run_lock import OutputDirError, RunLock
 
 
@@ -170,10 +171,13 @@ def not_a_model_because_stopped(folder: Path) -> str | None:
 
 def after_a_stop_at_once(output_dir: Path) -> str:
     """What a run stopped at once (a second Ctrl-C) leaves in output_dir, in one clause: where the run it was
-    replacing is kept and how to put it back, else its checkpoint to resume from, else that nothing was saved."""
+    replacing is kept and how to put it back, else the finished run still there, else its checkpoint to resume
+    from, else that nothing was saved."""
     previous = where_the_previous_run_is(output_dir)
     if previous:
         return f"this overwrite=true run was not finished; {previous}"
+    if is_finished(output_dir):  # stopped before it set the finished run there aside: that one is untouched
+        return f"the finished run in {output_dir} is as it was"
     if resumable(output_dir):
         return f"its last checkpoint is in {Path(output_dir) / CHECKPOINTS}: resume with train.resume=auto"
     return "no checkpoint of it was saved"
