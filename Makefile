@@ -1,12 +1,14 @@
-# Every target installs what is missing first, so `make demo` and `make test` work on a fresh machine.
+# Every target installs what is missing first, so `make demo` and `make test` work on a fresh machine: pip alone
+# for all but `make test`, which also installs the browser its page test drives.
 PYTHON ?= python3
 LAUNCH ?= accelerate launch
 RECIPE ?= demo
 ARGS ?=
 RECIPES := $(filter-out demo,$(basename $(notdir $(wildcard recipes/*.yaml))))  # demo has its own target
 STAMP := .cache/installed
+BROWSER_STAMP := .cache/browser-installed
 
-.PHONY: help install demo test test-fast test-floors train bench list $(RECIPES)
+.PHONY: help install browser demo test test-fast test-floors train bench list $(RECIPES)
 .DEFAULT_GOAL := help
 
 help:  ## list the targets (this text)
@@ -18,12 +20,18 @@ help:  ## list the targets (this text)
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
 	$(PYTHON) -m pip install -q -e ".[dev]"
-	@# the app's browser test drives Debian's chromium; installed only where it is missing and apt-get can (root)
-	@if ! (command -v chromium && command -v chromedriver) >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 	@mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
+# The page's browser test (tests/test_serving.py) drives Debian's chromium: installed for `make test` alone, only where
+# it is missing and apt-get can (root). The demo and every other target need nothing past pip.
+$(BROWSER_STAMP):
+	@if ! (command -v chromium && command -v chromedriver) >/dev/null && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
+	@mkdir -p $(dir $(BROWSER_STAMP)) && touch $(BROWSER_STAMP)
+
 install: $(STAMP)  ## install the package and its dev tools (pip install -e .[dev])
+
+browser: $(BROWSER_STAMP)  ## chromium and chromedriver for the page's browser test (apt-get, as root)
 
 # The demo's figure is the same on every x86-64 CPU: torch's own kernels, MKL's and oneDNN's take their AVX2 code
 # paths (AVX-512 ones sum in another order), with one thread (recipes/demo.yaml). Read before torch starts, so set here.
@@ -36,7 +44,7 @@ demo: $(STAMP)  ## offline demo: fine-tune the shipped tiny ViT at 64 px, print 
 # files go out in collection order, longest first (tests/conftest.py), so both workers end at about the same time.
 PYTEST_PARALLEL ?= -n auto --dist loadfile --no-loadscope-reorder
 
-test: $(STAMP)  ## the whole test suite, one worker per core
+test: $(STAMP) $(BROWSER_STAMP)  ## the whole test suite, one worker per core
 	$(PYTHON) -m pytest -q $(PYTEST_PARALLEL) $(ARGS)
 
 test-fast: $(STAMP)  ## the tests not marked slow

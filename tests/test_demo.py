@@ -98,3 +98,23 @@ def test_make_demo_runs_on_the_avx2_kernels_of_every_x86_cpu():
     probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
                            env={**os.environ, **variables}, capture_output=True, text=True, check=True)
     assert probe.stdout.strip() == "AVX2"
+
+
+def test_make_demo_needs_nothing_past_pip_and_make_test_installs_the_pages_browser():
+    """`make demo` on a fresh machine (-B: every stamp out of date) installs with pip alone, never apt-get; `make test`
+    also installs the browser the page's test drives; CI's order (test, test-floors, demo) builds both stamps."""
+    fresh = {name: value for name, value in os.environ.items() if name not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+
+    def planned(*targets: str) -> str:
+        return subprocess.run(["make", "-n", "-B", *targets], cwd=REPO, env=fresh, capture_output=True, text=True,
+                              check=True).stdout
+
+    for target in ("demo", "install", "test-floors", "list"):
+        printed = planned(target)
+        assert "pip install" in printed, (target, printed)
+        assert "apt-get" not in printed and "chromium" not in printed, (target, printed)
+    test = planned("test")
+    assert "apt-get install -y -qq chromium chromium-driver" in test and "touch .cache/browser-installed" in test
+    assert test.index("pip install") < test.index("-m pytest") and test.index("apt-get") < test.index("-m pytest")
+    ci = [line.split("#")[0].split() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    assert [words[1] for words in ci if words[:1] == ["make"]] == ["test", "test-floors", "demo"]

@@ -258,6 +258,12 @@ def test_the_resample_hook_sees_the_familys_absolute_table_and_skips_families_wi
     vit.build_model(ModelSettings(base=str(bases["swin"]), image_size=64), LABELS,
                     on_resample=lambda before, after: seen.append("swin"))
     assert "swin" not in seen
+    # At the base's own size (a student cut at it, say) nothing moves: no "before and after" picture to draw.
+    vit.build_model(ModelSettings(base=str(bases["clip"]), image_size=32), LABELS,
+                    on_resample=lambda before, after: seen.append("unmoved"))
+    vit.build_model(ModelSettings(base=str(bases["clip"]), image_size=32, keep_blocks=1), LABELS,
+                    on_resample=lambda before, after: seen.append("unmoved student"))
+    assert len(seen) == 1
 
 
 def test_report_measured_differences():

@@ -125,3 +125,69 @@ def test_a_killed_overwrite_leaves_the_finished_run_aside_and_the_next_run_puts_
     assert json.loads((previous / "metrics.json").read_text())["steps"] == 6
     assert (previous / USERS_LOG).read_text() == "my notes on this run\n"
     assert completed(previous, 6).exists()  # its own checkpoints
+
+
+def test_a_second_ctrl_c_stops_in_one_line_saying_where_the_previous_run_is_and_restore_puts_it_back(
+        args, previous, tmp_path, capsys):
+    """Ctrl-C twice in one step of an overwrite: no traceback, one line naming the folder the finished run is kept in
+    and the command that puts it back; predict, evaluate and export on the folder point there too; `restore` does
+    it, and says there is nothing left to restore after."""
+    import os
+
+    from vit_finetune.cli import main
+    from vit_finetune.previous_run import after_a_stop_at_once
+
+    before = snapshot(previous)
+    # Stopped before it set the finished run aside, an overwrite says that run is untouched (not: resume its checkpoint).
+    assert after_a_stop_at_once(previous) == f"the finished run in {previous} is as it was"
+
+    def ctrl_c_twice(batch: int) -> None:
+        if batch == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # heard: a checkpoint at the step's end, then a stop
+            os.kill(os.getpid(), signal.SIGINT)  # impatient: stop now
+
+    assert train([*args, *SHORT, f"output_dir={previous}", "overwrite=true"], callbacks=[before_batch(ctrl_c_twice)]) == 130
+    error = capsys.readouterr().err
+    aside = previous / PREVIOUS_RUN
+    assert "Traceback" not in error and "KeyboardInterrupt" not in error
+    line = error.strip().splitlines()[-1]  # the run's own lines before it, and this one
+    assert [said for said in error.splitlines() if said.startswith("error:")] == [line]
+    assert line.startswith("error: stopped at once by Ctrl-C; this overwrite=true run was not finished; the run it "
+                           f"was replacing is kept, whole, in {aside}: put it back with "
+                           f"`python -m vit_finetune restore {previous}`"), line
+    assert aside.is_dir() and not (previous / "config.json").exists()
+
+    for command in (["predict", str(previous), str(tmp_path)], ["evaluate", str(previous)],
+                    ["export", str(previous), "--onnx"]):
+        assert main(command) == 1, command
+        said = capsys.readouterr().err
+        assert f"an overwrite=true run into it stopped before it finished; the run it was replacing is kept, whole, " \
+               f"in {aside}: put it back with `python -m vit_finetune restore {previous}`" in said, (command, said)
+
+    assert main(["restore", str(previous)]) == 0
+    assert "the run it was replacing is back as it was" in capsys.readouterr().out
+    assert snapshot(previous) == before and not aside.exists()
+    assert main(["restore", str(previous)]) == 1
+    assert "holds no run set aside" in capsys.readouterr().err
+    assert snapshot(previous) == before
+
+
+def test_a_users_file_in_the_staging_folder_is_refused_by_name_not_deleted(args, previous, capsys):
+    """The final save's staging folder is cleared by every run: only of what the final save writes there. A file of
+    the user's in it stops the run before anything moves, naming it and the fix."""
+    from vit_finetune.layout import STAGING
+
+    staging = previous / STAGING
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")  # what a final save cut short leaves: the toolkit's to clear
+    (staging / "my_notes.txt").write_text("mine\n")
+    before = snapshot(previous)
+    assert train([*args, *SHORT, f"output_dir={previous}", "overwrite=true"]) == 1
+    error = capsys.readouterr().err
+    assert f"{staging} holds ['my_notes.txt'], which this toolkit did not write" in error, error
+    assert f"Fix: move '{staging / 'my_notes.txt'}' out of {STAGING}, then run again" in error
+    assert snapshot(previous) == before and not (previous / PREVIOUS_RUN).exists()
+
+    (staging / "my_notes.txt").rename(previous.parent / "my_notes.txt")
+    assert train([*args, *SHORT, f"output_dir={previous}", "overwrite=true"]) == 0
+    assert not staging.exists() and (previous.parent / "my_notes.txt").read_text() == "mine\n"

@@ -123,6 +123,27 @@ def test_evaluation_sees_the_pixels_and_logits_pipeline_sees_for_each_colour_mod
     assert torch.equal(ours["a/rgba.png"][0], ours["a/rgb.png"][0])
 
 
+def test_a_palette_with_alpha_per_entry_decodes_quietly_to_the_pixels_pipeline_gets():
+    """A PNG palette whose entries carry alpha (transparency as bytes): Pillow warns at each convert("RGB"), dozens of
+    lines a run; decoded here without a word, to the very pixels convert("RGB") gives (what pipeline() reads)."""
+    import warnings
+
+    palette = Image.new("P", (6, 4), 0)
+    palette.putpalette([255, 0, 0, 0, 255, 0, 0, 0, 255] + [0] * 759)
+    palette.putpixel((0, 0), 1)
+    palette.putpixel((1, 0), 2)
+    buffer = io.BytesIO()
+    palette.save(buffer, format="PNG", transparency=bytes([0, 128, 255]))
+    assert isinstance(Image.open(io.BytesIO(buffer.getvalue())).info["transparency"], bytes)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoded = data.decode_image({"bytes": buffer.getvalue(), "path": None}, 0, DataSettings())
+        theirs = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
+    assert [str(w.message) for w in caught] == ["Palette images with Transparency expressed in bytes should be "
+                                                "converted to RGBA images"]  # theirs alone
+    assert decoded.mode == "RGB" and np.array_equal(np.asarray(decoded), np.asarray(theirs))
+
+
 def test_a_16_bit_grey_gradient_is_scaled_to_8_bits_not_clipped():
     gradient = np.linspace(0, 65535, 256).round().astype(np.uint16)[None].repeat(3, 0)
     buffer = io.BytesIO()

@@ -568,3 +568,32 @@ def test_a_saved_dataset_with_a_column_of_numbers_is_read_as_targets(tmp_path):
     datasets.DatasetDict({"train": table}).save_to_disk(tmp_path / "with-nan")
     with pytest.raises(data.DataError, match=r"row 5 of split 'train' has a target that is missing or not finite"):
         data.load_splits(DataSettings(dataset=str(tmp_path / "with-nan"), task="regression"), seed=0)
+
+
+def test_evaluate_scores_a_regression_model_on_a_label_file_by_its_own_target_columns(fixed_values, tmp_path, capsys):
+    """No --split, no data.task, no column named: the saved model says it is a regression of `age` and `smile`, and
+    the file's only split is read. Every image is given age 59.94 and smile -2.41, so the errors are known."""
+    rng = np.random.default_rng(1)
+    ages, smiles = [40.0, 60.0, 70.0, 55.0], [-2.0, -3.0, 0.0, -2.41]
+    for i in range(len(ages)):
+        colour_image((30 * i, 90, 40), rng).save(tmp_path / f"{i}.png")
+    rows = [f"{i}.png,{age},{smile}" for i, (age, smile) in enumerate(zip(ages, smiles))]
+    (tmp_path / "faces.csv").write_text("\n".join(["file_name,age,smile", *rows]) + "\n")
+    assert main(["evaluate", str(fixed_values), "--dataset", str(tmp_path / "faces.csv")]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["task"] == "regression" and shown["eval_samples"] == 4 and shown["eval_split"] == "train"
+    errors = np.abs(np.array([[59.94 - age, -2.41 - smile] for age, smile in zip(ages, smiles)]))
+    assert shown["mae"] == pytest.approx(errors.mean(), abs=1e-4)
+
+    # Columns of other names: refused naming the model's targets and the option; with it, the same numbers.
+    (tmp_path / "renamed.csv").write_text("\n".join(["file_name,years,grin", *rows]) + "\n")
+    assert main(["evaluate", str(fixed_values), "--dataset", str(tmp_path / "renamed.csv")]) == 1
+    error = capsys.readouterr().err
+    assert "the model predicts ['age', 'smile']" in error and "--target-columns" in error
+    assert "data.task" not in error and "Traceback" not in error
+    assert main(["evaluate", str(fixed_values), "--dataset", str(tmp_path / "renamed.csv"),
+                 "--target-columns", "years,grin"]) == 0
+    assert json.loads(capsys.readouterr().out)["mae"] == pytest.approx(shown["mae"], abs=1e-6)
+    assert main(["evaluate", str(fixed_values), "--dataset", str(tmp_path / "renamed.csv"),
+                 "--target-columns", "years"]) == 1
+    assert "the model predicts 2 target(s) ['age', 'smile']" in capsys.readouterr().err

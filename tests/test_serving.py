@@ -230,7 +230,7 @@ def test_a_lora_run_exports_its_merged_model_which_a_new_run_in_the_folder_remov
 @pytest.fixture
 def browser() -> tuple[str, str]:
     """(chromium, chromedriver). Skipped only where they cannot be installed; where apt-get and root are there,
-    `make install` installs them, so their absence is a failure."""
+    `make test` (or `make browser`) installs them, so their absence is a failure."""
     import os
     import shutil
 
@@ -238,7 +238,7 @@ def browser() -> tuple[str, str]:
     if all(found):
         return found
     if shutil.which("apt-get") and os.geteuid() == 0:
-        pytest.fail("chromium and chromium-driver are missing but installable here: run `make install`")
+        pytest.fail("chromium and chromium-driver are missing but installable here: run `make browser`")
     pytest.skip("chromium and chromium-driver are not installed and cannot be here (no apt-get, or not root)")
 
 

@@ -100,3 +100,42 @@ def test_a_missing_local_folder_is_named_as_missing_with_the_path_looked_at(hub,
     assert f"there is no folder or file {str(tmp_path / 'my_photos')!r}" in error
     assert "is unreachable" in error and OFFLINE_FIX in error
     assert not (tmp_path / "run").exists()
+
+
+def test_a_path_into_an_existing_folder_is_named_as_missing_before_the_hub(hub, tmp_path, monkeypatch, capsys):
+    """`data/missing_sub` beside an existing `data/` reads as a path of the user's: said missing first, with the
+    folder that does exist, then what the Hub (down here) says of it as an id."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    hub.inject_faults(status=503, times=None)
+    assert main(["--recipe", "demo", "data.dataset=data/missing_sub", f"output_dir={tmp_path / 'run'}"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: data.dataset='data/missing_sub': there is no folder or file "
+                            f"{str(tmp_path / 'data' / 'missing_sub')!r}, though the folder {str(tmp_path / 'data')!r} "
+                            "exists: check the name"), error
+    assert "is unreachable" in error and "Traceback" not in error
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key, value, local", [("data.dataset", "someone/photos", "image folder, label file"),
+                                               ("data.dataset", "photos", "image folder, label file"),
+                                               ("model.base", "someone/vit-base", "folder holding config.json")])
+def test_under_hf_hub_offline_a_name_in_no_cache_and_no_folder_is_said_to_be_nowhere(hub, tmp_path, monkeypatch,
+                                                                                     capsys, key, value, local):
+    """HF_HUB_OFFLINE=1, as the user sets it: huggingface_hub and datasets read it once, when imported, so their
+    flags are set here as that import would have set them. The Hub is never asked."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert main(["--recipe", "demo", f"{key}={value}", f"output_dir={tmp_path / 'run'}"]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith(f"error: {key}={value!r}: HF_HUB_OFFLINE=1 turns the Hub off"), error
+    assert f"{value!r} is not there; nor is it a local folder: there is no folder or file {str(tmp_path / value)!r}" in error
+    assert local in error and "unset HF_HUB_OFFLINE" in error
+    assert "Traceback" not in error and "unreachable" not in error
+    assert hub.requests() == []
+    assert not (tmp_path / "run").exists()

@@ -4,8 +4,10 @@ CSV/JSONL from files, folders, globs and dataset splits, and fast, clear failure
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -133,6 +135,60 @@ def test_predict_and_evaluate_read_the_same_split_by_default(trained, images, tm
     assert main(["evaluate", str(trained), "--dataset", str(images)]) == 0
     evaluated = json.loads(capsys.readouterr().out)
     assert evaluated["eval_split"] == "validation" and evaluated["eval_samples"] == len(predicted)
+
+
+def test_with_no_split_a_dataset_is_read_by_the_split_it_has(trained, tmp_path, capsys):
+    """A plain class folder has one split (train): evaluate and predict read it. Of several, validation, else test;
+    else the splits are named, with the option."""
+    flat = write_colour_folder(tmp_path / "flat", classes=3, train=1, splits=False)
+    assert main(["evaluate", str(trained), "--dataset", str(flat)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["eval_split"] == "train" and shown["eval_samples"] == 3
+    assert main(["predict", str(trained), "--dataset", str(flat), "--output", str(tmp_path / "flat.jsonl")]) == 0
+    assert len((tmp_path / "flat.jsonl").read_text().splitlines()) == 3
+    capsys.readouterr()
+    two = write_colour_folder(tmp_path / "two", classes=3, train=1, validation=1)
+    (two / "validation").rename(two / "test")
+    assert main(["evaluate", str(trained), "--dataset", str(two)]) == 0
+    assert json.loads(capsys.readouterr().out)["eval_split"] == "test"
+    listed = [f"{path.relative_to(flat)},{path.parent.name},{split}"
+              for path, split in zip(sorted(flat.rglob("*.png")), ("train", "holdout", "spare"))]
+    (flat / "labels.csv").write_text("\n".join(["file_name,label,split", *listed]) + "\n")
+    assert main(["evaluate", str(trained), "--dataset", str(flat / "labels.csv")]) == 1
+    error = capsys.readouterr().err
+    assert "has the splits ['train', 'holdout', 'spare'] and none is validation or test" in error, error
+    assert "--split spare" in error
+
+
+class Terminal(io.StringIO):
+    """stdout as a terminal is (none exists under pytest): predict asks isatty() to know it writes to one."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_predict_lists_a_long_run_on_a_terminal_in_a_few_rows_and_writes_the_whole_listing_to_a_file(
+        trained, tmp_path, monkeypatch, capsys):
+    many = write_colour_folder(tmp_path / "many", classes=3, train=8, splits=False)  # 24 images
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    captured = sys.stdout
+    for name in ("predictions.csv", "predictions-2.csv"):
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stdout", terminal)
+        assert main(["predict", str(trained), str(many)]) == 0
+        monkeypatch.setattr(sys, "stdout", captured)
+        printed = terminal.getvalue().splitlines()
+        assert len([line for line in printed if line.endswith(".png")]) == 20 and len(printed) < 120
+        assert printed[-1] == (f"24 images -> {work / name} (the first 20 listed above; --output FILE.csv or "
+                               "FILE.jsonl names the file)"), printed[-1]
+        assert len(read_csv(work / name)) == 24
+    assert (work / "predictions.csv").read_text() == (work / "predictions-2.csv").read_text()  # never replaced
+    capsys.readouterr()
+    assert main(["predict", str(trained), str(many)]) == 0  # piped: every row on stdout, as ever, no file
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.endswith(".png")]) == 24
+    assert sorted(path.name for path in work.iterdir()) == ["predictions-2.csv", "predictions.csv"]
 
 
 @pytest.mark.parametrize("model", ["outputs/nonexist", "./nonexist", "/no/such/run"])

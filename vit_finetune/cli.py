@@ -9,6 +9,7 @@
     python -m vit_finetune push outputs/food101_384 --repo-id you/vit-food101-384
     python -m vit_finetune export outputs/food101_384 --onnx --quantize int8
     python -m vit_finetune app outputs/food101_384 --port 7860
+    python -m vit_finetune restore outputs/food101_384    # the run a stopped overwrite=true run was replacing
 
 A user's mistake exits non-zero with a one-paragraph message, never a traceback. Nothing heavy (torch,
 transformers, datasets) is imported until a command needs it, so the help and the listings answer at once.
@@ -22,24 +23,25 @@ import os
 import sys
 from pathlib import Path
 
-from . import progress, saved_model
+from . import previous_run, progress, saved_model
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
-from .errors import PRINTING_RANK, VitFinetuneError, report
+from .errors import EXIT_INTERRUPTED, PRINTING_RANK, VitFinetuneError, report
 from .onnx_classifier import load_onnx_classifier
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
               "their saved thresholds, at most k of them, highest first (default: all of them)")
-# predict and evaluate read the same split of a --dataset unless told otherwise: the recipe's data.eval_split default.
-DATASET_SPLIT = "validation"
+# predict and evaluate read the same split of a --dataset unless told otherwise (predict.chosen_split).
+SPLIT_HELP = ("the split of --dataset (default, as for both predict and evaluate: its only split, else validation, "
+              "else test)")
 
 
 def _train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vit_finetune",
         description="Fine-tune a Vision Transformer from a recipe. Other commands (each with --help): "
-                    "predict, evaluate, explain, export, app, push.",
+                    "predict, evaluate, explain, export, app, push, restore.",
         epilog="Overrides: section.key=value, e.g. train.lr=0.01 model.lora=null data.max_train_samples=2000",
     )
     parser.add_argument("--recipe", help="a shipped recipe name (see --list-recipes) or a path to a .yaml file")
@@ -79,7 +81,7 @@ def _predict_parser() -> argparse.ArgumentParser:
                                     "An unreadable image gets its error in its row and the rest go on.")
     parser.add_argument("images", nargs="*", help="image files, folders (searched recursively) or globs ('a/*.jpg')")
     parser.add_argument("--dataset", help="or: the images of a dataset split (Hub id, image folder, save_to_disk folder)")
-    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as evaluate)")
+    parser.add_argument("--split", help=SPLIT_HELP)
     parser.add_argument("--output", help="write results.csv or results.jsonl instead of printing them")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--top-k", type=at_least_one, default=None, help=TOP_K_HELP)
@@ -126,7 +128,10 @@ def _evaluate_parser() -> argparse.ArgumentParser:
     parser = _model_command_parser("evaluate", "Metrics of a saved model on a labelled split. With no --dataset: "
                                     "the run's own eval split, reproducing its metrics.json.")
     parser.add_argument("--dataset", help="a Hub dataset id, an image folder or a save_to_disk folder")
-    parser.add_argument("--split", default=DATASET_SPLIT, help=f"the split of --dataset (default: {DATASET_SPLIT}, as predict)")
+    parser.add_argument("--split", help=SPLIT_HELP)
+    parser.add_argument("--target-columns", help="a regression model: the --dataset's columns holding its targets, "
+                                                 "comma-separated in the model's order (default: the target names the "
+                                                 "model was trained on, its config.json's id2label)")
     parser.add_argument("--output-dir", type=Path,
                         help="also write metrics.json, confusion_matrix.png and misclassified.png here")
     parser.add_argument("--overwrite", action="store_true", help="replace those files if --output-dir holds them")
@@ -163,6 +168,16 @@ def _push_parser() -> argparse.ArgumentParser:
     parser.add_argument("--space-app", action="store_true",
                         help="also add space/ (app.py, requirements.txt, README.md): a Gradio app to try the model, "
                              "ready to copy into a Space; the model files are pushed as without it")
+    return parser
+
+
+def _restore_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m vit_finetune restore",
+        description="Put back the run that an overwrite=true run into OUTPUT_DIR was replacing, when that run stopped "
+                    "before it finished (killed, or Ctrl-C twice): it is kept in OUTPUT_DIR/.vit_finetune_previous. "
+                    "The stopped run's files (its checkpoints too) are removed; the user's own files stay.")
+    parser.add_argument("output_dir")
     return parser
 
 
@@ -225,6 +240,11 @@ def predict_command(argv: list[str]) -> int:
     predict.refuse_output_among_inputs(args.output, sources or [], args.dataset)
     saved_model.model_location(args.model)
     sources = sources or predict.dataset_images(args.dataset, args.split)
+    output = Path(args.output).expanduser() if args.output else None
+    shown = 0  # rows listed on the terminal as well, when the listing goes to a file of predict's choosing
+    if write is None and sys.stdout.isatty() and len(sources) > predict.TERMINAL_ROWS:
+        output = predict.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
+        write, shown = (predict.write_csv, predict.TERMINAL_ROWS) if output else (None, 0)
     if args.runtime == "torch":
         model, processor = saved_model.load_classifier(args.model, _device(args.device))
     else:
@@ -243,9 +263,10 @@ def predict_command(argv: list[str]) -> int:
         predict.write_text(rows)
         return 0
     columns = min(args.top_k or predict.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
-    count = predict.write_output(write, rows, Path(args.output).expanduser(), columns)
-    print(f"{count} images -> {args.output}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
-                                                f"{unreadable[:5]}" if unreadable else ""))
+    count = predict.write_output(write, predict.listing_first(rows, shown), output, columns)
+    where = (f" (the first {shown} listed above; --output FILE.csv or FILE.jsonl names the file)" if shown else "")
+    print(f"{count} images -> {output}{where}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
+                                                  f"{unreadable[:5]}" if unreadable else ""))
     return 0
 
 
@@ -255,8 +276,12 @@ def evaluate_command(argv: list[str]) -> int:
 
     if args.output_dir is not None:
         evaluate_saved.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
-    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split if args.dataset else None,
-                                            args.batch_size, _device(args.device), args.output_dir)
+    if args.dataset is None and (args.split or args.target_columns):
+        raise saved_model.InputError("--split and --target-columns read a --dataset; give --dataset D, or leave them "
+                                     "out to evaluate on the run's own eval split")
+    target_columns = [name.strip() for name in args.target_columns.split(",")] if args.target_columns else None
+    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split, args.batch_size,
+                                            _device(args.device), args.output_dir, target_columns)
     shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
     print(json.dumps(shown, indent=1))
     return 0
@@ -331,11 +356,17 @@ def push_command(argv: list[str]) -> int:
     return 0
 
 
+def restore_command(argv: list[str]) -> int:
+    args = _restore_parser().parse_args(argv)
+    print(previous_run.restore(Path(args.output_dir).expanduser()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; a VitFinetuneError becomes its message on stderr and its exit code, anything else a traceback."""
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"predict": predict_command, "evaluate": evaluate_command, "explain": explain_command,
-                "export": export_command, "app": app_command, "push": push_command}
+                "export": export_command, "app": app_command, "push": push_command, "restore": restore_command}
     command = commands.get(argv[0], train_command) if argv else train_command
     if command is not train_command:
         argv = argv[1:]
@@ -345,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         except VitFinetuneError as error:
             report(error)
             return error.exit_code
+        except KeyboardInterrupt:  # Ctrl-C where no handler of a run hears it (loading, predict): one line, no traceback
+            print("stopped by Ctrl-C", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
 
 def main_exit() -> None:

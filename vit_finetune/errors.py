@@ -12,6 +12,7 @@ from typing import Any
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a process stopped by Ctrl-C (128 + SIGINT)
 
 
 class VitFinetuneError(Exception):

@@ -12,6 +12,7 @@ from pathlib import Path
 from .layout import (CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
                      describe_write_error, replace_atomically)
 from .predict import dataset_settings, dataset_split
+from .errors import VitFinetuneError
 from .recipe import load_recipe
 from .saved_model import InputError, load_classifier, model_location, path_kind
 
@@ -67,6 +68,50 @@ def to_model_labels(table, label_column: str, labels: list[str], label_sets: boo
     return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
+def classes_of_dataset(dataset: str, split: str | None, labels: list[str], label_sets: bool,
+                       target_columns: list[str] | None):
+    """(table, image column, label column, split) of a classifier's --dataset, its labels matched to the model's by
+    name."""
+    from .data import DataError
+
+    if target_columns is not None:
+        raise InputError("--target-columns names a regression model's target columns; this model is a classifier, "
+                         "whose labels are matched by name: leave --target-columns out")
+    table, image_column, label_column, split = dataset_split(dataset, split)
+    if label_column is None:
+        raise DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
+    return to_model_labels(table, label_column, labels, label_sets), image_column, label_column, split
+
+
+def targets_of_dataset(dataset: str, split: str | None, labels: list[str], label_sets: bool,
+                       target_columns: list[str] | None):
+    """(table, image column, TARGETS_COLUMN, split) of a regression's --dataset: read as the run read its data
+    (data.task=regression), each of the model's targets from the column of its name, or from --target-columns."""
+    from .data.targets import TARGETS_COLUMN, as_targets
+
+    columns = target_columns or labels
+    if len(columns) != len(labels):
+        raise InputError(f"--target-columns {','.join(columns)}: the model predicts {len(labels)} target(s) "
+                         f"{labels}; name one column for each, in that order")
+    fix = (f"the model predicts {labels}. Fix: --target-columns with the dataset's column for each target, "
+           "comma-separated in that order")
+    try:
+        table, image_column, _, split = dataset_split(dataset, split, task="regression", target_columns=columns)
+    except VitFinetuneError as error:
+        if "target_columns" not in str(error):  # not a missing column: the reader's own message says all
+            raise
+        raise InputError(f"{error}; {fix}") from None
+    missing = [name for name in columns if name not in table.features]
+    if missing:
+        raise InputError(f"split {split!r} of {dataset!r} has no column {missing} (its columns: "
+                         f"{list(table.features)}); {fix}")
+    return as_targets(table, image_column, columns, split), image_column, TARGETS_COLUMN, split
+
+
+# How a --dataset's labels become what the model is scored against, per Task.label_encoding.
+OTHER_DATASET_READERS = {"class": classes_of_dataset, "set": classes_of_dataset, "values": targets_of_dataset}
+
+
 @dataclass
 class EvalSplit:
     """A split ready to evaluate: its images preprocessed by the saved processor, and how to batch them."""
@@ -78,10 +123,12 @@ class EvalSplit:
 
 
 def eval_split_of(name: str, model, processor, dataset: str | None = None, split: str | None = None,
-                  batch_size: int | None = None) -> EvalSplit:
+                  batch_size: int | None = None, target_columns: list[str] | None = None) -> EvalSplit:
     """With no dataset, the run's own eval split rebuilt from its recipe.yaml exactly as training built it (same
-    rows, order, batch size and precision); else `split` of `dataset`, its labels matched to the model's by name,
-    evaluated at the run's precision too where its recipe.yaml says it (the same images, the same numbers)."""
+    rows, order, batch size and precision); else `split` of `dataset` (predict.chosen_split when None), its labels
+    matched to the model's by name or a regression's targets read from the columns of their names (or
+    `target_columns`), evaluated at the run's precision too where its recipe.yaml says it (the same images, the same
+    numbers)."""
     from . import data, evaluation, tasks
     from .families import FAMILIES
 
@@ -102,12 +149,8 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
         task = tasks.of_config(model.config, recipe.train)
     else:
         task = tasks.of_config(model.config)
-        table, image_column, label_column = dataset_split(dataset, split)
-        if label_column is None:
-            raise data.DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-        if task.other_dataset_refusal:
-            raise data.DataError(task.other_dataset_refusal)
-        table = to_model_labels(table, label_column, labels, task.label_sets)
+        read = OTHER_DATASET_READERS[task.label_encoding]
+        table, image_column, label_column, split = read(dataset, split, labels, task.label_sets, target_columns)
         settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
         split_fields = {"eval_split": split, "eval_carved_from_train": False}
     # A skipped image's placeholder has the model's own size, asked of its family (CLIP and SigLIP keep it under
@@ -121,7 +164,7 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
 
 
 def evaluate_saved(name: str, dataset: str | None = None, split: str | None = None, batch_size: int | None = None,
-                   device: str = "cpu", output_dir: Path | None = None) -> dict:
+                   device: str = "cpu", output_dir: Path | None = None, target_columns: list[str] | None = None) -> dict:
     """Metrics of a saved model on a split (eval_split_of says which), so metrics.json is reproduced on the run's own."""
     from accelerate import Accelerator
 
@@ -131,7 +174,7 @@ def evaluate_saved(name: str, dataset: str | None = None, split: str | None = No
     model_location(name)  # a wrong path fails before the imports below
     model, processor = load_classifier(name, device)
     labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
-    chosen = eval_split_of(name, model, processor, dataset, split, batch_size)
+    chosen = eval_split_of(name, model, processor, dataset, split, batch_size, target_columns)
     # A run's recipe.yaml says the precision it resolved; one written by hand may say auto.
     accelerator = Accelerator(cpu=device == "cpu", mixed_precision=resolved(chosen.precision, device.split(":")[0]))
     loader = accelerator.prepare(data.make_loader(chosen.dataset, chosen.batch_size, False, 0, 0,

@@ -20,7 +20,7 @@ from .layout import (ADAPTER_DIR, CARD_FILE, CURVES_FILE, HISTORY_FILE, METRICS_
 from .pictures import plot_curves
 from .previous_run import drop_previous_run, set_previous_run_aside
 from .recipe import Recipe, write_recipe
-from .run_lock import OutputDirError, unwritable
+from .run_lock import OutputDirError, staging_refusal, unwritable
 
 
 VERSIONED_PACKAGES = ("torch", "transformers", "peft", "accelerate", "datasets")
@@ -66,8 +66,8 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     output_dir = Path(output_dir)
     staging = output_dir / STAGING
     record(output_dir, [STAGING])
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    clear_staging(output_dir)
+    staging.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(staging, safe_serialization=True)
     save_image_processor(processor, staging)
     if adapter_model is not None:
@@ -92,6 +92,21 @@ def write_outputs(output_dir: Path, model, processor, recipe: Recipe, metrics: d
     record(output_dir, [entry.name for entry in staging.iterdir()])
     move_into(staging, output_dir, last=METRICS_FILE)
     drop_previous_run(output_dir)  # overwrite=true: the run these outputs replace goes only now
+
+
+def clear_staging(output_dir: Path) -> None:
+    """What an earlier final save left in the staging folder removed: only the names the final save writes
+    (layout.STAGED_NAMES); a file of anyone else's there is refused, by name, and left as it is."""
+    refused = staging_refusal(output_dir)
+    if refused:
+        raise OutputDirError(refused)
+    staging = Path(output_dir) / STAGING
+    if staging.is_symlink() or staging.is_file():
+        staging.unlink()
+    elif staging.is_dir():
+        for entry in staging.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        staging.rmdir()
 
 
 def begin_outputs(output_dir: Path, recipe: Recipe, overwrite: bool,

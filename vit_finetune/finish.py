@@ -5,7 +5,7 @@ process) with the lines that close the run.
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 from functools import partial
 from pathlib import Path
 
@@ -15,10 +15,11 @@ from . import checkpoint, distill, layout, loop, loss_scale, progress, selection
 from .callbacks import Callback, TrainingRun
 from .devices import device_name
 from .errors import RunError
-from .final_outputs import run_info, write_outputs
+from .final_outputs import clear_staging, run_info, write_outputs
 from .lora import is_lora, merged_copy
 from .parts import Parts
 from .recipe import Recipe
+from .run_lock import OutputDirError
 
 
 def final_result(training: TrainingRun, keeper: selection.WeightSelection, hooks: Callback,
@@ -102,7 +103,8 @@ def write_final_outputs(accelerator: Accelerator, parts: Parts, recipe: Recipe, 
         write_outputs(output_dir, model, parts.processor, recipe, metrics, state.history, parts.labels,
                       adapter_model=adapter, run_info=info, draw_pictures=draw_pictures)
     except checkpoint.WRITE_ERRORS as error:
-        shutil.rmtree(output_dir / layout.STAGING, ignore_errors=True)  # give back the space the attempt took
+        with contextlib.suppress(OSError, OutputDirError):  # give back the space the attempt took (only its own files)
+            clear_staging(output_dir)
         previous = checkpoint.latest_checkpoint(output_dir)
         raise RunError(
             f"could not write the final model into {output_dir} ({layout.describe_write_error(error, output_dir)}); "

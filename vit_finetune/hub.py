@@ -124,6 +124,14 @@ UNREACHABLE_FIX = {
 PROBE_TIMEOUT_S = 10
 
 
+def in_cache(repo_id: str, repo_type: str, revision: str | None = None) -> bool:
+    """Whether the Hugging Face cache holds the repo's config.json (a model's) or card (a dataset's)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    cached_file = CONFIG_FILE if repo_type == "model" else CARD_FILE  # a dataset repo's card
+    return isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str)
+
+
 def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | None = None) -> str | None:
     """Why `repo_id` cannot be fetched from the Hub, asked once with no retries; None if it can, if it is cached,
     or if the Hub is off (HF_HUB_OFFLINE, or a process that reads the main process's cache).
@@ -131,13 +139,12 @@ def unreachable_problem(repo_id: str, repo_type: str = "model", revision: str | 
     Left to them, transformers and datasets retry a dead connection for over a minute, then blame the id.
     """
     import huggingface_hub.constants
-    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub import HfApi
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
     if huggingface_hub.constants.HF_HUB_OFFLINE:
         return None
-    cached_file = CONFIG_FILE if repo_type == "model" else CARD_FILE  # a dataset repo's card
-    if isinstance(try_to_load_from_cache(repo_id, cached_file, revision=revision, repo_type=repo_type), str):
+    if in_cache(repo_id, repo_type, revision):
         return None
     ask = HfApi().model_info if repo_type == "model" else HfApi().dataset_info
     try:
@@ -165,13 +172,52 @@ def not_here(value: str) -> str:
     return f"there is no folder or file {str(Path(value).expanduser().absolute())!r}"
 
 
+def offline_setting() -> str | None:
+    """`HF_HUB_OFFLINE=<value>` when the user turned the Hub off by that variable (not when this toolkit turns it
+    off for a process that reads the main process's cache), else None."""
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    value = os.environ.get("HF_HUB_OFFLINE", "")
+    return f"HF_HUB_OFFLINE={value}" if value.upper() in ENV_VARS_TRUE_VALUES else None
+
+
+def offline_problem(value: str, repo_type: str) -> str | None:
+    """Why `value`, not fetched, is nowhere, when the user's HF_HUB_OFFLINE turned the Hub off; None otherwise."""
+    setting = offline_setting()
+    if setting is None:
+        return None
+    return (f"{setting} turns the Hub off, so a Hub {repo_type} is read from the Hugging Face cache alone, and "
+            f"{value!r} is not there; nor is it a local folder: {not_here(value)}. Fix: give a local "
+            f"{LOCAL_FOLDER[repo_type]} ({LOCAL_PATH_FIX}), or unset HF_HUB_OFFLINE to download {value!r}")
+
+
+# What a local copy is, per kind of repo, as an offline fix names it.
+LOCAL_FOLDER = {"model": "folder holding config.json, as save_pretrained writes it",
+                "dataset": "image folder, label file (.csv or .jsonl) or folder written by save_to_disk"}
+
+
+def looks_local(value: str) -> Path | None:
+    """The folder `value` would lie in, if that exists here (`data/missing_sub` beside an existing `data/`): a
+    name that reads as a path into the user's own folders, whatever the Hub holds."""
+    parent = Path(value).expanduser().parent
+    return parent.absolute() if "/" in value and parent.is_dir() else None
+
+
 def missing_source_problem(value: str, repo_type: str, could_be_hub_id: bool, revision: str | None = None) -> str | None:
     """Why `value` (data.dataset, model.base), which names nothing on this disk, cannot be read; None if the Hub has
-    it. A path is named as missing, with the absolute path looked at. A bare name (`my_photos`) could be a folder
-    run from the wrong place as well as a Hub id: both are said. `namespace/name` is taken for a Hub id."""
+    it. A path is named as missing, with the absolute path looked at. A bare name (`my_photos`), or a path whose
+    folder exists here (`data/missing_sub`), could be a folder as well as a Hub id: both are said; any other
+    `namespace/name` is taken for a Hub id. With the Hub off by HF_HUB_OFFLINE, a model not in the cache is said to
+    be nowhere (a dataset's cache is datasets' own: its load says, opening.py)."""
     if not could_be_hub_id:
         return f"{not_here(value)}. Fix: {LOCAL_PATH_FIX}"
+    if repo_type == "model" and not in_cache(value, repo_type, revision):
+        offline = offline_problem(value, repo_type)
+        if offline:
+            return offline
     problem = unreachable_problem(value, repo_type, revision)
-    if problem is None or "/" in value:
+    folder = looks_local(value)
+    if problem is None or ("/" in value and folder is None):
         return problem
-    return f"{not_here(value)} (if it is a folder of yours: {LOCAL_PATH_FIX}), and {problem}"
+    exists = f", though the folder {str(folder)!r} exists: check the name" if folder else ""
+    return f"{not_here(value)}{exists} (if it is a folder of yours: {LOCAL_PATH_FIX}), and as a Hub id: {problem}"

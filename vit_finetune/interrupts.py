@@ -17,7 +17,7 @@ from accelerate.utils import DistributedType
 
 from . import checkpoint
 from .callbacks import TrainingRun
-from .errors import VitFinetuneError
+from .errors import EXIT_INTERRUPTED, VitFinetuneError
 from .processes import any_process
 from .recipe import Recipe
 from .train_log import TrainLog
@@ -26,7 +26,14 @@ from .train_log import TrainLog
 class Interrupted(VitFinetuneError):
     """SIGINT/SIGTERM stopped training (after a checkpoint, if checkpoints are on); the shell's code for Ctrl-C."""
 
-    exit_code = 130
+    exit_code = EXIT_INTERRUPTED
+
+
+class StoppedAtOnce(VitFinetuneError):
+    """A second Ctrl-C heard here (or one once the loop is over): the run stops where it is, nothing more saved; the
+    message says what it leaves (previous_run.after_a_stop_at_once)."""
+
+    exit_code = EXIT_INTERRUPTED
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

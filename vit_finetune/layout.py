@@ -79,6 +79,11 @@ SPACE_DIR = "space"  # push --space-app: the page as a Space-ready folder inside
 RUN_NAMES = (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
              CONFIG_FILE, WEIGHTS_FILE, PROCESSOR_FILE, ADAPTER_DIR, CHECKPOINTS, BEST_DIR, TRACKER_DIR, STAGING,
              ONNX_DIR)
+# What the final save writes in STAGING (save_pretrained shards large weights): a run clears only these there, and
+# refuses a folder where STAGING holds anything else, which is the user's.
+STAGED_NAMES = (METRICS_FILE, CARD_FILE, RECIPE_FILE, HISTORY_FILE, CURVES_FILE, RUN_INFO_FILE, *PICTURE_FILES,
+                CONFIG_FILE, WEIGHTS_FILE, PROCESSOR_FILE, ADAPTER_DIR, "model-*-of-*.safetensors",
+                f"{WEIGHTS_FILE}.index.json", f"{PARTIAL_PREFIX}*")
 # Folders a run or an export writes in beside a user's own files, never replacing the folder: the trackers' logs
 # (each run its own sub-folder), an export's files (export.json names them).
 SHARED_FOLDERS = frozenset({TRACKER_DIR, ONNX_DIR})

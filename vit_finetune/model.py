@@ -22,7 +22,7 @@ from transformers.utils import logging as transformers_logging
 from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPPING_NAMES,
                                                             get_image_processor_class_from_name)
 
-from . import hub, student
+from . import hub, previous_run, student
 from .errors import VitFinetuneError
 from .families import FAMILIES, AbsoluteTable, Family, Geometry
 from .layout import CONFIG_FILE
@@ -108,9 +108,10 @@ def check_config_file(location: str, settings: ModelSettings) -> None:
 
     path = cached_file(location, CONFIG_NAME, revision=settings.revision)
     if path is None:  # a local folder without the file: cached_file answers None, not an error
-        raise ModelError(f"model.base={settings.base!r} is a folder but holds no {CONFIG_NAME}: not a saved model. "
-                         "Fix: give a folder written by save_pretrained (a run's output_dir) or a Hub id such as "
-                         "google/vit-base-patch16-224")
+        stopped = previous_run.not_a_model_because_stopped(Path(location).expanduser())
+        raise ModelError(f"model.base={settings.base!r} is a folder but holds no {CONFIG_NAME}: " + (
+            stopped or "not a saved model. Fix: give a folder written by save_pretrained (a run's output_dir) or a "
+                       "Hub id such as google/vit-base-patch16-224"))
     size = os.path.getsize(path)
     if size > MAX_CONFIG_BYTES:
         raise ModelError(f"model.base={settings.base!r}: its {CONFIG_NAME} is {size:,} bytes; a ViT's is a few KB. "
@@ -259,7 +260,8 @@ def build_model(settings: ModelSettings, labels: list[str],
     """Pretrained model at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
 
     `on_resample(before, after)` receives the absolute position table as loaded and as resampled (before is None
-    for a model from random weights), e.g. to draw them; it is not called for a family without one.
+    for a model from random weights), e.g. to draw them; it is not called for a family without one, nor for a table
+    kept at the base's own grid (nothing moved: a "before and after" would show the same table twice).
     """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
@@ -284,7 +286,7 @@ def build_model(settings: ModelSettings, labels: list[str],
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
         resize(state, moved)
-    if on_resample is not None and before is not None:
+    if on_resample is not None and before is not None and moved.old_grid != moved.new_grid:  # a table resampled
         on_resample(before, absolute_table(family, state))
     if not keeps_head:
         state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))

@@ -21,7 +21,7 @@ from .errors import RunError, excerpt
 from .processes import SHARED_FOLDER_PATIENCE_S, any_process, unshared_folder_refusal, world_size
 from .recipe import Recipe
 from .recipe.limits import _is_dir, _is_file
-from .run_lock import OutputDirError, RunLock, claim, foreign_entries
+from .run_lock import OutputDirError, RunLock, claim, foreign_entries, staging_refusal
 from .sources import BUILTIN_PREFIX
 
 
@@ -86,6 +86,9 @@ def refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
     if a_file is not None:
         where = "is a file" if a_file == output_dir else f"lies under {excerpt(str(a_file))}, which is a file"
         return f"output_dir={shown} {where}, not a folder. Fix: an output_dir that is a folder or a new name"
+    staged = staging_refusal(output_dir)
+    if staged:
+        return staged
     foreign = foreign_entries(output_dir)
     if not foreign:
         return None

@@ -4,6 +4,7 @@ and the rows written as CSV or JSON Lines (atomically), or listed on the console
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -85,28 +86,49 @@ def dataset_settings(dataset: str, **settings) -> DataSettings:
         raise InputError(f"--dataset {excerpt(dataset)}: {problem}") from None
 
 
-def dataset_split(dataset: str, split: str) -> tuple[object, str, str | None]:
-    """(rows with undecoded images, image column, label column or None) of one split of any dataset source."""
+# A --dataset with several splits and no --split: the first of these it has (the held-out ones, as a run evaluates).
+DEFAULT_SPLITS = ("validation", "test")
+
+
+def chosen_split(loaded, split: str | None, dataset: str) -> str:
+    """`split` if the dataset has it; with no --split, its only split (a plain class folder has only train), else
+    validation, else test; anything else names the splits it has."""
+    splits = list(loaded)
+    if split is not None:
+        if split not in loaded:
+            raise InputError(f"--split {split!r} is not a split of {dataset!r}; its splits are {splits}")
+        return split
+    if len(splits) == 1:
+        return splits[0]
+    found = next((name for name in DEFAULT_SPLITS if name in loaded), None)
+    if found is None:
+        raise InputError(f"--dataset {dataset!r} has the splits {splits} and none is {' or '.join(DEFAULT_SPLITS)}; "
+                         f"choose one with --split, e.g. --split {splits[-1]}")
+    return found
+
+
+def dataset_split(dataset: str, split: str | None, **settings) -> tuple[object, str, str | None, str]:
+    """(rows with undecoded images, image column, label column or None, the split's name) of one split of any dataset
+    source (chosen_split when `split` is None); `settings`: the data settings it is read with (a regression's)."""
     import datasets
 
     from .data import IMAGE_COLUMN_NAMES, LABEL_COLUMN_NAMES, DataError, detect_column, open_dataset
 
-    loaded = open_dataset(dataset_settings(dataset, train_split=split))
-    if split not in loaded:
-        raise DataError(f"--split {split!r} is not a split of {dataset!r}; its splits are {list(loaded)}")
+    loaded = open_dataset(dataset_settings(dataset, **settings, **({"train_split": split} if split else {})))
+    split = chosen_split(loaded, split, dataset)
     table = loaded[split]
     image_column = detect_column(table.features, None, "image", IMAGE_COLUMN_NAMES, datasets.Image)
     try:
         label_column = detect_column(table.features, None, "label", LABEL_COLUMN_NAMES, datasets.ClassLabel)
     except DataError:
         label_column = None
-    return table.cast_column(image_column, datasets.Image(decode=False)), image_column, label_column
+    return table.cast_column(image_column, datasets.Image(decode=False)), image_column, label_column, split
 
 
-def dataset_images(dataset: str, split: str) -> list[ImageSource]:
+def dataset_images(dataset: str, split: str | None) -> list[ImageSource]:
     from .data import image_folders
 
-    table, image_column, _ = dataset_split(dataset, split)
+    table, image_column, _, split = dataset_split(dataset, split)
     folders = image_folders(dataset_settings(dataset))
     return [ImageSource(cell.get("path") or f"{dataset}[{split}]#{index}", cell, folders)
             for index, cell in enumerate(table[image_column])]
@@ -201,6 +223,28 @@ def write_text(rows: Iterator[dict], stream=None) -> int:
 
 
 WRITERS = {".csv": write_csv, ".jsonl": write_jsonl}
+# No --output, on a terminal: images listed there at most; past them, the whole listing goes to a file (listing_file)
+# and the terminal shows these first rows and where the rest are. Piped, every row goes to stdout as ever.
+TERMINAL_ROWS = 20
+LISTING_STEM = "predictions"
+
+
+def listing_file(folder: Path) -> Path | None:
+    """The file a listing too long for the terminal is written to: predictions.csv in `folder`, or the first of
+    predictions-2.csv, predictions-3.csv, ... that does not exist (a file is never replaced); None if `folder`
+    cannot be written."""
+    if not os.access(folder, os.W_OK):
+        return None
+    names = (f"{LISTING_STEM}.csv" if n == 1 else f"{LISTING_STEM}-{n}.csv" for n in itertools.count(1))
+    return next(folder / name for name in names if not os.path.lexists(folder / name))
+
+
+def listing_first(rows: Iterator[dict], shown: int, stream=None) -> Iterator[dict]:
+    """`rows` passed on, the first `shown` of them also listed as write_text lists them."""
+    for index, row in enumerate(rows):
+        if index < shown:
+            write_text([row], stream)
+        yield row
 
 
 def writer_for_model(write, config):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 from pathlib import Path
 
-from .layout import CHECKPOINTS, COMPLETE, MANIFEST, PREVIOUS_RUN, describe_write_error, fsync_folder, written
+from .layout import (CHECKPOINTS, COMPLETE, MANIFEST, PREVIOUS_RUN, describe_write_error, fsync_folder, is_finished,
+                     written)
 from .run_lock import OutputDirError, RunLock
 
 
@@ -134,6 +136,70 @@ def recover_interrupted_overwrite(output_dir: Path, resuming: bool) -> str | Non
                              f"({describe_write_error(error, output_dir)}). Fix: make output_dir writable") from None
     return (f"output_dir: an overwrite=true run into {output_dir} was stopped before it finished; the run it was "
             f"replacing is back as it was ({count} file(s) and folder(s)), that run's files removed")
+
+
+def restore_command(output_dir: Path) -> str:
+    """The command that puts back a run set aside in output_dir, as the user types it."""
+    return f"python -m vit_finetune restore {shlex.quote(str(output_dir))}"
+
+
+def kept_aside(output_dir: Path) -> Path | None:
+    """The folder holding the run an overwrite=true run, stopped before it finished, was replacing; None if none."""
+    aside = Path(output_dir) / PREVIOUS_RUN
+    return aside if aside.is_dir() and not aside.is_symlink() and (aside / MANIFEST).is_file() else None
+
+
+def where_the_previous_run_is(output_dir: Path) -> str | None:
+    """One clause: where the run a stopped overwrite=true run was replacing is kept, and how to put it back (or to
+    continue the stopped run instead, when it left a checkpoint); None if nothing is set aside."""
+    aside = kept_aside(output_dir)
+    if aside is None:
+        return None
+    resume = ", or continue the stopped run with train.resume=auto" if resumable(output_dir) else ""
+    return (f"the run it was replacing is kept, whole, in {aside}: put it back with `{restore_command(output_dir)}` "
+            f"(any later run into {output_dir} that does not resume also puts it back first){resume}")
+
+
+def not_a_model_because_stopped(folder: Path) -> str | None:
+    """Why a run folder holds no model when an overwrite=true run into it stopped before it finished: the clause
+    saying where the model it was replacing is kept and how to put it back; None otherwise."""
+    previous = where_the_previous_run_is(folder)
+    if previous is None:
+        return None
+    return f"an overwrite=true run into it stopped before it finished; {previous}, then run this again"
+
+
+def after_a_stop_at_once(output_dir: Path) -> str:
+    """What a run stopped at once (a second Ctrl-C) leaves in output_dir, in one clause: where the run it was
+    replacing is kept and how to put it back, else the finished run still there, else its checkpoint to resume
+    from, else that nothing was saved."""
+    previous = where_the_previous_run_is(output_dir)
+    if previous:
+        return f"this overwrite=true run was not finished; {previous}"
+    if is_finished(output_dir):  # stopped before it set the finished run there aside: that one is untouched
+        return f"the finished run in {output_dir} is as it was"
+    if resumable(output_dir):
+        return f"its last checkpoint is in {Path(output_dir) / CHECKPOINTS}: resume with train.resume=auto"
+    return "no checkpoint of it was saved"
+
+
+def restore(output_dir: Path) -> str:
+    """`restore OUTPUT_DIR`: the run a stopped overwrite=true run was replacing put back (the stopped run's files
+    removed), holding the folder's lock meanwhile; one line saying so. Refused when nothing is set aside or a live
+    run holds the folder."""
+    output_dir = Path(output_dir)
+    if kept_aside(output_dir) is None:
+        raise OutputDirError(f"{output_dir} holds no run set aside ({PREVIOUS_RUN}/ with its manifest): only a run "
+                             "that an overwrite=true run was replacing, and that run stopped before it finished, can "
+                             "be restored. Nothing was changed")
+    lock = RunLock(output_dir)
+    refused = lock.acquire()
+    if refused:
+        raise OutputDirError(f"{refused}; nothing was restored")
+    try:
+        return recover_interrupted_overwrite(output_dir, resuming=False) or ""
+    finally:
+        lock.release()
 
 
 def recover_if_free(output_dir: Path, resuming: bool) -> str | None:

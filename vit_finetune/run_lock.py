@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import fnmatch
 import os
 from pathlib import Path
 from typing import IO
 
 from .errors import VitFinetuneError, excerpt
-from .layout import LOCK, MANIFEST, OWN_FILES, PREVIOUS_RUN, describe_write_error, record, written
+from .layout import (LOCK, MANIFEST, OWN_FILES, PREVIOUS_RUN, STAGED_NAMES, STAGING, describe_write_error, record,
+                     written)
 
 
 class OutputDirError(VitFinetuneError):
@@ -86,6 +88,27 @@ def claim(output_dir: Path) -> None:
         record(output_dir, [])
     except OSError as error:
         raise OutputDirError(unwritable(output_dir, error)) from None
+
+
+def foreign_staged(output_dir: Path) -> list[str]:
+    """What the final save's staging folder in `output_dir` holds that the final save does not write (the user's)."""
+    staging = Path(output_dir) / STAGING
+    if not staging.is_dir() or staging.is_symlink():
+        return []
+    return sorted(entry.name for entry in staging.iterdir()
+                  if not any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in STAGED_NAMES))
+
+
+def staging_refusal(output_dir: Path) -> str | None:
+    """Why a run may not clear the final save's staging folder: a file there the toolkit did not write, by name."""
+    foreign = foreign_staged(output_dir)
+    if not foreign:
+        return None
+    staging = Path(output_dir) / STAGING
+    return (f"{staging} holds {excerpt(foreign)}, which this toolkit did not write: {STAGING} is the folder a run "
+            f"writes its final model in first and clears, and it would delete them. Fix: move "
+            f"{str(staging / foreign[0])!r}{' and the others' if len(foreign) > 1 else ''} out of {STAGING}, "
+            "then run again")
 
 
 def foreign_entries(output_dir: Path) -> list[str]:

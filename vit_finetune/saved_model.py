@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import VitFinetuneError, shortened
 from .layout import CONFIG_FILE
+from .previous_run import not_a_model_because_stopped
 from .sources import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 
 # torch, transformers and datasets are imported where they are used: a wrong model path or output name must
@@ -29,8 +30,9 @@ def model_location(name: str) -> str:
     path = Path(name).expanduser()
     if path_kind(path, name, "the model") == "folder":
         if not (path / CONFIG_FILE).is_file():
-            raise InputError(f"{name} is a folder but holds no config.json: not a saved model. "
-                                    "Give a run's output_dir or a Hub model id")
+            stopped = not_a_model_because_stopped(path)
+            raise InputError(f"{name} is a folder but holds no config.json: "
+                             + (stopped or "not a saved model. Give a run's output_dir or a Hub model id"))
         return str(path)
     not_found = f"folder not found: {name}"
     looks_local = (name.startswith((".", "/", "~")) or name.endswith("/") or name.count("/") > 1

@@ -22,6 +22,7 @@ from .callbacks import REGISTERED, Callback, CallbackList, TrainingRun
 from .devices import make_accelerator, prepare, torch_threads
 from .errors import RunError
 from .final_outputs import begin_outputs
+from .interrupts import StoppedAtOnce
 from .model import count_parameters, describe, family_of, load_base_config
 from .optim import reapply_hyperparameters
 from .parts import Parts
@@ -56,6 +57,9 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
         lock = output_guard.hold_output_dir(accelerator, recipe)  # the first write into output_dir
         try:
             return _run(recipe, callbacks, accelerator)
+        except KeyboardInterrupt:  # a second Ctrl-C: no traceback, and what it leaves where (nothing is put back)
+            raise StoppedAtOnce(f"stopped at once by Ctrl-C; "
+                                f"{previous_run.after_a_stop_at_once(Path(recipe.output_dir))}") from None
         except Exception:
             said = previous_run.after_a_failed_run(Path(recipe.output_dir)) if accelerator.is_main_process else None
             if said:

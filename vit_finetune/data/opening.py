@@ -26,8 +26,9 @@ def cache_dir() -> Path:
 
 
 def refuse_unreachable(settings: DataSettings) -> None:
-    """A dataset that is neither on this disk nor fetchable from the Hub stops here, the Hub asked once, with the
-    absolute path looked at and the offline fix (an existing folder or file is not asked)."""
+    """A dataset that is neither on this disk nor fetchable from the Hub stops here, the Hub asked once (or, under the
+    user's HF_HUB_OFFLINE, datasets' cache), with the absolute path looked at and the offline fix (an existing folder
+    or file is not asked)."""
     name = settings.dataset
     if name.startswith(BUILTIN_SHAPES) or Path(name).expanduser().exists():
         return
@@ -35,6 +36,22 @@ def refuse_unreachable(settings: DataSettings) -> None:
     problem = hub.missing_source_problem(name, "dataset", could_be_hub_id)
     if problem:
         raise DataError(f"data.dataset={name!r}: {problem}")
+    if could_be_hub_id and hub.offline_setting():
+        refuse_uncached_offline(name)
+
+
+def refuse_uncached_offline(name: str) -> None:
+    """With the Hub off by the user's HF_HUB_OFFLINE, a Hub dataset datasets holds no copy of is refused, saying that
+    no local folder of that name exists either. Asked as load_dataset asks (its builder, no data read): datasets
+    keeps its own cache, which a look at the Hub cache would miss."""
+    import datasets
+
+    try:
+        datasets.load_dataset_builder(name)
+    except ConnectionError:  # what datasets raises offline for a dataset it has no copy of
+        raise DataError(f"data.dataset={name!r}: {hub.offline_problem(name, 'dataset')}") from None
+    except Exception:  # any other trouble with a cached copy: the load says it, as before
+        return
 
 
 def open_dataset(settings: DataSettings, notes: list[str] | None = None):

@@ -104,6 +104,10 @@ def to_rgb(image: Image.Image, alpha_background: str | None = None) -> Image.Ima
         image = Image.fromarray(np.round(np.nan_to_num(scaled)).astype(np.uint8))  # mode L; NaN as black
     elif alpha_background not in (None, "auto") and has_alpha(image):  # auto: a run resolves it before decoding
         return laid_on(image, alpha_background)
+    if isinstance(image.info.get("transparency"), bytes):
+        # A palette's alpha per entry, which convert("RGB") drops (as pipeline() does) with a warning per image:
+        # dropped here first, the same pixels, quietly (alpha_background says what to do with transparency).
+        del image.info["transparency"]
     return image if image.mode == "RGB" else image.convert("RGB")
 
 

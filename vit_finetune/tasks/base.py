@@ -204,8 +204,6 @@ class Task:
         return ""
 
     label_sets: ClassVar[bool] = False  # each row's label is a list of labels
-    # evaluate --dataset matches another dataset's labels to the model's by name; a task that cannot says why here
-    other_dataset_refusal: ClassVar[str | None] = None
     label_encoding: ClassVar[str] = "class"  # data.TARGET_ENCODINGS: how its labels reach the loss
     ranks: ClassVar[bool] = True  # predict lists the top_k outputs; else what labels_given decides (thresholds, targets)
 

@@ -40,8 +40,6 @@ class Regression(Task):
     curve = ("eval_mae", "Eval MAE", None)  # the headline, which also chooses the weights
     ranks = False
     label_encoding = "values"
-    other_dataset_refusal = ("evaluate --dataset matches class labels by name; evaluate a regression model on its own "
-                             "run's eval split (no --dataset), which its recipe.yaml names")
     probe_fit = "ridge"  # least squares, as the head is trained
     method_rule = "regressor"
     wise_ft_measured = True
