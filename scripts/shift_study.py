@@ -47,6 +47,7 @@ ARMS = {
     # the same run without the data checks: the flip off and alpha dropped, the earlier defaults
     "unchecked": ["data.horizontal_flip=false", "data.alpha_background=null"],
     "alpha_white": ["data.alpha_background=white"],
+    "alpha_white_no_flip": ["data.alpha_background=white", "data.horizontal_flip=false"],
     "linear_probe": ["train.method=linear_probe"],
     "lp_ft": ["train.method=lp_ft"],
     "finetune": ["train.method=finetune"],

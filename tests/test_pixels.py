@@ -287,9 +287,9 @@ def test_alpha_background_chosen_by_auto_is_honoured_by_training_predict_explain
     printed = capsys.readouterr().out
     assert "flat colour" not in printed
     line = next(line for line in printed.splitlines() if line.startswith("data.alpha_background=auto"))
-    assert "16 keep their drawing in the alpha channel" in line and "cross-validated loss" in line, line
+    assert "16 keep their drawing in the alpha channel alone" in line and "laid on white" in line, line
     colour = json.loads((out / "config.json").read_text())["alpha_background"]
-    assert colour is not None and yaml.safe_load((out / "recipe.yaml").read_text())["data"]["alpha_background"] == colour
+    assert colour == "white" and yaml.safe_load((out / "recipe.yaml").read_text())["data"]["alpha_background"] == colour
     card = (out / "README.md").read_text()
     assert f"`data.alpha_background: {colour}`" in card
     # What the card tells a pipeline() user to do, run as written: its answers must be predict's.

@@ -94,3 +94,45 @@ def test_eval_images_from_another_source_are_named_and_recorded(base, tmp_path, 
     recorded = json.loads((out / "metrics.json").read_text())["eval_unlike_train"]
     assert recorded["likely"] is shifted, recorded
     assert ("the eval images look unlike the training images" in capsys.readouterr().out) is shifted
+
+
+def write_discs(root: Path, under: str, seed: int = 0) -> Path:
+    """Three classes of coloured discs on transparent corners, RGBA. Under the transparent pixels the file stores
+    black (`under="flat"`, what most exporters leave) or the disc's own colours with noise (`under="bleeding"`: with
+    alpha dropped, every image is a filled square)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[:32, :32]
+    inside = (y - 15.5) ** 2 + (x - 15.5) ** 2 < 12 ** 2
+    for split, count in (("train", 8), ("validation", 3)):
+        for name, rgb in (("red", (210, 40, 40)), ("green", (40, 190, 60)), ("blue", (40, 60, 210))):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                colour = np.clip(np.array(rgb) + rng.normal(0, 20, (32, 32, 3)), 0, 255)
+                pixels = np.zeros((32, 32, 4), dtype=np.uint8)
+                pixels[..., :3] = colour if under == "bleeding" else colour * inside[..., None]
+                pixels[..., 3] = 255 * inside
+                Image.fromarray(pixels, "RGBA").save(folder / f"{i}.png")
+    return root
+
+
+def test_transparency_over_one_flat_colour_keeps_alpha_dropped_bit_identically(base, tmp_path, capsys):
+    images = write_discs(tmp_path / "flat", "flat")
+    auto, dropped = tmp_path / "auto", tmp_path / "dropped"
+    common = [f"model.base={base}", f"data.dataset={images}", *RECIPE]
+    assert train([*common, "data.alpha_background=auto", f"output_dir={auto}"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data.alpha_background=auto"))
+    assert line.startswith("data.alpha_background=auto -> null: 24 of the 24") and "0 of them with more than" in line
+    assert train([*common, "data.alpha_background=null", f"output_dir={dropped}"]) == 0
+    assert_bit_identical(auto / "model.safetensors", dropped / "model.safetensors")
+
+
+def test_colours_bleeding_under_transparency_are_laid_on_white_and_saved_with_the_model(base, tmp_path, capsys):
+    images = write_discs(tmp_path / "bleeding", "bleeding")
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={images}", *RECIPE, "data.alpha_background=auto",
+                  f"output_dir={out}"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("data.alpha_background=auto"))
+    assert line.startswith("data.alpha_background=auto -> white: 24 of the 24") and "24 of them with more than" in line
+    assert resolved(out)["alpha_background"] == "white"
+    assert json.loads((out / "config.json").read_text())["alpha_background"] == "white"

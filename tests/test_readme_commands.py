@@ -86,10 +86,9 @@ def test_the_front_pages_commands_run_on_the_demos_model(tmp_path, monkeypatch, 
 FIRST_SCREEN = 40  # lines a reader sees before scrolling
 
 
-def test_training_on_your_own_images_is_on_the_first_screen_and_leaves_the_flip_to_the_mirror_test(capsys):
-    """The offline own-images command borrows the demo recipe, which flips its shapes: a user's images get the
-    schema's auto instead, the mirror test on the base's features (a mirrored digit is another symbol), which also
-    keeps train.distill.cache_logits usable."""
+def test_training_on_your_own_images_is_on_the_first_screen_and_leaves_your_images_unflipped(capsys):
+    """The offline own-images command borrows the demo recipe, which flips its shapes: it must not flip a user's
+    images (a mirrored digit is another symbol), which also keeps train.distill.cache_logits usable."""
     from vit_finetune.cli import main
 
     lines = (REPO / "README.md").read_text().splitlines()
@@ -100,7 +99,7 @@ def test_training_on_your_own_images_is_on_the_first_screen_and_leaves_the_flip_
     assert commands
     for tokens in commands:
         assert main([*tokens[tokens.index("vit_finetune") + 1:], "--print"]) == 0
-        assert re.search(r"^  horizontal_flip: auto$", capsys.readouterr().out, re.M), tokens
+        assert re.search(r"^  horizontal_flip: false$", capsys.readouterr().out, re.M), tokens
 
 
 def readme_commands(heading: str) -> list[list[str]]:

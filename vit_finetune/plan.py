@@ -228,17 +228,10 @@ def _alpha_background(recipe: Recipe, checks: probe_checks.FeatureChecks) -> tup
     if recipe.data.streaming:
         return None, "a stream is not read ahead of training, so alpha is dropped as pipeline() does"
     found = probe_checks.transparency(checks)
-    if not found.matters:
-        return None, (f"{found.transparent} of the {found.checked} training images checked have transparent pixels "
-                      f"over {probe_checks.TRANSPARENT_PIXELS:.0%} of their area, and none keeps its drawing in the "
-                      "alpha channel, so alpha is dropped as pipeline() does")
-    held = (f"{found.transparent} of the {found.checked} training images checked have transparent pixels over "
-            f"{probe_checks.TRANSPARENT_PIXELS:.0%} of their area ({found.drawn_in_alpha} keep their drawing in the "
-            "alpha channel)")
-    if not recipe.model.pretrained:
-        return "white", f"{held}; with random weights no probe can compare colours, so white, as image processors do"
-    test = probe_checks.background_test(checks, found)
-    return test.chosen, f"{held}; {test.describe()}, so {test.chosen}"
+    if found.hides_content:
+        return "white", (f"{found.describe()}: with alpha dropped their drawings would be lost, so transparent pixels "
+                         "are laid on white, as the image processors lay RGBA images")
+    return None, f"{found.describe()}: dropping alpha loses no drawing, so alpha is dropped as pipeline() does"
 
 
 def _horizontal_flip(recipe: Recipe, checks: probe_checks.FeatureChecks) -> tuple[bool, str]:

@@ -1,7 +1,8 @@
 """What a linear probe on the base's features of a sample of training images tells about the data, before any
-training step: whether a mirror image is still the same thing to the base (data.horizontal_flip=auto), which colour
-transparent pixels are best laid on (data.alpha_background=auto), and whether the eval images look like the training
-images at all (a line when they do not: a shift between sources is likely).
+training step: whether a mirror image is still the same thing to the base (data.horizontal_flip=auto), whether
+dropping the alpha channel would lose the drawings (data.alpha_background=auto: read from the pixels themselves), and
+whether the eval images look like the training images at all (a line when they do not: a shift between sources is
+likely).
 
 Each check reads at most CHECKED_IMAGES training images, a seeded sample spread over the classes, preprocessed as
 evaluation does, through the frozen pretrained model once per variant (mirrored, or laid on a colour); their
@@ -155,19 +156,17 @@ def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.long() == b.long()).reshape(len(a), -1).all(dim=1)
 
 
-# ---------------------------------------------------------------- the background test (data.alpha_background=auto)
+# ---------------------------------------------------------------- transparency (data.alpha_background=auto)
 
-# Transparency matters when a checked training image keeps its drawing in the alpha channel (flat once alpha is
-# dropped), or when at least this share of them has transparent pixels over at least TRANSPARENT_PIXELS of its area:
-# below both, the colour under the transparent pixels hardly changes what the model sees, and alpha is dropped as
-# pipeline() does.
+# Dropping alpha, as pipeline() does, shows the colours stored under the transparent pixels. Where an exporter left one
+# flat colour there (black, usually), the drawing keeps its silhouette on a plain background, and dropping alpha lost
+# nothing in the shift study (docs/studies/shift.md). It loses the drawing where those colours are not one flat colour
+# (the drawing's own colours bled out: each image becomes a filled square) or where the drawing lives in the alpha
+# channel alone (a flat image once alpha is dropped). When at least TRANSPARENT_IMAGES of the checked images do either,
+# over at least TRANSPARENT_PIXELS of their area, transparent pixels are laid on white, as transformers' image
+# processors lay RGBA images.
 TRANSPARENT_IMAGES = 0.05
 TRANSPARENT_PIXELS = 0.01
-# The candidate colours: white (what transformers' image processors lay RGBA images on), black, and the checked
-# images' own mean opaque colour. The one whose features the probe fits best (lowest cross-validated loss) is kept;
-# within TIE of white's loss, white, the processors' own choice.
-BACKGROUNDS = ("white", "black", "mean")
-TIE = 0.01  # relative
 
 
 @dataclass(frozen=True)
@@ -175,19 +174,24 @@ class Transparency:
     """What the checked training images hold of transparency."""
 
     checked: int
-    transparent: int  # images with transparent pixels over TRANSPARENT_PIXELS of their area
+    transparent: int  # images with fully transparent pixels over TRANSPARENT_PIXELS of their area
+    bleeding: int  # of those, images whose fully transparent pixels store more than one flat colour
     drawn_in_alpha: int  # images flat once alpha is dropped, not flat laid on white or black
-    mean_colour: str  # their opaque pixels' mean colour, #rrggbb
 
     @property
-    def matters(self) -> bool:
-        return self.drawn_in_alpha > 0 or self.transparent >= TRANSPARENT_IMAGES * max(1, self.checked)
+    def hides_content(self) -> bool:
+        """Whether dropping alpha would lose the drawings: see TRANSPARENT_IMAGES."""
+        return self.drawn_in_alpha > 0 or self.bleeding >= TRANSPARENT_IMAGES * max(1, self.checked)
+
+    def describe(self) -> str:
+        return (f"{self.transparent} of the {self.checked} training images checked have fully transparent pixels over "
+                f"{TRANSPARENT_PIXELS:.0%} of their area, {self.bleeding} of them with more than one colour stored "
+                f"under those pixels, and {self.drawn_in_alpha} keep their drawing in the alpha channel alone")
 
 
 def transparency(checks: FeatureChecks) -> Transparency:
-    """Decode the checked training images with their alpha channel and measure what it covers."""
-    transparent = drawn = 0
-    sums, opaque = np.zeros(3), 0
+    """Decode the checked training images with their alpha channel and measure what dropping it would show."""
+    transparent = bleeding = drawn = 0
     table, column = checks.train, checks.splits.image_column
     for index in range(len(table)):
         try:
@@ -195,44 +199,16 @@ def transparency(checks: FeatureChecks) -> Transparency:
                                       keep_alpha=True)
         except data.BadImageError:
             continue
-        pixels = np.asarray(image, dtype=np.float64)
-        alpha = pixels[..., 3]
-        if (alpha < 255).mean() >= TRANSPARENT_PIXELS:
+        pixels = np.asarray(image)
+        hidden = pixels[..., 3] == 0
+        if hidden.mean() >= TRANSPARENT_PIXELS:
             transparent += 1
+            stored = pixels[..., :3][hidden].astype(np.float64)
+            bleeding += float(stored.std(axis=0).max()) >= data.FLAT_SPREAD
         if data.is_flat(image.convert("RGB")) and not all(data.is_flat(data.laid_on(image, colour))
                                                           for colour in ("white", "black")):
             drawn += 1
-        sums += (pixels[..., :3] * (alpha[..., None] / 255)).reshape(-1, 3).sum(axis=0)
-        opaque += float(alpha.sum() / 255)
-    mean = np.round(sums / opaque).astype(int) if opaque else np.array([255, 255, 255])
-    return Transparency(len(table), transparent, drawn, "#{:02x}{:02x}{:02x}".format(*mean))
-
-
-@dataclass(frozen=True)
-class BackgroundTest:
-    """The probe's cross-validated loss on the checked images laid on each candidate colour, and the one kept."""
-
-    losses: dict  # colour as data.alpha_background spells it -> loss
-    chosen: str
-
-    def describe(self) -> str:
-        tried = ", ".join(f"{colour} {loss:.3f}" for colour, loss in self.losses.items())
-        return f"the linear probe's cross-validated loss on the training images laid on each colour: {tried}"
-
-
-def background_test(checks: FeatureChecks, found: Transparency) -> BackgroundTest:
-    """Fit the probe on the checked images laid on each of BACKGROUNDS and keep the colour it fits best."""
-    losses = {}
-    for name in BACKGROUNDS:
-        colour = found.mean_colour if name == "mean" else name
-        features, labels = checks.features("train", colour)
-        kept = checks.task.kept(labels)
-        *_, cv_loss, _ = probe.fit_head(features[kept], labels[kept], len(checks.splits.labels), checks.task)
-        losses[colour] = cv_loss
-    best = min(losses, key=lambda colour: (losses[colour], colour != "white"))
-    if losses["white"] <= losses[best] * (1 + TIE):
-        best = "white"
-    return BackgroundTest(losses, best)
+    return Transparency(len(table), transparent, bleeding, drawn)
 
 
 # ---------------------------------------------------------------- eval images from another source?

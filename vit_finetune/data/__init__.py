@@ -21,8 +21,8 @@ from .errors import BadImageError, DataError
 from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassificationDataset, PixelNormalizer,
                       blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,
                       make_loader, train_dataset, train_dataset_as_evaluated)
-from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, alpha_card_text, auto_crop_scale, crop_in_words,
-                     decode_image, decoding_settings, flat_images, is_flat, laid_on, random_resized_crop_box,
+from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale,
+                     crop_in_words, decode_image, decoding_settings, flat_images, is_flat, laid_on, random_resized_crop_box,
                      resample_of, sample_rng, train_transform)
 from .opening import (BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset,
                       refuse_unreachable)
@@ -34,7 +34,7 @@ __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES",
            "DataError", "EpochSampler", "ImageClassificationDataset", "PixelNormalizer", "Splits", "alpha_card_text",
            "auto_crop_scale", "blank_pixels", "cache_dir", "collate", "cpu_cores", "crop_in_words", "decode_image",
            "decoding_settings", "default_num_workers", "detect_column", "eval_dataset", "eval_pixels_from_processor",
-           "files_digest", "flat_images", "identity", "image_folders", "is_flat", "is_hub_dataset_copy",
+           "files_digest", "FLAT_SPREAD", "flat_images", "identity", "image_folders", "is_flat", "is_hub_dataset_copy",
            "is_label_set", "is_local", "laid_on", "load_splits", "make_loader", "open_dataset",
            "random_resized_crop_box", "refuse_unreachable", "resample_of", "sample_rng",
            "target_encoding", "train_dataset", "train_dataset_as_evaluated", "train_transform", "training_facts",

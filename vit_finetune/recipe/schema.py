@@ -106,17 +106,20 @@ class DataSettings(Strict):
         "auto: the toolkit's measured choice for the training images the run will see (data.auto_crop_scale: no "
         "crop, measured up to 7,040 images seen, kept beyond), printed with its reason and saved resolved in "
         "the output's recipe.yaml"))
-    horizontal_flip: bool | Literal["auto"] = Field("auto", description=(
+    horizontal_flip: bool | Literal["auto"] = Field(False, description=(
         "flip training crops left-right with probability 0.5: right for photos, wrong for digits, text and anything a "
         "mirror changes; auto: on where mirroring the held-out training images changes the linear probe's answers no "
-        "more often than it answers wrongly (probe_checks.mirror_test), printed with its reason"))
+        "more often than it answers wrongly (probe_checks.mirror_test), printed with its reason. Off by default: on "
+        "small sets, with and without a shift, the flip that auto chose cost accuracy as often as it gained "
+        "(docs/studies/shift.md)"))
     skip_bad_images: bool = Field(False, description="skip and count undecodable images instead of stopping the run")
     alpha_background: Literal["auto"] | Annotated[str, AfterValidator(check_colour)] | None = Field("auto", description=(
         "lay images with transparency on this colour (white, black or #rrggbb) before their alpha channel is "
         "dropped, in training, evaluation, predict, explain, export and the page (saved with the model, named in its "
-        "card); null = drop alpha as pipeline() does (a drawing kept only in the alpha channel is lost); auto: null "
-        "where the training images carry no transparency that matters, else the colour whose features the linear "
-        "probe fits best (probe_checks.background_test), printed with its reason"))
+        "card); null = drop alpha as pipeline() does (a drawing kept only in the alpha channel is lost); auto: white "
+        "where dropping alpha would lose the drawings (colours other than one flat colour stored under the "
+        "transparent pixels, or a drawing kept in the alpha channel alone: probe_checks.transparency), else null; "
+        "printed with its reason"))
     allow_flat_images: bool = Field(False, description=(
         "train even when most of the training images checked decode to one flat colour (the run refuses otherwise, "
         "naming the fix)"))
