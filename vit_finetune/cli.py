@@ -32,7 +32,7 @@ from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FIL
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
               "their saved thresholds, at most k of them, highest first (default: all of them)")
-# predict and evaluate read the same split of a --dataset unless told otherwise (predict.chosen_split).
+# predict and evaluate read the same split of a --dataset unless told otherwise (prediction.chosen_split).
 SPLIT_HELP = ("the split of --dataset (default, as for both predict and evaluate: its only split, else validation, "
               "else test)")
 
@@ -220,7 +220,7 @@ def train_command(argv: list[str]) -> int:
     # Before the training stack loads (transformers, datasets): a launch refused here answers in about 2 s, not 8.
     refuse_a_lone_process()
     with progress.configured(quiet=args.quiet):
-        from .train import run
+        from .training import run
 
         if os.environ.get("RANK", PRINTING_RANK) == PRINTING_RANK:  # once in a launch of several processes
             for note in notes:
@@ -231,25 +231,25 @@ def train_command(argv: list[str]) -> int:
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    from . import predict
+    from . import prediction
 
-    write = predict.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
+    write = prediction.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
     if bool(args.images) == bool(args.dataset):
         raise saved_model.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
-    sources = None if args.dataset else predict.collect_images(args.images)
-    predict.refuse_output_among_inputs(args.output, sources or [], args.dataset)
+    sources = None if args.dataset else prediction.collect_images(args.images)
+    prediction.refuse_output_among_inputs(args.output, sources or [], args.dataset)
     saved_model.model_location(args.model)
-    sources = sources or predict.dataset_images(args.dataset, args.split)
+    sources = sources or prediction.dataset_images(args.dataset, args.split)
     output = Path(args.output).expanduser() if args.output else None
     shown = 0  # rows listed on the terminal as well, when the listing goes to a file of predict's choosing
-    if write is None and sys.stdout.isatty() and len(sources) > predict.TERMINAL_ROWS:
-        output = predict.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
-        write, shown = (predict.write_csv, predict.TERMINAL_ROWS) if output else (None, 0)
+    if write is None and sys.stdout.isatty() and len(sources) > prediction.TERMINAL_ROWS:
+        output = prediction.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
+        write, shown = (prediction.write_csv, prediction.TERMINAL_ROWS) if output else (None, 0)
     if args.runtime == "torch":
         model, processor = saved_model.load_classifier(args.model, _device(args.device))
     else:
         model, processor = load_onnx_classifier(args.model, args.runtime)
-    write = predict.writer_for_model(write, model.config)
+    write = prediction.writer_for_model(write, model.config)
     unreadable: list[str] = []
 
     def noting_errors(rows):
@@ -258,12 +258,12 @@ def predict_command(argv: list[str]) -> int:
                 unreadable.append(row["image"])
             yield row
 
-    rows = noting_errors(predict.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
+    rows = noting_errors(prediction.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
     if write is None:
-        predict.write_text(rows)
+        prediction.write_text(rows)
         return 0
-    columns = min(args.top_k or predict.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
-    count = predict.write_output(write, predict.listing_first(rows, shown), output, columns)
+    columns = min(args.top_k or prediction.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
+    count = prediction.write_output(write, prediction.listing_first(rows, shown), output, columns)
     where = (f" (the first {shown} listed above; --output FILE.csv or FILE.jsonl names the file)" if shown else "")
     print(f"{count} images -> {output}{where}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                   f"{unreadable[:5]}" if unreadable else ""))
@@ -289,9 +289,9 @@ def evaluate_command(argv: list[str]) -> int:
 
 def explain_command(argv: list[str]) -> int:
     args = _explain_parser().parse_args(argv)
-    from . import predict
+    from . import prediction
 
-    sources = predict.collect_images(args.images)
+    sources = prediction.collect_images(args.images)
     saved_model.model_location(args.model)
     from .explain import check_output_dir, explain_images, output_names
 
@@ -311,9 +311,9 @@ def export_command(argv: list[str]) -> int:
         raise ExportError("export needs a format: pass --onnx (the one format for now)")
     if args.eval_images is not None and args.eval_images < 1:
         raise ExportError(f"--eval-images {args.eval_images}: give a positive count, or leave it out for the whole split")
-    from . import predict
+    from . import prediction
 
-    images = predict.collect_images(args.images) if args.images else None
+    images = prediction.collect_images(args.images) if args.images else None
     written = export_onnx(args.model, args.output, args.quantize,
                           DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance, images, args.eval_images)
     print(f"exported to {written}")
