@@ -6,8 +6,8 @@ displays share one event stream and nobody patches the loop's functions by name.
             if run.accelerator.is_main_process and "loss" in entry:
                 print(entry["step"], entry["loss"])
 
-    training.run(recipe, callbacks=[PrintLoss()])  # this run only
-    callbacks.register(PrintLoss())             # every later run in this process (e.g. from a sitecustomize.py)
+    vit_finetune.train(recipe, callbacks=[PrintLoss()])  # this run only (or training.run: the same)
+    callbacks.register(PrintLoss())                     # every later run in this process (e.g. a sitecustomize.py)
 
 Each event is called on every process, registered callbacks first, then the run's own, in order. An
 exception raised by a callback stops the run like any error of the loop. `run` is the TrainingRun:
