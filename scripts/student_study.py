@@ -251,7 +251,7 @@ def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> lis
     from transformers import pipeline
 
     from vit_finetune.cli import main
-    from vit_finetune.predict import dataset_images, predict_rows
+    from vit_finetune.prediction import dataset_images, predict_rows
     from vit_finetune.saved_model import load_classifier
     from vit_finetune.onnx_classifier import load_onnx_classifier
 

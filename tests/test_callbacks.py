@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import ViTForImageClassification
 
-from vit_finetune import train
+from vit_finetune import training
 from vit_finetune.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 
@@ -45,7 +45,7 @@ def test_callbacks_see_every_step_log_evaluation_checkpoint_and_the_trained_mode
     recipe = load_recipe(None, [*args, "train.max_steps=4", "train.log_every_steps=2", "train.eval_every_steps=2",
                                 "train.checkpoint_every_steps=2", f"output_dir={out}"])
     events = Events()
-    metrics = train.run(recipe, callbacks=[events])
+    metrics = training.run(recipe, callbacks=[events])
 
     kinds = [event[0] for event in events.seen]
     assert kinds == ["train_start", "batch", "step_end", "batch", "step_end", "log", "evaluate", "checkpoint",

@@ -59,7 +59,7 @@ def loaded(settings) -> dict:
 
     from vit_finetune import data
 
-    set_seed(0)  # as train.run() does, before it loads the data
+    set_seed(0)  # as training.run() does, before it loads the data
     splits = data.load_splits(settings, seed=0)
 
     def rows(table) -> list[tuple[str, int]]:

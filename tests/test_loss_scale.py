@@ -19,7 +19,7 @@ import torch
 
 from runs import SimulatedKill, history, kill_at, train
 from vit_finetune import devices
-from vit_finetune import train as training
+from vit_finetune import training
 from vit_finetune.callbacks import Callback
 
 pytestmark = pytest.mark.slow
@@ -28,7 +28,7 @@ ONE_EPOCH = ["train.epochs=1"]  # 6 optimiser steps (runs.RECIPE: 24 images, bat
 
 
 def fp16_as_on_cuda(init_scale: float) -> tuple:
-    """A patch of devices.make_accelerator (as train.py calls it): the run's Accelerator with fp16 set up as Accelerate sets it up on CUDA
+    """A patch of devices.make_accelerator (as training.py calls it): the run's Accelerator with fp16 set up as Accelerate sets it up on CUDA
     (mixed precision fp16, native autocast, a GradScaler starting at `init_scale`)."""
     made = devices.make_accelerator
 
@@ -39,7 +39,7 @@ def fp16_as_on_cuda(init_scale: float) -> tuple:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         return accelerator
 
-    return training, "make_accelerator", make_accelerator  # the name train.py calls
+    return training, "make_accelerator", make_accelerator  # the name training.py calls
 
 
 class Overflow(Callback):

@@ -313,7 +313,7 @@ def test_alpha_background_chosen_by_auto_is_honoured_by_training_predict_explain
     # export --onnx checks its graph on --images decoded as the model was trained
     from transformers import AutoConfig, AutoImageProcessor
 
-    from vit_finetune.predict import collect_images
+    from vit_finetune.prediction import collect_images
 
     processor = AutoImageProcessor.from_pretrained(out)
     parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))

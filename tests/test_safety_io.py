@@ -343,7 +343,7 @@ def test_predict_refuses_to_replace_an_existing_output_unless_asked(trained, pho
 
 
 def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, photo, tmp_path, monkeypatch, capsys):
-    from vit_finetune import predict
+    from vit_finetune import prediction
 
     output = tmp_path / "preds.jsonl"
     output.write_text('{"earlier": "results"}\n')
@@ -352,7 +352,7 @@ def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, phot
         yield {"image": "x.png", "error": None, "predictions": []}
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(predict, "predict_rows", failing_rows)
+    monkeypatch.setattr(prediction, "predict_rows", failing_rows)
     assert main(["predict", str(trained), str(photo), "--output", str(output), "--overwrite"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped by Ctrl-C"  # one line, no traceback
     assert output.read_text() == '{"earlier": "results"}\n'

@@ -33,9 +33,10 @@ SLOW_TO_IMPORT = {"torch", "transformers", "datasets", "accelerate", "peft", "ev
 # to import for a command that tests time or whose imports they list (test_first_minutes.py, test_launch.py).
 # Anywhere else, or of a module that is quick to import, an import inside a function only hides the layering.
 KEPT_LIGHT = {
+    "vit_finetune": "`python -m vit_finetune` imports the package before its --help answers; the API loads when first used",
     "vit_finetune.cli": "--help and the recipe listings answer at once; each command imports its own stage",
     "vit_finetune.saved_model": "predict refuses a model that is neither a folder nor on the Hub before torch loads",
-    "vit_finetune.predict": "predict refuses a wrong output or image before torch loads",
+    "vit_finetune.prediction": "predict refuses a wrong output or image before torch loads",
     "vit_finetune.evaluate_saved": "evaluate refuses a folder it may not write into before torch loads",
     "vit_finetune.app": "the page refuses a taken port or a missing gradio before the model's stack loads",
 }

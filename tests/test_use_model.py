@@ -104,11 +104,11 @@ def test_predicted_scores_are_the_models_softmax(trained, photos):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
     from PIL import Image
 
-    from vit_finetune import predict
+    from vit_finetune import prediction
     from vit_finetune.saved_model import load_classifier
 
     model, processor = load_classifier(str(trained))
-    rows = list(predict.predict_rows(model, processor, predict.collect_images([str(photos / "red.png")]), 3, 4))
+    rows = list(prediction.predict_rows(model, processor, prediction.collect_images([str(photos / "red.png")]), 3, 4))
     reference = AutoModelForImageClassification.from_pretrained(trained).eval()
     pixels = AutoImageProcessor.from_pretrained(trained)(images=Image.open(photos / "red.png").convert("RGB"),
                                                          return_tensors="pt")["pixel_values"]

@@ -6,8 +6,8 @@ displays share one event stream and nobody patches the loop's functions by name.
             if run.accelerator.is_main_process and "loss" in entry:
                 print(entry["step"], entry["loss"])
 
-    train.run(recipe, callbacks=[PrintLoss()])  # this run only
-    callbacks.register(PrintLoss())             # every later run in this process (e.g. from a sitecustomize.py)
+    vit_finetune.train(recipe, callbacks=[PrintLoss()])  # this run only (or training.run: the same)
+    callbacks.register(PrintLoss())                     # every later run in this process (e.g. a sitecustomize.py)
 
 Each event is called on every process, registered callbacks first, then the run's own, in order. An
 exception raised by a callback stops the run like any error of the loop. `run` is the TrainingRun:
@@ -122,7 +122,7 @@ REGISTERED: list[Callback] = []  # observe every run of this process; see regist
 
 
 def register(callback: Callback) -> Callback:
-    """Observe every later `train.run` in this process (for code that cannot pass callbacks=, e.g. one started
+    """Observe every later `training.run` in this process (for code that cannot pass callbacks=, e.g. one started
     by the CLI); returns the callback. Remove it again with REGISTERED.remove(callback)."""
     REGISTERED.append(callback)
     return callback

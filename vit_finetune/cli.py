@@ -22,6 +22,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
 
 from . import previous_run, progress, saved_model
 from .app import AppError, refuse_a_taken_port, require_gradio, serve
@@ -29,10 +30,14 @@ from .errors import EXIT_INTERRUPTED, PRINTING_RANK, VitFinetuneError, report
 from .onnx_classifier import load_onnx_classifier
 from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
 
+if TYPE_CHECKING:
+    from .callbacks import Callback
+    from .recipe import Recipe
+
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
               "their saved thresholds, at most k of them, highest first (default: all of them)")
-# predict and evaluate read the same split of a --dataset unless told otherwise (predict.chosen_split).
+# predict and evaluate read the same split of a --dataset unless told otherwise (prediction.chosen_split).
 SPLIT_HELP = ("the split of --dataset (default, as for both predict and evaluate: its only split, else validation, "
               "else test)")
 
@@ -215,41 +220,61 @@ def train_command(argv: list[str]) -> int:
 
         print(format_keys(recipe), end="")
         return 0
+    train_recipe(recipe, notes=notes, quiet=args.quiet)
+    return 0
+
+
+def train_recipe(recipe: Recipe, callbacks: Iterable[Callback] = (), notes: Iterable[str] = (),
+                 quiet: bool = False) -> dict:
+    """The train command once its recipe is read (the API's train too): `notes` say how the recipe was read; returns
+    the final metrics."""
     from .processes import refuse_a_lone_process
 
     # Before the training stack loads (transformers, datasets): a launch refused here answers in about 2 s, not 8.
     refuse_a_lone_process()
-    with progress.configured(quiet=args.quiet):
-        from .train import run
+    with progress.configured(quiet=quiet):
+        from .training import run
 
         if os.environ.get("RANK", PRINTING_RANK) == PRINTING_RANK:  # once in a launch of several processes
             for note in notes:
                 progress.say(note)
-        run(recipe)
-    return 0
+        return run(recipe, callbacks)
+
+
+def images_to_predict(model: str, images: list[str], dataset: str | None, split: str | None,
+                      output: str | None = None) -> list:
+    """predict's images (files, folders, globs), or a dataset split's, refused with the reason before the model loads:
+    both or neither given, an image that is the --output, a model that is neither a folder nor on the Hub."""
+    from . import prediction
+
+    if bool(images) == bool(dataset):
+        raise saved_model.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
+    sources = None if dataset else prediction.collect_images(images)
+    prediction.refuse_output_among_inputs(output, sources or [], dataset)
+    saved_model.model_location(model)
+    return sources or prediction.dataset_images(dataset, split)
+
+
+def load_predictor(model: str, runtime: str = "torch", device: str = "auto"):
+    """The (model, processor) predict runs: the PyTorch model on `device`, or an export's ONNX graph on the CPU."""
+    if runtime == "torch":
+        return saved_model.load_classifier(model, _device(device))
+    return load_onnx_classifier(model, runtime)
 
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    from . import predict
+    from . import prediction
 
-    write = predict.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
-    if bool(args.images) == bool(args.dataset):
-        raise saved_model.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
-    sources = None if args.dataset else predict.collect_images(args.images)
-    predict.refuse_output_among_inputs(args.output, sources or [], args.dataset)
-    saved_model.model_location(args.model)
-    sources = sources or predict.dataset_images(args.dataset, args.split)
+    write = prediction.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
+    sources = images_to_predict(args.model, args.images, args.dataset, args.split, args.output)
     output = Path(args.output).expanduser() if args.output else None
     shown = 0  # rows listed on the terminal as well, when the listing goes to a file of predict's choosing
-    if write is None and sys.stdout.isatty() and len(sources) > predict.TERMINAL_ROWS:
-        output = predict.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
-        write, shown = (predict.write_csv, predict.TERMINAL_ROWS) if output else (None, 0)
-    if args.runtime == "torch":
-        model, processor = saved_model.load_classifier(args.model, _device(args.device))
-    else:
-        model, processor = load_onnx_classifier(args.model, args.runtime)
-    write = predict.writer_for_model(write, model.config)
+    if write is None and sys.stdout.isatty() and len(sources) > prediction.TERMINAL_ROWS:
+        output = prediction.listing_file(Path.cwd())  # None where the folder cannot be written: all on the terminal
+        write, shown = (prediction.write_csv, prediction.TERMINAL_ROWS) if output else (None, 0)
+    model, processor = load_predictor(args.model, args.runtime, args.device)
+    write = prediction.writer_for_model(write, model.config)
     unreadable: list[str] = []
 
     def noting_errors(rows):
@@ -258,12 +283,12 @@ def predict_command(argv: list[str]) -> int:
                 unreadable.append(row["image"])
             yield row
 
-    rows = noting_errors(predict.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
+    rows = noting_errors(prediction.predict_rows(model, processor, sources, args.top_k, args.batch_size or 32))
     if write is None:
-        predict.write_text(rows)
+        prediction.write_text(rows)
         return 0
-    columns = min(args.top_k or predict.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
-    count = predict.write_output(write, predict.listing_first(rows, shown), output, columns)
+    columns = min(args.top_k or prediction.DEFAULT_TOP_K, model.config.num_labels)  # a single-label CSV's label columns
+    count = prediction.write_output(write, prediction.listing_first(rows, shown), output, columns)
     where = (f" (the first {shown} listed above; --output FILE.csv or FILE.jsonl names the file)" if shown else "")
     print(f"{count} images -> {output}{where}" + (f"; {len(unreadable)} unreadable, skipped (their rows say why): "
                                                   f"{unreadable[:5]}" if unreadable else ""))
@@ -272,26 +297,35 @@ def predict_command(argv: list[str]) -> int:
 
 def evaluate_command(argv: list[str]) -> int:
     args = _evaluate_parser().parse_args(argv)
-    from . import evaluate_saved
-
-    if args.output_dir is not None:
-        evaluate_saved.check_evaluation_folder(args.output_dir, args.overwrite)  # before seconds of loading
-    if args.dataset is None and (args.split or args.target_columns):
-        raise saved_model.InputError("--split and --target-columns read a --dataset; give --dataset D, or leave them "
-                                     "out to evaluate on the run's own eval split")
     target_columns = [name.strip() for name in args.target_columns.split(",")] if args.target_columns else None
-    metrics = evaluate_saved.evaluate_saved(args.model, args.dataset, args.split, args.batch_size,
-                                            _device(args.device), args.output_dir, target_columns)
+    metrics = evaluate_model(args.model, args.dataset, args.split, target_columns, args.batch_size, args.device,
+                             args.output_dir, args.overwrite)
     shown = {key: value for key, value in metrics.items() if isinstance(value, (int, float, str))}
     print(json.dumps(shown, indent=1))
     return 0
 
 
+def evaluate_model(model: str, dataset: str | None = None, split: str | None = None,
+                   target_columns: list[str] | None = None, batch_size: int | None = None, device: str = "auto",
+                   output_dir: Path | None = None, overwrite: bool = False) -> dict:
+    """The evaluate command's work: a saved model's metrics on `dataset` (default: its run's own eval split), also
+    written into `output_dir` when given; what cannot work is refused before the model loads."""
+    from . import evaluate_saved
+
+    if output_dir is not None:
+        evaluate_saved.check_evaluation_folder(output_dir, overwrite)  # before seconds of loading
+    if dataset is None and (split or target_columns):
+        raise saved_model.InputError("--split and --target-columns read a --dataset; give --dataset D, or leave them "
+                                     "out to evaluate on the run's own eval split")
+    return evaluate_saved.evaluate_saved(model, dataset, split, batch_size, _device(device), output_dir,
+                                         target_columns)
+
+
 def explain_command(argv: list[str]) -> int:
     args = _explain_parser().parse_args(argv)
-    from . import predict
+    from . import prediction
 
-    sources = predict.collect_images(args.images)
+    sources = prediction.collect_images(args.images)
     saved_model.model_location(args.model)
     from .explain import check_output_dir, explain_images, output_names
 
@@ -311,9 +345,9 @@ def export_command(argv: list[str]) -> int:
         raise ExportError("export needs a format: pass --onnx (the one format for now)")
     if args.eval_images is not None and args.eval_images < 1:
         raise ExportError(f"--eval-images {args.eval_images}: give a positive count, or leave it out for the whole split")
-    from . import predict
+    from . import prediction
 
-    images = predict.collect_images(args.images) if args.images else None
+    images = prediction.collect_images(args.images) if args.images else None
     written = export_onnx(args.model, args.output, args.quantize,
                           DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance, images, args.eval_images)
     print(f"exported to {written}")
@@ -334,26 +368,36 @@ def app_command(argv: list[str]) -> int:
 
 def push_command(argv: list[str]) -> int:
     args = _push_parser().parse_args(argv)
+    url, repo_id = push_run(args.output_dir, args.repo_id, args.private, args.space_app)
+    print(f"pushed to {url}")
+    if args.space_app:
+        from .publish import push_space_app
+
+        print(f"app added: {push_space_app(repo_id)}")
+    return 0
+
+
+def push_run(folder: str, repo_id: str | None = None, private: bool | None = None,
+             space_app: bool = False) -> tuple[str, str]:
+    """The push command's work up to its Space app (publish.push_space_app): a finished run folder to `repo_id`
+    (default: its recipe's hub.repo_id), space/ included when asked; returns the model's URL and the repo id."""
     from .hub import PushError, require_token
     from .recipe import read_yaml, validate
 
-    output_dir = Path(args.output_dir)
-    saved_model.path_kind(output_dir, args.output_dir, "the run folder")  # a name too long to look up: one line
+    output_dir = Path(folder)
+    saved_model.path_kind(output_dir, folder, "the run folder")  # a name too long to look up: one line
     saved = read_yaml(output_dir / RECIPE_FILE).get("hub", {}) if (output_dir / RECIPE_FILE).is_file() else {}
-    repo_id = args.repo_id or saved.get("repo_id")
+    repo_id = repo_id or saved.get("repo_id")
     if not repo_id:
         raise PushError("no repo id: pass --repo-id namespace/name")
     validate({"hub": {"repo_id": repo_id}}, "--repo-id")  # the recipe's own check, as a RecipeError
-    private = args.private if args.private is not None else bool(saved.get("private", False))
+    private = private if private is not None else bool(saved.get("private", False))
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
-    from .publish import push_folder, push_space_app  # loads the training stack: after the refusals above
+    from .publish import push_folder  # loads the training stack: after the refusals above
 
-    print(f"pushed to {push_folder(output_dir, repo_id, private, args.space_app)}")
-    if args.space_app:
-        print(f"app added: {push_space_app(repo_id)}")
-    return 0
+    return push_folder(output_dir, repo_id, private, space_app), repo_id
 
 
 def restore_command(argv: list[str]) -> int:

@@ -1,7 +1,8 @@
 """The project's one error type: a user's mistake or a refused run, each kind with the exit code it ends with; and
 the short excerpt and shortened text every message quotes a value or a library's message by.
 
-The CLI catches `VitFinetuneError` alone and prints its message; anything else (a plain ValueError from a
+The CLI catches `VitFinetuneError` alone and prints its message (the Python API, api.py, lets it reach the caller
+with the same message); anything else (a plain ValueError from a
 library, say) is a bug and keeps its traceback. Each stage defines its own subclass next to its code.
 """
 

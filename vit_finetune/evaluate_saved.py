@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .layout import (CONFUSION_FILE, METRICS_FILE, MISCLASSIFIED_FILE, PREDICTED_VS_TRUE_FILE, RECIPE_FILE,
                      describe_write_error, replace_atomically)
-from .predict import dataset_settings, dataset_split
+from .prediction import dataset_settings, dataset_split
 from .errors import VitFinetuneError
 from .recipe import load_recipe
 from .saved_model import InputError, load_classifier, model_location, path_kind

@@ -21,7 +21,7 @@ from . import tasks
 from .data import BadImageError, decode_image, decoding_settings
 from .errors import VitFinetuneError
 from .families import FAMILIES
-from .predict import label_scores, labels_given
+from .prediction import label_scores, labels_given
 from .saved_model import load_classifier, path_kind
 from .pictures import pyplot, save_figure
 from .text import printable

@@ -4,7 +4,7 @@
 finite (read back, and a NaN/Inf stops the run, only before a log, an evaluation, a checkpoint or the end: the host
 never waits for the device inside a step), log, evaluate, checkpoint, stop (the last step, early stopping, or
 SIGINT/SIGTERM, which with train.grad_accum > 1 is also heard between two forward passes). Everything a step does
-not need to know (data, model, export) is train.py's; callbacks observe each event (callbacks.py). Its named steps
+not need to know (data, model, export) is training.py's; callbacks observe each event (callbacks.py). Its named steps
 live beside it: one batch's step (train_step.py), the log (train_log.py), the NaN/Inf watch (non_finite.py) and
 stopping on a signal (interrupts.py).
 """
