@@ -68,8 +68,8 @@ def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batc
     train_transform = ExampleTrainTransform(image_size, processor.image_mean, processor.image_std)
     train_set, eval_set = splits["train"], splits["validation"]
     train_set.set_transform(ExampleBatchTransform(train_transform))
-    eval_set.set_transform(ExampleBatchTransform(ExampleEvalTransform(image_size, processor.image_mean,
-                                                                      processor.image_std)))
+    eval_batch = ExampleBatchTransform(ExampleEvalTransform(image_size, processor.image_mean, processor.image_std))
+    eval_set.set_transform(eval_batch)
     network = peer_model(model, labels)
     per_epoch = "epoch" if eval_every_epoch else "no"
     args = TrainingArguments(
