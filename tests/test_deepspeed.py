@@ -114,11 +114,12 @@ def test_zero_checkpoints_are_per_rank_and_the_final_folder_holds_the_weights_th
     assert not [key for key in final if not torch.equal(final[key], partitions[key])]
 
     # The same training under DDP. Not always bit-identical: ZeRO-2 reduces the gradients over the ranks in buckets
-    # and computes the clipping norm from partitions, in another order of float sums. Measured: ZeRO-2 at most
-    # 2.4e-7 apart (34 of 40 tensors differ at all), ZeRO-3 bit-identical; the losses equal to 6 decimals.
+    # and computes the clipping norm from partitions, in another order of float sums. Measured: ZeRO-2 2.4e-7 to
+    # 7.8e-6 apart from one run to another (most tensors differ at all), ZeRO-3 bit-identical; float32 sums in another
+    # order, not another training: a wrong gather or a skipped step moves the weights by orders of magnitude more.
     ddp = ddp_runs["full"]
     reference = saved_weights(ddp)
-    assert max((final[key] - reference[key]).abs().max().item() for key in final) < 1e-6
+    assert max((final[key] - reference[key]).abs().max().item() for key in final) < 5e-5
     assert len(losses(out)) == 6 and losses(out) == pytest.approx(losses(ddp), rel=1e-5)
     assert losses(out)[-1] < losses(out)[0]  # it trained
     info = json.loads((out / "run_info.json").read_text())

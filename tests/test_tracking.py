@@ -48,7 +48,8 @@ def test_tensorboard_holds_what_history_json_holds(args, tmp_path):
     assert [step for step, _ in scalars["eval/accuracy"]] == [4, 8, 12]
     assert scalars["eval/accuracy"] == logged("eval_accuracy")
     assert scalars["eval/loss"] == logged("eval_loss")
-    assert {"pictures/position_embeddings", "pictures/confusion_matrix"} <= images
+    # The run is at the base's own size: no position table was resampled, so no picture of one.
+    assert "pictures/confusion_matrix" in images and "pictures/position_embeddings" not in images
     stored = yaml.safe_load(next((output / "runs").rglob("hparams.yml")).read_text())
     assert stored["train.lr"] == 0.005 and stored["train.report_to"] == "['tensorboard']"
     assert stored["model.image_size"] == 32

@@ -68,8 +68,7 @@ def to_model_labels(table, label_column: str, labels: list[str], label_sets: boo
     return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
-def classes_of_dataset(dataset: str, split: str | None, labels: list[str], label_sets: bool,
-                       target_columns: list[str] | None):
+def classes_of_dataset(dataset: str, split: str | None, labels: list[str], task, target_columns: list[str] | None):
     """(table, image column, label column, split) of a classifier's --dataset, its labels matched to the model's by
     name."""
     from .data import DataError
@@ -80,11 +79,10 @@ def classes_of_dataset(dataset: str, split: str | None, labels: list[str], label
     table, image_column, label_column, split = dataset_split(dataset, split)
     if label_column is None:
         raise DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-    return to_model_labels(table, label_column, labels, label_sets), image_column, label_column, split
+    return to_model_labels(table, label_column, labels, task.label_sets), image_column, label_column, split
 
 
-def targets_of_dataset(dataset: str, split: str | None, labels: list[str], label_sets: bool,
-                       target_columns: list[str] | None):
+def targets_of_dataset(dataset: str, split: str | None, labels: list[str], task, target_columns: list[str] | None):
     """(table, image column, TARGETS_COLUMN, split) of a regression's --dataset: read as the run read its data
     (data.task=regression), each of the model's targets from the column of its name, or from --target-columns."""
     from .data.targets import TARGETS_COLUMN, as_targets
@@ -96,7 +94,7 @@ def targets_of_dataset(dataset: str, split: str | None, labels: list[str], label
     fix = (f"the model predicts {labels}. Fix: --target-columns with the dataset's column for each target, "
            "comma-separated in that order")
     try:
-        table, image_column, _, split = dataset_split(dataset, split, task="regression", target_columns=columns)
+        table, image_column, _, split = dataset_split(dataset, split, task=task.name, target_columns=columns)
     except VitFinetuneError as error:
         if "target_columns" not in str(error):  # not a missing column: the reader's own message says all
             raise
@@ -150,7 +148,7 @@ def eval_split_of(name: str, model, processor, dataset: str | None = None, split
     else:
         task = tasks.of_config(model.config)
         read = OTHER_DATASET_READERS[task.label_encoding]
-        table, image_column, label_column, split = read(dataset, split, labels, task.label_sets, target_columns)
+        table, image_column, label_column, split = read(dataset, split, labels, task, target_columns)
         settings = dataset_settings(dataset, alpha_background=getattr(model.config, data.ALPHA_BACKGROUND_KEY, None))
         split_fields = {"eval_split": split, "eval_carved_from_train": False}
     # A skipped image's placeholder has the model's own size, asked of its family (CLIP and SigLIP keep it under
