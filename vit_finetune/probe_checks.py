@@ -4,11 +4,11 @@ dropping the alpha channel would lose the drawings (data.alpha_background=auto: 
 whether the eval images look like the training images at all (a line when they do not: a shift between sources is
 likely).
 
-Each check reads at most CHECKED_IMAGES training images, a seeded sample spread over the classes, preprocessed as
-evaluation does, through the frozen pretrained model once per variant (mirrored, or laid on a colour); their
-features are the head's input, as the probe's (probe.head_inputs). Nothing here draws from the run's random
-generators, and every process computes the same answer, so a resumed or multi-process run decides as one that did not
-stop.
+Each check reads at most CHECKED_IMAGES training images, a seeded sample spread over the classes. The transparency
+check reads their pixels alone; the others pass them, preprocessed as evaluation does, through the frozen pretrained
+model once per variant (as they are, mirrored); their features are the head's input, as the probe's
+(probe.head_inputs). Nothing here draws from the run's random generators, and every process computes the same answer,
+so a resumed or multi-process run decides as one that did not stop.
 """
 
 from __future__ import annotations
@@ -205,8 +205,7 @@ def transparency(checks: FeatureChecks) -> Transparency:
             transparent += 1
             stored = pixels[..., :3][hidden].astype(np.float64)
             bleeding += float(stored.std(axis=0).max()) >= data.FLAT_SPREAD
-        if data.is_flat(image.convert("RGB")) and not all(data.is_flat(data.laid_on(image, colour))
-                                                          for colour in ("white", "black")):
+        if data.is_flat(image.convert("RGB")) and data.drawing_in_alpha(image):
             drawn += 1
     return Transparency(len(table), transparent, bleeding, drawn)
 

@@ -22,8 +22,8 @@ from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassi
                       blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,
                       make_loader, train_dataset, train_dataset_as_evaluated)
 from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale,
-                     crop_in_words, decode_image, decoding_settings, flat_images, is_flat, laid_on, random_resized_crop_box,
-                     resample_of, sample_rng, train_transform)
+                     crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat,
+                     random_resized_crop_box, resample_of, sample_rng, train_transform)
 from .opening import (BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset,
                       refuse_unreachable)
 from .splits import (CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity,
@@ -33,9 +33,10 @@ __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES",
            "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",
            "DataError", "EpochSampler", "ImageClassificationDataset", "PixelNormalizer", "Splits", "alpha_card_text",
            "auto_crop_scale", "blank_pixels", "cache_dir", "collate", "cpu_cores", "crop_in_words", "decode_image",
-           "decoding_settings", "default_num_workers", "detect_column", "eval_dataset", "eval_pixels_from_processor",
+           "decoding_settings", "default_num_workers", "detect_column", "drawing_in_alpha", "eval_dataset",
+           "eval_pixels_from_processor",
            "files_digest", "FLAT_SPREAD", "flat_images", "identity", "image_folders", "is_flat", "is_hub_dataset_copy",
-           "is_label_set", "is_local", "laid_on", "load_splits", "make_loader", "open_dataset",
+           "is_label_set", "is_local", "load_splits", "make_loader", "open_dataset",
            "random_resized_crop_box", "refuse_unreachable", "resample_of", "sample_rng",
            "target_encoding", "train_dataset", "train_dataset_as_evaluated", "train_transform", "training_facts",
            "training_facts_notes"]

@@ -180,6 +180,12 @@ def is_flat(image: Image.Image) -> bool:
     return float(values.reshape(-1, values.shape[-1] if values.ndim == 3 else 1).std(axis=0).max()) < FLAT_SPREAD
 
 
+def drawing_in_alpha(image: Image.Image) -> bool:
+    """Whether an image (flat with its alpha dropped) shows a drawing when laid on white or black: the drawing lives in
+    its alpha channel alone."""
+    return not all(is_flat(laid_on(image, colour)) for colour in ALPHA_BACKGROUNDS)
+
+
 @dataclass
 class FlatImages:
     """What the check found: how many training images it decoded, which came out flat, and which of those hold
@@ -219,7 +225,6 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
     auto = settings.alpha_background == "auto"
     if auto:
         settings = settings.model_copy(update={"alpha_background": None})
-    on = {name: settings.model_copy(update={"alpha_background": name}) for name in ALPHA_BACKGROUNDS}
     for index in chosen:
         row = table[index]
         cell = row[splits.image_column]
@@ -230,8 +235,8 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
         checked += 1
         if not is_flat(image):
             continue
-        in_alpha = settings.alpha_background is None and any(
-            not is_flat(decode_image(cell, index, laid, splits.image_folders)) for laid in on.values())
+        in_alpha = settings.alpha_background is None and drawing_in_alpha(
+            decode_image(cell, index, settings, splits.image_folders, keep_alpha=True))
         if (in_alpha and auto) or not (in_alpha or suspect(row[splits.label_column])):
             continue
         flat.append(sample_name(cell, index))
