@@ -68,7 +68,7 @@ for n in ('torch', 'transformers', 'accelerate', 'peft', 'huggingface_hub', 'tor
     except m.PackageNotFoundError:
         print(n, 'not installed')"
     # Fail now, naming the module, rather than minutes into the measurements.
-    python3 -c "import vit_finetune.training, vit_finetune.bench, kornia.augmentation, matplotlib.pyplot" || {
+    python3 -c "import vit_finetune.training.run, vit_finetune.bench, kornia.augmentation, matplotlib.pyplot" || {
         echo "bench_gpu.sh: the package does not import here (above: the missing module); add it to PACKAGES" >&2
         exit 1; }
 }

@@ -105,8 +105,8 @@ def images_per_second(folder: Path, batch: int = 32, repeats: int = 10) -> float
     """Forward passes of the saved model at its own resolution, one thread, after two warm-up passes."""
     import torch
 
-    from vit_finetune.distill import input_size
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.training.distill import input_size
+    from vit_finetune.model.saved_model import load_classifier
 
     torch.set_num_threads(1)
     model, processor = load_classifier(str(folder))

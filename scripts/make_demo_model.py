@@ -1,6 +1,6 @@
 """Pretrain the tiny ViT that vit_finetune ships as its embedded default model.
 
-    python scripts/make_demo_model.py            # writes vit_finetune/assets/tiny-vit-32/
+    python scripts/make_demo_model.py            # writes vit_finetune/model/assets/tiny-vit-32/
 
 Generates the "pretrain" task of vit_finetune.data.synthetic (ten shapes at 32x32 px),
 trains a small ViTForImageClassification on it from scratch with plain torch on CPU

@@ -24,7 +24,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 from make_demo_model import accuracy, augment  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from tiny import TINY_FAMILIES, make_tiny_family, tiny_family_config  # noqa: E402
 from vit_finetune.data import synthetic  # noqa: E402
-from vit_finetune.families import FAMILIES  # noqa: E402
+from vit_finetune.model.families import FAMILIES  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

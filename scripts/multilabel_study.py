@@ -91,7 +91,7 @@ def make_mosaics(root: Path, train: int, evaluation: int, seed: int = 1234) -> P
 
 def train(args: list[str]) -> None:
     from vit_finetune.cli import main
-    from vit_finetune.processes import reset_accelerate_state
+    from vit_finetune.core.processes import reset_accelerate_state
 
     try:
         if main(args) != 0:
@@ -115,8 +115,8 @@ def softmax_scores(model_dir: Path, files: list[str]) -> np.ndarray:
     import torch
     from PIL import Image
 
-    from vit_finetune.saved_model import load_classifier
-    from vit_finetune.devices import torch_threads
+    from vit_finetune.model.saved_model import load_classifier
+    from vit_finetune.training.devices import torch_threads
 
     model, processor = load_classifier(str(model_dir))
     columns = [CLASSES.index(model.config.id2label[i]) for i in range(model.config.num_labels)]

@@ -59,8 +59,9 @@ def train_peer(dataset: Path, model: Path, image_size: int, max_steps: int, batc
     import datasets
     from transformers import AutoImageProcessor, Trainer, TrainingArguments
 
-    from vit_finetune.bench.peer import (ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform,
-                                         example_collate_fn)
+    from vit_finetune.bench.peer import (
+        ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform, example_collate_fn
+    )
 
     splits = datasets.load_from_disk(str(dataset))
     labels = splits["train"].features["label"].names

@@ -225,7 +225,7 @@ def unstandardised_targets():
 def scaled_random_head(scale: float):
     """The new random head's weights times `scale` (model.head_init=random draws them at the base's one scale): the
     head a raw target of spread 1/scale starts from, in standardised units. For this run only."""
-    from vit_finetune import model
+    from vit_finetune.model import loading as model
 
     drawing = model.new_head_state
 
@@ -338,7 +338,7 @@ def run_trainer(cell: Cell, base: Path, data: Path, out: Path) -> dict:
     from transformers import Trainer, TrainingArguments, set_seed
 
     from peer_example import peer_model
-    from vit_finetune.model import load_image_processor
+    from vit_finetune.model.loading import load_image_processor
     from vit_finetune.recipe import ModelSettings
 
     lr = ARMS[cell.arm].lr
@@ -369,8 +369,8 @@ def frozen_features(base: Path, size: int, paths: list[Path]) -> np.ndarray:
     import torch
     from PIL import Image
 
-    from vit_finetune.model import build_model, load_image_processor
-    from vit_finetune.probe import head_module
+    from vit_finetune.model.loading import build_model, load_image_processor
+    from vit_finetune.training.probe import head_module
     from vit_finetune.recipe import ModelSettings
 
     settings = ModelSettings(base=str(base), image_size=size)
@@ -526,7 +526,7 @@ def predicted_values(out: Path, data: Path, split: str) -> np.ndarray:
 def run_cell(cell: Cell, base: Path, root: Path, commit: str) -> dict:
     import torch
 
-    from vit_finetune.processes import reset_accelerate_state
+    from vit_finetune.core.processes import reset_accelerate_state
 
     reset_accelerate_state()  # Accelerate's process-wide state: each cell sets its own precision
     data = write_set(cell.set, root / "data" / cell.set)

@@ -121,7 +121,7 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
 
 
 def score_toolkit(out: Path, data: Path) -> dict:
-    from vit_finetune.evaluate_saved import evaluate_saved
+    from vit_finetune.serving.evaluate_saved import evaluate_saved
 
     return {f"{split}_accuracy": evaluate_saved(str(out), str(data), split)["accuracy"] for split in ("test", "shifted")}
 

@@ -202,7 +202,7 @@ def speed(name: str, seed: int, batch: int, rounds: int, count: int) -> dict:
     them alike; only the forward pass is timed. The first `count` eval images are used."""
     import torch
 
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.model.saved_model import load_classifier
 
     threads_all = torch.get_num_threads()
     folders = {"teacher": teacher(name, seed), **{kind: ROOT / "runs" / f"{name}-{kind}-s{seed}"
@@ -251,9 +251,9 @@ def serve(name: str, seed: int, kinds: list[str], chunk: int, count: int) -> lis
     from transformers import pipeline
 
     from vit_finetune.cli import main
-    from vit_finetune.prediction import dataset_images, predict_rows
-    from vit_finetune.saved_model import load_classifier
-    from vit_finetune.onnx_classifier import load_onnx_classifier
+    from vit_finetune.serving.prediction import dataset_images, predict_rows
+    from vit_finetune.model.saved_model import load_classifier
+    from vit_finetune.serving.onnx_classifier import load_onnx_classifier
 
     threads_all = torch.get_num_threads()
     images, labels = (column[:count] for column in eval_images(name))

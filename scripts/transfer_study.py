@@ -226,7 +226,7 @@ def reference_base(root: Path) -> Path:
         raise SystemExit(f"{REAL_BASE} is missing: python scripts/make_real_base.py")
     from transformers import AutoImageProcessor
 
-    from vit_finetune.model import build_model
+    from vit_finetune.model.loading import build_model
     from vit_finetune.recipe import ModelSettings
 
     moved = build_model(ModelSettings(base=str(REAL_BASE), image_size=REFERENCE_SIZE), ["unused"])
@@ -306,7 +306,7 @@ def scored_on_test(out: Path, data: Path) -> dict:
     """The saved model's accuracy on the data's test split (never used for a choice), where the data has one."""
     if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
         return {}
-    from vit_finetune.evaluate_saved import evaluate_saved
+    from vit_finetune.serving.evaluate_saved import evaluate_saved
 
     metrics = evaluate_saved(str(out), str(data), "test")
     return {"test_accuracy": metrics["accuracy"], "test_images": metrics["eval_samples"]}
@@ -315,7 +315,7 @@ def scored_on_test(out: Path, data: Path) -> dict:
 def adamw_kernel() -> str:
     """The AdamW implementation a CPU run of the toolkit steps: recorded per cell, since rows measured before fused
     became the CPU default (per-tensor loop) differ from today's in the last bits of every update."""
-    from vit_finetune.optim import FUSED_ADAMW_DEVICES
+    from vit_finetune.training.optim import FUSED_ADAMW_DEVICES
 
     return "fused" if "cpu" in FUSED_ADAMW_DEVICES else "per-tensor loop"
 
@@ -514,8 +514,8 @@ def training_images(name: str, per_class: int) -> int:
 def chosen_arm(name: str, per_class: int, steps: int) -> str:
     """What train.method=auto and train.wise_ft_alpha=auto run for this cell, as the option whose rows hold it: the
     toolkit's own rules, given the cell's numbers (a single-label classifier, fully fine-tuned, its last weights)."""
-    from vit_finetune.methods import auto_method
-    from vit_finetune.wise_ft import auto_alpha
+    from vit_finetune.recipe.methods import auto_method
+    from vit_finetune.training.wise_ft import auto_alpha
 
     images = training_images(name, per_class)
     seen = steps * BATCH

@@ -126,7 +126,7 @@ def hub_repo_id(request) -> str:
 def _fresh_accelerate_state():
     """Accelerate keeps process-wide singletons; in-process CLI runs each start from a clean state."""
     yield
-    from vit_finetune.processes import reset_accelerate_state
+    from vit_finetune.core.processes import reset_accelerate_state
 
     reset_accelerate_state()
 

@@ -1,7 +1,7 @@
 """Test-only: Accelerate 1.15 set up DeepSpeed ZeRO on CPU processes over gloo, as it does on GPUs.
 
 On a machine without GPUs the toolkit asks Accelerate for CPU processes (cpu=True); Accelerate then keeps DDP
-(MULTI_CPU) and leaves a DeepSpeed config unused, without a word (the toolkit refuses that: vit_finetune/sharding.py).
+(MULTI_CPU) and leaves a DeepSpeed config unused, without a word (the toolkit refuses that: vit_finetune/training/sharding.py).
 DeepSpeed itself runs ZeRO-2 and ZeRO-3 on CPU (its CPU accelerator, over the gloo process group Accelerate has
 started), and so do Accelerate's DeepSpeed code paths (prepare's deepspeed.initialize, save_state/load_state through
 the engine's own checkpoints, get_state_dict's gather) once its state says DEEPSPEED. This stands in for the GPU

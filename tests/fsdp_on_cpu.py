@@ -1,7 +1,7 @@
 """Test-only: Accelerate 1.15 set up FSDP2 on CPU processes over gloo, as it does on GPUs.
 
 Accelerate turns an FSDP config into FSDP only for GPU-like devices; with CPU processes it keeps DDP
-(MULTI_CPU) and drops its fsdp_plugin, without a word (the toolkit refuses that: vit_finetune/sharding.py).
+(MULTI_CPU) and drops its fsdp_plugin, without a word (the toolkit refuses that: vit_finetune/training/sharding.py).
 PyTorch's FSDP2 itself runs on CPU over gloo, and so do Accelerate's FSDP2 code paths (prepare's fully_shard,
 sharded save_state/load_state through torch.distributed.checkpoint, get_state_dict) once its state says FSDP.
 This stands in for the GPU machine the tests do not have: it changes only the two lines of Accelerate's state

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import recorder
-from vit_finetune.processes import reset_accelerate_state
+from vit_finetune.core.processes import reset_accelerate_state
 
 # 3 classes x 8 training images, batch 4: 6 optimiser steps an epoch, 12 in all; 9 validation images. No pictures:
 # drawing them is most of a tiny run's time; the tests that look at them say pictures=true. The loop's tests need its
@@ -136,10 +136,10 @@ class WarmLauncher:
 def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:
     """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
 
-    `record` observes it with tests/recorder.py; `callbacks` (vit_finetune.callbacks.Callback) observe it
+    `record` observes it with tests/recorder.py; `callbacks` (vit_finetune.outputs.callbacks.Callback) observe it
     through the package's hook; `patches` are (object, name, value) applied for the run only.
     """
-    from vit_finetune.callbacks import REGISTERED, register
+    from vit_finetune.outputs.callbacks import REGISTERED, register
     from vit_finetune.cli import main
 
     observers = [*([recorder.recorder(record)] if record is not None else []), *callbacks]
@@ -162,7 +162,7 @@ class SimulatedKill(BaseException):
 
 def before_batch(action: Callable[[int], None]):
     """A callback that calls `action(n)` before the n-th batch of a run (n from 1) is trained on."""
-    from vit_finetune.callbacks import Callback
+    from vit_finetune.outputs.callbacks import Callback
 
     class BeforeBatch(Callback):
         batches = 0

@@ -1,4 +1,4 @@
-"""Test-only: a rank that asks `vit_finetune.processes.unshared_folder_refusal` about two folders (run as
+"""Test-only: a rank that asks `vit_finetune.core.processes.unshared_folder_refusal` about two folders (run as
 `-m shared_folder_probe ROOT`; tests/test_launch.py).
 
 ROOT/shared is one folder for every rank; ROOT/rank-<N> is each rank's own, which is what one output_dir path is on
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from vit_finetune.processes import unshared_folder_refusal
+from vit_finetune.core.processes import unshared_folder_refusal
 
 accelerator = Accelerator(cpu=True)
 root = Path(sys.argv[1])

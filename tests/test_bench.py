@@ -125,7 +125,7 @@ def test_each_lever_changes_one_setting_of_the_defaults_step(tmp_path, monkeypat
     """--levers: the defaults' model step, then one per lever, each differing from the defaults in the setting it
     names, read off the objects the step trained with. In this process, with a compile backend that skips inductor's
     code generation (its C++ build would be most of the test's time)."""
-    from vit_finetune import compiling
+    from vit_finetune.model import compiling
     from vit_finetune.bench import main
 
     monkeypatch.setattr(compiling, "BACKEND", "aot_eager_decomp_partition")
@@ -166,7 +166,7 @@ def test_each_lever_changes_one_setting_of_the_defaults_step(tmp_path, monkeypat
 def tiny_model(model_type: str):
     from tiny import tiny_family_config
 
-    from vit_finetune.families import FAMILIES
+    from vit_finetune.model.families import FAMILIES
 
     torch.manual_seed(0)
     return FAMILIES[model_type].model_class()(tiny_family_config(model_type))
@@ -196,7 +196,7 @@ def test_fused_qkv_computes_what_the_three_projections_compute(model_type):
     gradients of the three, to float32 rounding, and under bf16 autocast to bfloat16's; the state dict is as it was."""
     import copy
 
-    from vit_finetune import speedups
+    from vit_finetune.model import speedups
 
     for autocast, tolerance in ((False, 1e-5), (True, 2e-2)):
         model = tiny_model(model_type)
@@ -212,8 +212,8 @@ def test_fused_qkv_computes_what_the_three_projections_compute(model_type):
 
 
 def test_fused_qkv_leaves_lora_wrapped_projections_alone():
-    from vit_finetune import speedups
-    from vit_finetune.lora import apply_lora
+    from vit_finetune.model import speedups
+    from vit_finetune.model.lora import apply_lora
     from vit_finetune.recipe import LoraSettings
 
     model = apply_lora(tiny_model("vit"), LoraSettings(target_modules=["query", "value"]))
@@ -226,7 +226,7 @@ def test_one_cast_per_layernorm_output_gives_the_same_forward_and_gradients_to_b
     autocast nothing changes at all."""
     import copy
 
-    from vit_finetune import speedups
+    from vit_finetune.model import speedups
 
     model = tiny_model("vit")
     cast = copy.deepcopy(model)
@@ -251,7 +251,7 @@ def test_the_flash_attention_lever_runs_the_flash_kernel_forward_and_backward_on
     backward, no other attention kernel; the other two speed-ups on the same step still compute the same loss."""
     import torch._dynamo
 
-    from vit_finetune import compiling, speedups
+    from vit_finetune.model import compiling, speedups
 
     def loss_of(model) -> torch.Tensor:
         torch.manual_seed(1)
@@ -283,7 +283,7 @@ def test_the_flash_attention_lever_runs_the_flash_kernel_forward_and_backward_on
 
 
 def test_a_speedup_for_another_device_is_refused_by_name():
-    from vit_finetune import speedups
+    from vit_finetune.model import speedups
 
     with pytest.raises(ValueError, match="flash_attention runs on cuda only"):
         speedups.apply(tiny_model("vit"), ["flash_attention"], "cpu")

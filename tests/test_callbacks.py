@@ -1,4 +1,4 @@
-"""The training loop's documented hook (vit_finetune.callbacks): each event, its order and what it carries."""
+"""The training loop's documented hook (vit_finetune.outputs.callbacks): each event, its order and what it carries."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import torch
 from transformers import ViTForImageClassification
 
-from vit_finetune import training
-from vit_finetune.callbacks import Callback
+from vit_finetune.outputs.callbacks import Callback
 from vit_finetune.recipe import load_recipe
+from vit_finetune.training import run as training
 
 
 class Events(Callback):

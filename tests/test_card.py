@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from markdown_it import MarkdownIt
 
-from vit_finetune.card import model_card
+from vit_finetune.outputs.card import model_card
 from vit_finetune.recipe import Recipe
 
 HOSTILE = ["<script>alert(1)</script>", "two\nlines\n# a heading\n| a | table |", "a|b", "*bold* [link](http://x) `code`"]
@@ -82,7 +82,7 @@ def test_a_label_that_reverses_the_text_after_it_is_neutralised_in_the_card_and_
     from transformers import AutoConfig
 
     from runs import RECIPE, train
-    from vit_finetune.app import header_html
+    from vit_finetune.serving.app import header_html
     from vit_finetune.tasks import MultiLabel
 
     label = f"cat{OVERRIDE}gpj.exe"

@@ -96,7 +96,7 @@ def test_lora_run_saves_adapter_and_merged_model_with_equal_logits(base, images,
     from peft import PeftModel
     from transformers import ViTForImageClassification
 
-    from vit_finetune.model import build_model
+    from vit_finetune.model.loading import build_model
     from vit_finetune.recipe import ModelSettings
 
     output = tmp_path / "lora"
@@ -246,7 +246,7 @@ def test_push_without_a_repo_id_says_how_to_give_one(capsys, tmp_path):
 
 def test_a_plain_library_error_is_a_bug_and_keeps_its_traceback(monkeypatch, base, images, tmp_path):
     """Only project errors become a one-line message: a ValueError from deep inside is not a user's mistake."""
-    from vit_finetune import build
+    from vit_finetune.training import build
 
     def broken(*args, **kwargs):
         raise ValueError("a bug deep inside")

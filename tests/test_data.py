@@ -198,7 +198,7 @@ def test_skip_bad_images_keeps_each_bad_image_place_blank_and_names_it():
 def test_the_training_loss_averages_over_real_images_only_and_is_zero_without_one():
     from types import SimpleNamespace
 
-    from vit_finetune import train_step
+    from vit_finetune.training import train_step
     from vit_finetune.recipe import Recipe
     from vit_finetune.tasks import SingleLabel
 
@@ -326,7 +326,7 @@ def test_training_resizes_as_the_saved_image_processor_does(model_type, resample
     also for an 8 px image enlarged 7x, where bilinear and bicubic differ most."""
     from tiny import make_tiny_family
 
-    from vit_finetune.model import load_image_processor
+    from vit_finetune.model.loading import load_image_processor
     from vit_finetune.recipe import ModelSettings
 
     processor = load_image_processor(ModelSettings(base=str(make_tiny_family(model_type, tmp_path / "base"))), 56)

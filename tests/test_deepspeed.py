@@ -150,7 +150,7 @@ def test_lora_under_zero_writes_an_adapter_that_loads_and_the_merged_model(data,
     from peft import PeftModel
     from transformers import ViTForImageClassification
 
-    from vit_finetune.model import build_model
+    from vit_finetune.model.loading import build_model
     from vit_finetune.recipe import ModelSettings
 
     out = tmp_path / "lora"

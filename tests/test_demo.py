@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from tiny import REPO
 
+from vit_finetune.core.layout import ASSETS_DIR
 from vit_finetune.data import synthetic
-from vit_finetune.model import base_location, load_base_config
-from vit_finetune.sources import ASSETS_DIR
+from vit_finetune.model.loading import base_location, load_base_config
 from vit_finetune.recipe import load_recipe
 
 

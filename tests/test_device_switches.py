@@ -19,7 +19,7 @@ import yaml
 
 from runs import assert_bit_identical, completed, exists, history, launch_and_kill, losses, train
 from tiny import TINY_FAMILIES, tiny_family_config
-from vit_finetune.callbacks import Callback
+from vit_finetune.outputs.callbacks import Callback
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ def test_the_compiled_training_graph_keeps_the_fused_attention(base):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import ViTForImageClassification
 
-    from vit_finetune.compiling import compile_for_training
+    from vit_finetune.model.compiling import compile_for_training
 
     model = ViTForImageClassification.from_pretrained(base)
     graphs: list = []
@@ -157,7 +157,7 @@ def test_regional_compile_compiles_the_blocks_in_place_once_for_all_and_steps_as
 
     from transformers import ViTConfig, ViTForImageClassification
 
-    from vit_finetune import compiling
+    from vit_finetune.model import compiling
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
     graphs_for: dict[int, int] = {}
@@ -192,7 +192,7 @@ def test_regional_compile_compiles_the_blocks_in_place_once_for_all_and_steps_as
 
 
 def test_compiled_code_is_cached_under_the_toolkits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
-    from vit_finetune import compiling
+    from vit_finetune.model import compiling
 
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -216,7 +216,7 @@ def test_a_compiled_cuda_training_step_runs_the_fused_attention_kernels(base, mo
     import torch._dynamo
     from transformers import ViTForImageClassification
 
-    from vit_finetune.compiling import compile_for_training
+    from vit_finetune.model.compiling import compile_for_training
 
     model = ViTForImageClassification.from_pretrained(base).cuda()
     pixels = torch.randn(8, 3, 32, 32, device="cuda")
@@ -249,8 +249,8 @@ def test_each_family_says_whether_its_attention_stays_out_of_the_compiled_graph(
     their blocks calls the kept-out function once a forward); the others are compiled whole, and the run says why."""
     from transformers import AttentionInterface
 
-    from vit_finetune import compiling
-    from vit_finetune.families import FAMILIES
+    from vit_finetune.model import compiling
+    from vit_finetune.model.families import FAMILIES
 
     family = FAMILIES[model_type]
     model = family.model_class()(tiny_family_config(model_type))
@@ -277,7 +277,7 @@ def test_model_compile_true_runs_compiled_on_cpu_and_trains_like_eager(args, tmp
     GPU's bench measures inductor's code: bash scripts/bench_gpu.sh all)."""
     import torch._dynamo
 
-    from vit_finetune import compiling
+    from vit_finetune.model import compiling
 
     monkeypatch.setattr(compiling, "BACKEND", "aot_eager_decomp_partition")
     # Batch 3: every train and eval batch has one shape (8 x 3 train, 3 x 3 eval), so nothing recompiles.
@@ -332,9 +332,9 @@ def test_cuda_steps_between_logs_never_wait_for_the_gpu(args, tmp_path, capsys):
 def test_adamw_is_fused_on_cpu_and_cuda_and_steps_as_the_per_tensor_loop_does(base, tmp_path):
     """Both devices ask for PyTorch's fused AdamW. On the same groups (lr scales, no decay on norms) its update must
     be the one the per-tensor loop (PyTorch's CPU default) computes, to float32 rounding."""
-    from vit_finetune.model import build_model
+    from vit_finetune.model.loading import build_model
     from vit_finetune.recipe import load_recipe
-    from vit_finetune.optim import build_optimizer
+    from vit_finetune.training.optim import build_optimizer
 
     recipe = load_recipe("demo", [f"model.base={base}", "model.image_size=32", "train.layer_decay=0.5", "train.lr=2e-3",
                                   "train.head_lr=2e-3", "train.weight_decay=0.05", "train.warmup_steps=0"])
@@ -374,7 +374,7 @@ def test_model_compile_auto_compiles_a_single_process_cuda_run_once_the_measured
     (17 s, 1.12x eager's 902 images/s) pays back after 17 / ((1 - 1/1.12) / 902) = 143,120 training images, and
     auto waits for twice that; a base with half the work per image runs eager twice as fast, so it waits for twice
     as many images. Off where nothing was measured, with the reason."""
-    from vit_finetune.compiling import VIT_B16_384_WORK, CompileFacts, auto_compile
+    from vit_finetune.model.compiling import VIT_B16_384_WORK, CompileFacts, auto_compile
 
     vit_b = CompileFacts(work_per_image=VIT_B16_384_WORK)
     enough = 2 * 17 / ((1 - 1 / 1.12) / 902)
@@ -400,7 +400,7 @@ def test_model_compile_auto_compiles_a_single_process_cuda_run_once_the_measured
 
 def test_auto_chooses_the_measured_mode_that_saves_the_run_the_most_time(monkeypatch):
     """With two modes measured, a short run takes the cheap compile and a long one the faster step."""
-    from vit_finetune import compiling
+    from vit_finetune.model import compiling
 
     monkeypatch.setitem(compiling.MEASURED, ("cuda", "regional"), compiling.CompileCost(
         "a card", compile_seconds=2.0, speedup=1.05, eager_images_per_s=1000.0,
@@ -423,8 +423,8 @@ def test_the_plan_gives_model_compile_auto_the_runs_size_and_processes(images_se
 
     from accelerate.utils import DistributedType
 
-    from vit_finetune.compiling import VIT_B16_384_WORK, CompileFacts
-    from vit_finetune.plan import RunSize, plan_run
+    from vit_finetune.model.compiling import VIT_B16_384_WORK, CompileFacts
+    from vit_finetune.training.plan import RunSize, plan_run
     from vit_finetune.recipe import load_recipe
     from vit_finetune.tasks import SingleLabel
 
@@ -444,8 +444,8 @@ def test_a_base_whose_attention_cannot_be_kept_out_is_known_before_it_is_built(t
     """The base built from its config on the meta device (what the plan reads before the run builds the model) tells
     whether its attention can be kept out: Data2Vec-vision calls PyTorch's attention itself, ViT goes through
     transformers' interface; the plan hands the answer to model.compile=auto (test above)."""
-    from vit_finetune.compiling import why_attention_is_compiled
-    from vit_finetune.model import base_on_meta
+    from vit_finetune.model.compiling import why_attention_is_compiled
+    from vit_finetune.model.loading import base_on_meta
     from vit_finetune.recipe import ModelSettings
 
     for model_type in ("data2vec-vision", "vit"):
@@ -461,7 +461,7 @@ def test_the_work_per_image_auto_scales_by_is_read_off_the_base_on_the_meta_devi
     from transformers import SwinConfig, SwinForImageClassification, ViTForImageClassification
 
     from vit_finetune.bench import MODELS
-    from vit_finetune.compiling import VIT_B16_384_WORK, facts_of
+    from vit_finetune.model.compiling import VIT_B16_384_WORK, facts_of
 
     with torch.device("meta"):
         vit_b = ViTForImageClassification(MODELS["vit-b16-384"].vit_config())

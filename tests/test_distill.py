@@ -86,7 +86,7 @@ def test_the_teacher_sees_the_students_batch_at_its_own_size_and_normalisation()
     with the teacher's mean/std, whatever the student's were."""
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessorPil
 
-    from vit_finetune.distill import Teacher
+    from vit_finetune.training.distill import Teacher
 
     model = ViTForImageClassification(ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                                 intermediate_size=8, image_size=24, patch_size=4, num_labels=3))
@@ -107,11 +107,11 @@ def test_a_teacher_with_other_labels_is_refused_before_the_student_is_built(base
     def never(*args, **kwargs):
         raise AssertionError("the student model was built before the labels were compared")
 
-    import vit_finetune.model
+    import vit_finetune.model.loading
 
     out = tmp_path / "out"
     code = train([f"model.base={base}", f"data.dataset={four_classes}", *RECIPE, f"output_dir={out}",
-                  f"train.distill.teacher={wrong_teacher}"], patches=[(vit_finetune.model, "build_model", never)])
+                  f"train.distill.teacher={wrong_teacher}"], patches=[(vit_finetune.model.loading, "build_model", never)])
     error = capsys.readouterr().err
     assert code == 2, error
     assert "['blue', 'green', 'red']" in error and "['blue', 'green', 'red', 'yellow']" in error
@@ -272,7 +272,7 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
 def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
                                                              tmp_path, monkeypatch):
     """The loopback Hub (tests/hub_server/) serves the teacher run pushed there."""
-    from vit_finetune.publish import push_folder
+    from vit_finetune.outputs.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(wrong_teacher, hub_repo_id)
@@ -298,8 +298,8 @@ class TeacherCalls:
     """Counts calls of Teacher.logits (patched in for a run), and what a run's parts were."""
 
     def __init__(self):
-        from vit_finetune.callbacks import Callback
-        from vit_finetune.distill import Teacher
+        from vit_finetune.outputs.callbacks import Callback
+        from vit_finetune.training.distill import Teacher
 
         self.calls, self.at_batches, self.parts, self.seconds = 0, [], None, 0.0
         original = Teacher.logits
@@ -355,7 +355,7 @@ def test_cached_teacher_logits_train_the_same_student_as_the_online_teacher(onli
 
 def test_the_cached_rows_are_the_online_teachers_logits_of_the_same_images(cached_run):
     """Looked up in a shuffled order: a lookup that returned rows by position, or another image's, would fail."""
-    from vit_finetune.distill import pixel_digest
+    from vit_finetune.training.distill import pixel_digest
 
     parts = cached_run[1].parts
     images = parts.train_loader.dataset
@@ -430,7 +430,7 @@ def test_cache_logits_with_pixels_that_change_is_refused_before_anything_loads(d
 
 
 def test_a_training_image_the_teacher_never_labelled_stops_the_run_with_the_fix():
-    from vit_finetune.distill import DistillError, TeacherLogitsCache, pixel_digest
+    from vit_finetune.training.distill import DistillError, TeacherLogitsCache, pixel_digest
 
     labelled, unseen = torch.zeros(3, 4, 4, dtype=torch.uint8), torch.ones(3, 4, 4, dtype=torch.uint8)
     cache = TeacherLogitsCache([pixel_digest(labelled)], torch.tensor([[1.0, 2.0]]))
@@ -451,7 +451,7 @@ def test_a_distillation_checkpoint_from_before_cache_logits_existed_resumes(dist
     older = yaml.safe_load(saved.read_text())
     del older["train"]["distill"]["cache_logits"]
     saved.write_text(yaml.safe_dump(older, sort_keys=False))
-    from vit_finetune.checkpoint import changed_keys
+    from vit_finetune.outputs.checkpoint import changed_keys
     from vit_finetune.recipe import load_recipe
 
     # A section that was off is still a change when switched on, even with all its keys at their defaults.

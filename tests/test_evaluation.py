@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vit_finetune.evaluation import Accuracy, MacroF1, compute_metrics, confusion_matrix, label_report
+from vit_finetune.tasks.evaluation import Accuracy, MacroF1, compute_metrics, confusion_matrix, label_report
 
 
 def test_metrics_match_hand_computed_values(monkeypatch):
@@ -55,8 +55,8 @@ def test_a_run_with_a_thousand_labels_writes_a_small_metrics_json_that_evaluate_
     from runs import RECIPE, train
     from tiny import colour_image
     from vit_finetune.cli import main
-    from vit_finetune.evaluation import DENSE_CONFUSION_LABELS
-    from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
+    from vit_finetune.tasks.evaluation import DENSE_CONFUSION_LABELS
+    from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 
     names = [f"class_{i:04d}" for i in range(1000)]
     rng = np.random.default_rng(0)

@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageClassification, pipeline
 
 from tiny import TINY_FAMILIES, make_tiny_family, tiny_family_config
-from vit_finetune import lora, model as vit
-from vit_finetune.families import FAMILIES, NO_WEIGHT_DECAY
+from vit_finetune.model import loading as vit, lora
+from vit_finetune.model.families import FAMILIES, NO_WEIGHT_DECAY
 from vit_finetune.recipe import LoraSettings, ModelSettings, Recipe
-from vit_finetune.optim import build_optimizer
+from vit_finetune.training.optim import build_optimizer
 
 LABELS = ["cat", "dog", "fox", "owl", "yak", "emu"]
 WEIGHT_WARNING = re.compile(r"LOAD REPORT|missing|unexpected|newly initiali|not used|not initiali|mismatch", re.I)

@@ -138,7 +138,7 @@ def test_a_twenty_digit_grad_accum_is_a_recipe_error_before_data_or_model_load(a
 @pytest.mark.parametrize("size", [2048, 8192])
 def test_a_target_grid_over_256_patches_a_side_is_refused_from_the_config_before_weights_load(args, tmp_path,
                                                                                             capsys, size):
-    from vit_finetune import model as vit
+    from vit_finetune.model import loading as vit
 
     def never_built(*_args, **_kwargs):
         raise AssertionError("the model was built")

@@ -101,7 +101,7 @@ def test_a_positive_float_that_float32_holds_as_zero_is_refused_with_the_value_a
 @pytest.mark.parametrize("size, batch", [(1024, 4096)])
 def test_an_image_size_that_cannot_fit_is_refused_before_weights_load_with_the_estimate(args, tmp_path, capsys, size,
                                                                                         batch):
-    import vit_finetune.model as model_module
+    import vit_finetune.model.loading as model_module
 
     loaded = []
     build_model = model_module.build_model
@@ -124,7 +124,7 @@ def test_vit_b16_at_4096_px_is_refused_and_at_384_px_fits_a_gpu():
     import torch
     from transformers import ViTConfig
 
-    from vit_finetune import memory
+    from vit_finetune.model import memory
 
     b16 = ViTConfig()  # google/vit-base-patch16-224's shape
     at_4096 = load_recipe(None, ["model.image_size=4096", "train.batch_size=32"])
@@ -141,8 +141,8 @@ def test_vit_b16_at_4096_px_is_refused_and_at_384_px_fits_a_gpu():
 def test_a_pass_estimated_far_beyond_interactive_is_warned_of_with_a_size_that_trains_in_reasonable_time():
     from transformers import AutoConfig
 
-    from vit_finetune import memory
-    from vit_finetune.sources import ASSETS_DIR
+    from vit_finetune.model import memory
+    from vit_finetune.core.layout import ASSETS_DIR
 
     tiny = AutoConfig.from_pretrained(ASSETS_DIR / "tiny-vit-32")  # the demo's model, patch 4
     at_60_gflops = 60e9  # a CPU core's float32 speed, as measured_flops_per_s measures it
@@ -163,7 +163,7 @@ def test_a_pass_estimated_far_beyond_interactive_is_warned_of_with_a_size_that_t
 def test_the_demo_at_1024_px_warns_of_its_pass_before_training(images, tmp_path):
     """The warning comes before the output folder is held: here another run holds it, so the run ends there,
     before any weight loads or any image is read."""
-    from vit_finetune.run_lock import RunLock
+    from vit_finetune.core.run_lock import RunLock
 
     out = tmp_path / "out"
     lock = RunLock(out)
@@ -210,8 +210,8 @@ def test_a_size_too_big_for_memory_is_refused_with_a_fix_that_also_trains_in_rea
 
     from transformers import AutoConfig
 
-    from vit_finetune import memory
-    from vit_finetune.sources import ASSETS_DIR
+    from vit_finetune.model import memory
+    from vit_finetune.core.layout import ASSETS_DIR
 
     # The demo's model (patch 4) at its largest grid, 1024 px, with a batch that needs 192 GiB a step.
     too_big = ["--recipe", "demo", "model.image_size=1024", "train.batch_size=128"]

@@ -262,7 +262,7 @@ def test_faults_on_commit_endpoint(hub, hub_repo_id, tmp_path):
 def test_a_reset_fault_drops_the_connection_and_commits_nothing(hub, hub_repo_id):
     from huggingface_hub import CommitOperationAdd
 
-    from vit_finetune.hub import http_library
+    from vit_finetune.core.hub import http_library
 
     api = _api()
     api.create_repo(hub_repo_id)

@@ -18,7 +18,7 @@ from transformers import ViTForImageClassification
 
 from runs import SimulatedKill, assert_bit_identical, history, kill_at, train
 from tiny import write_colour_folder
-from vit_finetune.callbacks import Callback
+from vit_finetune.outputs.callbacks import Callback
 
 pytestmark = pytest.mark.slow
 
@@ -84,7 +84,7 @@ def test_keep_best_saves_the_best_evaluations_weights_and_says_which_step(args, 
 
 def test_keep_best_measures_the_eval_split_once_more_only_for_weights_the_final_evaluation_did_not_measure(args,
                                                                                                            tmp_path):
-    from vit_finetune import evaluation
+    from vit_finetune.tasks import evaluation
 
     passes = []
     real_predict = evaluation.predict_split

@@ -2,7 +2,7 @@
 one output folder for all machines, and the Slurm scripts.
 
 Accelerate 1.x's launcher for --cpu (its "simple" launcher) starts ONE process whatever --num_processes says; the
-process finds no RANK/WORLD_SIZE and trains alone. vit_finetune.processes reads the launch's own command line (the
+process finds no RANK/WORLD_SIZE and trains alone. vit_finetune.core.processes reads the launch's own command line (the
 parent process's) with Accelerate's own parser and refuses, naming the command that works: the same launch with
 --multi_gpu, Accelerate's torchrun launcher, which on a machine with no GPU runs its processes on the CPU.
 """
@@ -23,8 +23,8 @@ import torch
 import recorder
 from runs import assert_bit_identical, free_port
 from tiny import REPO, make_tiny_vit, write_colour_folder
-from vit_finetune import processes
-from vit_finetune.layout import PARTIAL_PREFIX, SHARED_CHECK
+from vit_finetune.core import processes
+from vit_finetune.core.layout import PARTIAL_PREFIX, SHARED_CHECK
 
 LAUNCH = ["--cpu", "--num_processes", "2", "-m", "vit_finetune", "train.epochs=1"]
 SIMPLE_LAUNCHER_ENV = {"ACCELERATE_USE_CPU": "True"}  # what the --cpu launcher puts in its process's environment

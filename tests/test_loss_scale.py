@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from runs import SimulatedKill, history, kill_at, train
-from vit_finetune import devices
-from vit_finetune import training
-from vit_finetune.callbacks import Callback
+from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.training import devices, run as training
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from transformers import pipeline
 
 from runs import SimulatedKill, WarmLauncher, assert_bit_identical, history, kill_at, train
-from vit_finetune import evaluation, methods, optim, probe, wise_ft
-from vit_finetune.callbacks import Callback
-from vit_finetune.recipe import load_recipe
-from vit_finetune.tasks import Regression, SingleLabel
-from vit_finetune.plan import RunSize, plan_run
+from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.recipe import load_recipe, methods
+from vit_finetune.tasks import Regression, SingleLabel, evaluation
+from vit_finetune.training import optim, probe, wise_ft
+from vit_finetune.training.plan import RunSize, plan_run
 
 HEAD = ("classifier.weight", "classifier.bias")
 

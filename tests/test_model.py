@@ -11,8 +11,8 @@ from torch import nn
 from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 from tiny import make_tiny_vit
-from vit_finetune import lora, model as vit
-from vit_finetune.families import FAMILIES
+from vit_finetune.model import loading as vit, lora
+from vit_finetune.model.families import FAMILIES
 from vit_finetune.recipe import ModelSettings
 
 LABELS = ["cat", "dog", "fox", "owl", "yak", "emu"]
@@ -189,7 +189,7 @@ def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name
 
     from transformers.utils import logging as transformers_logging
 
-    from vit_finetune.final_outputs import save_image_processor
+    from vit_finetune.outputs.final_outputs import save_image_processor
 
     class Kept(logging.Handler):
         records: list[str] = []

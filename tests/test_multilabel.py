@@ -13,12 +13,11 @@ import torch
 
 from runs import FLOAT32, NO_FLIP, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import make_tiny_vit, write_label_sets
-from vit_finetune.tasks import label_sets as multilabel
-from vit_finetune.data.augment import BatchAugmenter
 from vit_finetune.cli import main
-from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.data.augment import BatchAugmenter
+from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
-from vit_finetune.tasks import MultiLabel
+from vit_finetune.tasks import MultiLabel, label_sets as multilabel
 
 RECIPE = ["model.image_size=32", "train.batch_size=8", "train.epochs=3", "train.lr=0.005", "train.seed=1",
           "data.num_workers=0", "train.log_every_steps=1",
@@ -170,8 +169,8 @@ def test_predict_lists_every_label_over_its_threshold_with_the_pipelines_sigmoid
 def test_explain_shows_a_multi_label_models_own_sigmoid_scores(trained, label_sets):
     from transformers import pipeline
 
-    from vit_finetune import explain
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.serving import explain
+    from vit_finetune.model.saved_model import load_classifier
 
     image = sorted((label_sets["csv"].parent / "images").glob("*.png"))[0]
     model, processor = load_classifier(str(trained), eager_attention=True)
@@ -376,7 +375,7 @@ def test_images_with_no_label_train_as_negatives_and_metrics_count_them(unlabell
 
 @pytest.mark.slow
 def test_predict_explain_and_the_page_give_an_image_the_same_labels(unlabelled, tmp_path, capsys):
-    from vit_finetune.app import build_app, classifier
+    from vit_finetune.serving.app import build_app, classifier
 
     out, images = unlabelled["out"], unlabelled["validation"]
     given = predicted_sets(out, images, tmp_path)

@@ -25,7 +25,7 @@ import torch
 
 import recorder
 from runs import FLOAT32, assert_bit_identical, torchrun_command
-from vit_finetune.processes import reset_accelerate_state
+from vit_finetune.core.processes import reset_accelerate_state
 from tiny import REPO, make_tiny_vit, write_colour_folder
 
 pytestmark = pytest.mark.slow

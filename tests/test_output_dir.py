@@ -17,7 +17,7 @@ import pytest
 
 from runs import RECIPE, train
 from tiny import REPO, write_colour_folder
-from vit_finetune.layout import LOCK, MANIFEST
+from vit_finetune.core.layout import LOCK, MANIFEST
 
 SHORT = ["train.max_steps=2"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from runs import before_batch, completed, exists, launch_and_kill, train
-from vit_finetune.layout import LOCK, MANIFEST, PREVIOUS_RUN
-from vit_finetune.publish import published_files
+from vit_finetune.core.layout import LOCK, MANIFEST, PREVIOUS_RUN
+from vit_finetune.outputs.publish import published_files
 
 SHORT = ["train.max_steps=2"]
 USERS_LOG = Path("runs") / "my_experiment_log.txt"
@@ -135,7 +135,7 @@ def test_a_second_ctrl_c_stops_in_one_line_saying_where_the_previous_run_is_and_
     import os
 
     from vit_finetune.cli import main
-    from vit_finetune.previous_run import after_a_stop_at_once
+    from vit_finetune.core.previous_run import after_a_stop_at_once
 
     before = snapshot(previous)
     # Stopped before it set the finished run aside, an overwrite says that run is untouched (not: resume its checkpoint).
@@ -175,7 +175,7 @@ def test_a_second_ctrl_c_stops_in_one_line_saying_where_the_previous_run_is_and_
 def test_a_users_file_in_the_staging_folder_is_refused_by_name_not_deleted(args, previous, capsys):
     """The final save's staging folder is cleared by every run: only of what the final save writes there. A file of
     the user's in it stops the run before anything moves, naming it and the fix."""
-    from vit_finetune.layout import STAGING
+    from vit_finetune.core.layout import STAGING
 
     staging = previous / STAGING
     staging.mkdir()

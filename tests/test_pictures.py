@@ -12,8 +12,9 @@ import torch
 from PIL import Image
 
 from tiny import COLOURS, colour_image, make_tiny_vit
-from vit_finetune import evaluation, explain, pictures
 from vit_finetune.cli import main
+from vit_finetune.serving import explain
+from vit_finetune.tasks import evaluation, pictures
 
 CLS_LAYOUT = explain.TokenLayout(prefix=1, grid=3, mean_pooled=False)
 MEAN_LAYOUT = explain.TokenLayout(prefix=1, grid=3, mean_pooled=True)
@@ -68,7 +69,7 @@ def families(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("family", ["vit (CLS-pooled)", "beit (mean-pooled)"])
 def test_gradient_maps_differ_per_class_on_real_models(families, family):
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.model.saved_model import load_classifier
 
     model, processor = load_classifier(str(families[family]), eager_attention=True)
     assert model.config._attn_implementation == "eager"
@@ -82,7 +83,7 @@ def test_gradient_maps_differ_per_class_on_real_models(families, family):
 
 
 def test_training_never_uses_eager_attention(base):
-    from vit_finetune.model import build_model
+    from vit_finetune.model.loading import build_model
     from vit_finetune.recipe import ModelSettings
 
     model = build_model(ModelSettings(base=str(base), image_size=32), ["a", "b"])
@@ -178,7 +179,7 @@ def test_a_run_without_pictures_draws_none_links_none_and_trains_the_same_model(
 
 
 def test_card_usage_names_the_repo_when_pushed_and_the_folder_otherwise(tmp_path):
-    from vit_finetune.card import model_card, usage_id
+    from vit_finetune.outputs.card import model_card, usage_id
     from vit_finetune.recipe import load_recipe
 
     metrics = {"accuracy": 0.5, "eval_samples": 4, "eval_split": "validation", "eval_carved_from_train": False}

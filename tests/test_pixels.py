@@ -199,7 +199,7 @@ DEEP_GREY = {
 
 
 def test_32_bit_integer_and_float_grey_tiffs_train_as_their_range_says_not_white_or_black(tmp_path):
-    from vit_finetune.callbacks import Callback
+    from vit_finetune.outputs.callbacks import Callback
 
     images, gradient = tmp_path / "deep-grey", np.tile(GRADIENT, (32, 1))
     for label, (name, write, mode, _) in DEEP_GREY.items():
@@ -276,9 +276,9 @@ def test_alpha_background_chosen_by_auto_is_honoured_by_training_predict_explain
         base, icons, tmp_path, capsys):
     from transformers import pipeline
 
-    from vit_finetune.app import classifier
+    from vit_finetune.serving.app import classifier
     from vit_finetune.cli import main
-    from vit_finetune.onnx_export import parity_images
+    from vit_finetune.serving.onnx_export import parity_images
 
     out = tmp_path / "out"
     assert train([f"model.base={base}", f"data.dataset={icons}", f"model.image_size={SIZE}", "train.batch_size=4",
@@ -313,7 +313,7 @@ def test_alpha_background_chosen_by_auto_is_honoured_by_training_predict_explain
     # export --onnx checks its graph on --images decoded as the model was trained
     from transformers import AutoConfig, AutoImageProcessor
 
-    from vit_finetune.prediction import collect_images
+    from vit_finetune.serving.prediction import collect_images
 
     processor = AutoImageProcessor.from_pretrained(out)
     parity = parity_images(collect_images([str(files[0])]), None, processor, SIZE, AutoConfig.from_pretrained(out))

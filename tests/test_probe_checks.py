@@ -1,4 +1,4 @@
-"""What the base's features decide before training (vit_finetune.probe_checks): the flip from the mirror test, the
+"""What the base's features decide before training (vit_finetune.training.probe_checks): the flip from the mirror test, the
 colour transparent pixels are laid on, and the line that says the eval images look unlike the training images. Every
 run is the real CLI on the tiny ViT; the decisions are read back from the recipe as run and metrics.json."""
 

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vit_finetune import checkpoint
-from vit_finetune.recipe import (RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe,
-                                 load_recipe, recipe_files, to_yaml, validate)
+from vit_finetune.outputs import checkpoint
+from vit_finetune.recipe import (
+    RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe, load_recipe, recipe_files,
+    to_yaml, validate,
+)
 
 # Recursive: recipes in sub-folders count too (recipes/accelerate/ holds Accelerate's configs: test_sharded.py).
 RECIPE_FILES = recipe_files(Path(RECIPE_DIRS[0]))

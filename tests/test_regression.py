@@ -15,8 +15,8 @@ import yaml
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
 from vit_finetune.cli import main
+from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import TrainSettings
-from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.tasks import Regression, of_config
 from vit_finetune.tasks.regression import summarise
 
@@ -135,7 +135,7 @@ def test_an_eval_split_that_cannot_be_held_out_of_a_regressions_images_is_a_clea
 
 
 def test_a_target_too_large_for_float32_is_refused_before_any_model_loads(made, tmp_path, capsys):
-    from vit_finetune import model as vit
+    from vit_finetune.model import loading as vit
 
     data = write_values(tmp_path / "data", {"size": [1e308] * 8, "other": list(range(8))})
     built = []
@@ -229,7 +229,7 @@ def test_a_regression_run_saves_its_standardisation_metrics_picture_and_card(tra
 
 
 def test_the_ridge_probes_leave_one_out_error_is_that_of_refitting_without_each_image():
-    from vit_finetune import probe
+    from vit_finetune.training import probe
 
     generator = torch.Generator().manual_seed(0)
     features = torch.randn(24, 5, generator=generator, dtype=torch.float64)
@@ -246,7 +246,7 @@ def test_the_ridge_probes_leave_one_out_error_is_that_of_refitting_without_each_
 
 
 def test_a_probed_regression_head_predicts_the_standardised_targets_from_the_raw_features():
-    from vit_finetune import probe
+    from vit_finetune.training import probe
 
     generator = torch.Generator().manual_seed(1)
     features = torch.randn(80, 6, generator=generator) * 4 + 10  # far from standard: the fold-back is exercised
@@ -273,7 +273,7 @@ def test_a_regressions_linear_probe_saves_a_ridge_head_that_predict_and_the_metr
     metrics = json.loads((probed / "metrics.json").read_text())
     assert metrics["method"] == "linear_probe" and metrics["steps"] == 0
     assert metrics["probe"]["fit"] == "ridge" and metrics["probe"]["images"] == 24
-    from vit_finetune import probe
+    from vit_finetune.training import probe
 
     assert metrics["probe"]["alpha"] in probe.RIDGE_ALPHAS
     assert "ridge regression" in (probed / "README.md").read_text()
@@ -410,9 +410,9 @@ def fixed_values(tmp_path_factory) -> Path:
 def test_explain_draws_a_regressions_values_on_an_axis_of_their_own_by_target_name(fixed_values, tmp_path, capsys):
     from PIL import Image
 
-    from vit_finetune import explain
-    from vit_finetune.pictures import pyplot
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.serving import explain
+    from vit_finetune.tasks.pictures import pyplot
+    from vit_finetune.model.saved_model import load_classifier
 
     model, processor = load_classifier(str(fixed_values), eager_attention=True)
     image = fixed_values.parent / "photo.png"
@@ -435,7 +435,7 @@ def test_explain_draws_a_regressions_values_on_an_axis_of_their_own_by_target_na
 @pytest.mark.slow  # importing gradio takes seconds
 def test_the_page_writes_a_regressions_values_as_numbers_not_as_confidences(fixed_values, tmp_path):
     pytest.importorskip("gradio", reason="the [app] extra is not installed")
-    from vit_finetune.app import build_app, classifier, header_html
+    from vit_finetune.serving.app import build_app, classifier, header_html
 
     classify, config, size = classifier(str(fixed_values), top_k=5, scratch=tmp_path)
     confidences, picture, note = classify(str(fixed_values.parent / "photo.png"))
@@ -451,8 +451,8 @@ def test_the_page_writes_a_regressions_values_as_numbers_not_as_confidences(fixe
 def test_explain_shows_the_regression_values(trained, made):
     from PIL import Image
 
-    from vit_finetune import explain
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.serving import explain
+    from vit_finetune.model.saved_model import load_classifier
 
     model, processor = load_classifier(str(trained), eager_attention=True)
     image = Image.open(sorted((made["data"] / "images").glob("*.png"))[0]).convert("RGB")
@@ -509,7 +509,7 @@ def test_keep_best_follows_a_regression_metric_and_refuses_accuracy(made, tmp_pa
 
 
 def test_keep_best_eval_r2_on_one_eval_image_is_refused_before_the_model_is_built(made, tmp_path, capsys):
-    from vit_finetune import build
+    from vit_finetune.training import build
 
     data = write_targets(tmp_path / "data", images=4)  # its split column puts image 0 alone in validation
     built = []

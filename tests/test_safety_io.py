@@ -133,7 +133,7 @@ def with_users_files(trained: Path, folder: Path) -> Path:
 
 def run_files(folder: Path) -> set[str]:
     """What the run wrote, as its manifest lists it (files under a listed folder included)."""
-    from vit_finetune.run_lock import claimed
+    from vit_finetune.core.run_lock import claimed
 
     listed = claimed(folder)
     return {str(p.relative_to(folder)) for p in folder.rglob("*")
@@ -173,7 +173,7 @@ def test_a_run_with_hub_push_uploads_only_the_files_it_wrote(args, hub, hub_toke
 @pytest.fixture
 def fast_retries(hub_token, monkeypatch):
     """In-process pushes with the token, the real back-off shortened (it sleeps 15 s in all) and a 2 s timeout."""
-    from vit_finetune import publish
+    from vit_finetune.outputs import publish
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "2")
@@ -343,7 +343,7 @@ def test_predict_refuses_to_replace_an_existing_output_unless_asked(trained, pho
 
 
 def test_an_error_mid_predict_leaves_the_existing_output_as_it_was(trained, photo, tmp_path, monkeypatch, capsys):
-    from vit_finetune import prediction
+    from vit_finetune.serving import prediction
 
     output = tmp_path / "preds.jsonl"
     output.write_text('{"earlier": "results"}\n')

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vit_finetune.bench.scale import checkpoint_bytes, shard_count, vit_parameters
-from vit_finetune.processes import reset_accelerate_state
+from vit_finetune.core.processes import reset_accelerate_state
 
 
 def test_the_parameter_count_is_vit_b16s_published_one():

@@ -150,7 +150,7 @@ def test_code_shipped_with_a_base_model_never_runs_unless_the_recipe_trusts_it(b
 def test_every_loader_is_called_with_trust_remote_code_off_by_default(base, monkeypatch):
     import transformers
 
-    from vit_finetune import model as vit
+    from vit_finetune.model import loading as vit
     from vit_finetune.recipe import ModelSettings
 
     seen = []

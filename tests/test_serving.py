@@ -16,8 +16,8 @@ import pytest
 
 from runs import train
 from test_output_dir import error_line, snapshot, tmpfs  # noqa: F401 (tmpfs: a fixture)
-from vit_finetune.data import synthetic
 from vit_finetune.cli import main
+from vit_finetune.data import synthetic
 
 pytestmark = pytest.mark.slow  # a short demo run and three exports (~1-3 min on 2 shared cores)
 pytest.importorskip("onnxruntime", reason="the [onnx] extra is not installed (pip install -e .[dev] installs it)")
@@ -475,7 +475,7 @@ def test_onnxruntime_runs_on_as_many_threads_as_torch(tmp_path):
     import torch
     from onnx import TensorProto, helper
 
-    from vit_finetune.onnx_classifier import session
+    from vit_finetune.serving.onnx_classifier import session
 
     tensor = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1]) for name in ("pixel_values", "logits")]
     graph = helper.make_graph([helper.make_node("Identity", ["pixel_values"], ["logits"])], "identity", tensor[:1],

@@ -52,7 +52,7 @@ def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_n
     """Ctrl-C or a killed launcher reach each process at its own instant: when another process heard it first, the
     step's agreement sets `raised` here before this process's own signal arrives. That signal must not be taken
     for an impatient second Ctrl-C, or this process drops the checkpoint the others are writing with it."""
-    from vit_finetune.interrupts import InterruptFlag
+    from vit_finetune.training.interrupts import InterruptFlag
 
     flag = InterruptFlag()
     try:
@@ -69,7 +69,7 @@ def test_a_signal_that_reaches_this_process_after_the_others_agreed_to_stop_is_n
 # runs no signal handler of the main thread until it returns.
 IN_A_LONG_PASS = """
 import hashlib
-from vit_finetune.interrupts import InterruptFlag
+from vit_finetune.training.interrupts import InterruptFlag
 flag = InterruptFlag()
 print("ready", flush=True)
 hashlib.pbkdf2_hmac("sha256", b"password", b"salt", 2 ** 31 - 1)

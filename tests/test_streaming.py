@@ -192,7 +192,7 @@ def evaluate_in_one_process(output: Path, split) -> dict:
     from PIL import Image
     from transformers import AutoImageProcessor, AutoModelForImageClassification
 
-    from vit_finetune import evaluation
+    from vit_finetune.tasks import evaluation
 
     model = AutoModelForImageClassification.from_pretrained(output).eval()
     processor = AutoImageProcessor.from_pretrained(output)
@@ -329,7 +329,7 @@ def run_expecting_error(args: list[str], capsys) -> str:
 def test_a_source_that_is_not_parquet_shards_is_refused(tables, tmp_path, capsys):
     error = run_expecting_error([f"model.base={tables['base']}", f"data.dataset={tables['images']}", *RECIPE,
                                  f"output_dir={tmp_path / 'out'}"], capsys)
-    from vit_finetune.errors import excerpt
+    from vit_finetune.core.errors import excerpt
 
     # The message quotes the path as excerpt() shortens it (a worker's temporary folder can be long enough to be cut).
     assert f"data.dataset={excerpt(str(tables['images']))}" in error

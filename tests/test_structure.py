@@ -1,5 +1,6 @@
 """The package's shape, read from its source with `ast`: no import cycle among its modules, imports at the top
-unless a module must stay light to import, and one module (layout.py) that spells the names a run writes.
+unless a module must stay light to import, one module (core/layout.py) that spells the names a run writes, and a
+top level of the API, the commands and the wings.
 
 A function-local import counts like one at the top: Python resolves it later, but the two modules depend on each
 other all the same, and a cycle hidden that way still decides what may be imported first. Imports under
@@ -21,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 import vit_finetune
-from vit_finetune import layout
+from vit_finetune.core import layout
 
 PACKAGE = Path(vit_finetune.__file__).resolve().parent
 
@@ -33,12 +34,13 @@ SLOW_TO_IMPORT = {"torch", "transformers", "datasets", "accelerate", "peft", "ev
 # to import for a command that tests time or whose imports they list (test_first_minutes.py, test_launch.py).
 # Anywhere else, or of a module that is quick to import, an import inside a function only hides the layering.
 KEPT_LIGHT = {
-    "vit_finetune": "`python -m vit_finetune` imports the package before its --help answers; the API loads when first used",
+    "vit_finetune": "`python -m vit_finetune` imports the package before its --help answers; the API's functions load "
+                    "the recipe's schema, torch and the Hub's client when called",
     "vit_finetune.cli": "--help and the recipe listings answer at once; each command imports its own stage",
-    "vit_finetune.saved_model": "predict refuses a model that is neither a folder nor on the Hub before torch loads",
-    "vit_finetune.prediction": "predict refuses a wrong output or image before torch loads",
-    "vit_finetune.evaluate_saved": "evaluate refuses a folder it may not write into before torch loads",
-    "vit_finetune.app": "the page refuses a taken port or a missing gradio before the model's stack loads",
+    "vit_finetune.model.saved_model": "predict refuses a model that is neither a folder nor on the Hub before torch loads",
+    "vit_finetune.serving.prediction": "predict refuses a wrong output or image before torch loads",
+    "vit_finetune.serving.evaluate_saved": "evaluate refuses a folder it may not write into before torch loads",
+    "vit_finetune.serving.app": "the page refuses a taken port or a missing gradio before the model's stack loads",
 }
 
 
@@ -222,7 +224,7 @@ def test_layout_spells_transformers_names_as_transformers_does():
 
 
 def test_layout_imports_nothing_of_the_package():
-    assert read_imports(PACKAGE).graph["vit_finetune.layout"] == {}
+    assert read_imports(PACKAGE).graph["vit_finetune.core.layout"] == {}
 
 
 def readme_rows(readme: str) -> list[set[str]]:
@@ -255,6 +257,36 @@ def test_the_readme_picture_of_the_package_holds():
                      if target in short and short[target] != short[importer]
                      and row_of[short[target]] <= row_of[short[importer]]})
     assert not upward, "README's picture: " + "; ".join(upward)
+
+
+WINGS = ["core", "recipe", "data", "tasks", "model", "outputs", "training", "serving"]  # lowest first
+# The modules that are commands of their own, however short: `python -m` enters them.
+COMMAND_ENTRIES = {"__main__.py"}
+
+
+def test_the_package_top_level_is_the_api_the_commands_and_the_wings():
+    entries = sorted(path.name for path in PACKAGE.iterdir() if path.name != "__pycache__")
+    assert entries == sorted(["__init__.py", "__main__.py", "cli.py", "bench", *WINGS])
+    assert len(entries) <= 12
+
+
+def test_every_wing_says_what_it_holds_and_stays_light_to_import():
+    """A wing's __init__ is its docstring (which modules do what) and at most the names the rest may use: cli imports
+    model.saved_model and serving.prediction before torch loads, which a heavy wing __init__ would undo."""
+    at_top = read_imports(PACKAGE).at_top
+    for wing in WINGS:
+        init = PACKAGE / wing / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{wing}/__init__.py has no docstring"
+    for wing in ("core", "model", "outputs", "training", "serving"):
+        assert not slow_to_import(f"vit_finetune.{wing}", at_top), f"{wing}/__init__.py imports a slow library"
+
+
+def test_no_module_holds_too_little_to_stand_alone():
+    """A module under 40 lines belongs in its neighbour (an __init__ and a command entry excepted)."""
+    short = [f"{path.relative_to(PACKAGE)}: {lines} lines" for path in sorted(PACKAGE.rglob("*.py"))
+             if path.name not in {"__init__.py", *COMMAND_ENTRIES}
+             and (lines := len(path.read_text().splitlines())) < 40]
+    assert not short, "merge into a neighbour: " + "; ".join(short)
 
 
 # Libraries the package imports without declaring them, and why that is right.

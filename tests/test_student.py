@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from runs import RECIPE, train
 from tiny import make_tiny_family, make_tiny_vit
-from vit_finetune import student
-from vit_finetune.families import FAMILIES
-from vit_finetune.model import build_model
-from vit_finetune.positions import resample_position_embeddings
+from vit_finetune.model import student
+from vit_finetune.model.families import FAMILIES
+from vit_finetune.model.loading import build_model
+from vit_finetune.model.positions import resample_position_embeddings
 from vit_finetune.recipe import ModelSettings
 
 BLOCK = re.compile(r"(?:^|\.)layers?\.(\d+)\.")

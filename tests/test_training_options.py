@@ -12,12 +12,13 @@ import pytest
 import torch
 from transformers import Dinov2Config, Dinov2ForImageClassification, ViTConfig, ViTForImageClassification
 
-from vit_finetune import ema, loop, model as vit, optim, train_step
 from vit_finetune.data import balance
-from vit_finetune.families import FAMILIES
-from vit_finetune.lora import apply_lora
+from vit_finetune.model import loading as vit
+from vit_finetune.model.families import FAMILIES
+from vit_finetune.model.lora import apply_lora
 from vit_finetune.recipe import LoraSettings, ModelSettings, RecipeError, load_recipe
 from vit_finetune.tasks import SingleLabel
+from vit_finetune.training import ema, loop, optim, train_step
 
 LAYERS = 3
 

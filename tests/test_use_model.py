@@ -17,7 +17,7 @@ import torch
 
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
 from vit_finetune.cli import main
-from vit_finetune.final_outputs import TRAINING_ONLY_METRICS
+from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +104,8 @@ def test_predicted_scores_are_the_models_softmax(trained, photos):
     from transformers import AutoImageProcessor, AutoModelForImageClassification
     from PIL import Image
 
-    from vit_finetune import prediction
-    from vit_finetune.saved_model import load_classifier
+    from vit_finetune.serving import prediction
+    from vit_finetune.model.saved_model import load_classifier
 
     model, processor = load_classifier(str(trained))
     rows = list(prediction.predict_rows(model, processor, prediction.collect_images([str(photos / "red.png")]), 3, 4))
@@ -207,7 +207,7 @@ def test_a_wrong_output_format_is_refused_before_work(trained, photos, tmp_path,
 
 @pytest.mark.slow
 def test_predict_with_a_hub_model_id(trained, photos, hub, hub_token, hub_repo_id, tmp_path, monkeypatch, capsys):
-    from vit_finetune.publish import push_folder
+    from vit_finetune.outputs.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(trained, hub_repo_id)

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from runs import train
-from vit_finetune import methods, wise_ft
-from vit_finetune.callbacks import Callback
-from vit_finetune.recipe import load_recipe
+from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.recipe import load_recipe, methods
 from vit_finetune.tasks import MultiLabel, Regression, SingleLabel
+from vit_finetune.training import wise_ft
 
 
 def metrics_of(output: Path) -> dict:
@@ -79,7 +79,7 @@ def test_both_the_fine_tuned_weights_and_the_average_are_scored_and_shown(args, 
 
 
 class SpoilTheProbesModel(Callback):
-    """A hook (vit_finetune.callbacks) that swaps the rows of the head in the probe's model before the average: that
+    """A hook (vit_finetune.outputs.callbacks) that swaps the rows of the head in the probe's model before the average: that
     model then names the wrong class for every image, so any average with it scores below the fine-tuned weights.
     It makes the case the run must catch, an average that hurts, certain on data where every arm is otherwise right."""
 
@@ -194,7 +194,7 @@ def _four_level_targets_and_two_models() -> tuple[torch.Tensor, torch.Tensor, nn
 
 @pytest.mark.parametrize("metric, keeps", [(Regression.selection_metric, "fine_tuned"), ("eval_rmse", "average")])
 def test_a_regressions_end_chooses_by_its_headline_mae_where_rmse_would_keep_a_hedging_model(metric, keeps):
-    from vit_finetune import selection
+    from vit_finetune.training import selection
     from vit_finetune.tasks.regression import summarise
 
     seen, true, model, hedging, fine_tuned = _four_level_targets_and_two_models()

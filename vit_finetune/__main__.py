@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from vit_finetune.cli import main
 
 sys.exit(main())

@@ -24,15 +24,16 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from . import previous_run, progress, saved_model
-from .app import AppError, refuse_a_taken_port, require_gradio, serve
-from .errors import EXIT_INTERRUPTED, PRINTING_RANK, VitFinetuneError, report
-from .onnx_classifier import load_onnx_classifier
-from .layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
+from vit_finetune.core import previous_run, progress
+from vit_finetune.core.errors import EXIT_INTERRUPTED, PRINTING_RANK, VitFinetuneError, report
+from vit_finetune.core.layout import METRICS_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE, RUNTIME_FILES
+from vit_finetune.model import saved_model
+from vit_finetune.serving.app import AppError, refuse_a_taken_port, require_gradio, serve
+from vit_finetune.serving.onnx_classifier import load_onnx_classifier
 
 if TYPE_CHECKING:
-    from .callbacks import Callback
-    from .recipe import Recipe
+    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.recipe import Recipe
 
 
 TOP_K_HELP = ("labels listed per image: a single-label model's k best (default 5); a multi-label model's labels over "
@@ -187,7 +188,7 @@ def _restore_parser() -> argparse.ArgumentParser:
 
 
 def list_recipes() -> int:
-    from .recipe import available_recipes
+    from vit_finetune.recipe import available_recipes
 
     for name, path in available_recipes().items():
         first = next((line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#")), "")
@@ -208,7 +209,7 @@ def train_command(argv: list[str]) -> int:
     args = _train_parser().parse_args(argv)
     if args.list_recipes:
         return list_recipes()
-    from .recipe import load_recipe, to_yaml
+    from vit_finetune.recipe import load_recipe, to_yaml
 
     notes: list[str] = []  # how the recipe was read, where it spells a key the older way
     recipe = load_recipe(args.recipe, args.overrides, notes)
@@ -216,7 +217,7 @@ def train_command(argv: list[str]) -> int:
         print(to_yaml(recipe), end="")
         return 0
     if args.keys:
-        from .recipe import format_keys
+        from vit_finetune.recipe import format_keys
 
         print(format_keys(recipe), end="")
         return 0
@@ -228,12 +229,12 @@ def train_recipe(recipe: Recipe, callbacks: Iterable[Callback] = (), notes: Iter
                  quiet: bool = False) -> dict:
     """The train command once its recipe is read (the API's train too): `notes` say how the recipe was read; returns
     the final metrics."""
-    from .processes import refuse_a_lone_process
+    from vit_finetune.core.processes import refuse_a_lone_process
 
     # Before the training stack loads (transformers, datasets): a launch refused here answers in about 2 s, not 8.
     refuse_a_lone_process()
     with progress.configured(quiet=quiet):
-        from .training import run
+        from vit_finetune.training.run import run
 
         if os.environ.get("RANK", PRINTING_RANK) == PRINTING_RANK:  # once in a launch of several processes
             for note in notes:
@@ -245,7 +246,7 @@ def images_to_predict(model: str, images: list[str], dataset: str | None, split:
                       output: str | None = None) -> list:
     """predict's images (files, folders, globs), or a dataset split's, refused with the reason before the model loads:
     both or neither given, an image that is the --output, a model that is neither a folder nor on the Hub."""
-    from . import prediction
+    from vit_finetune.serving import prediction
 
     if bool(images) == bool(dataset):
         raise saved_model.InputError("give image files/folders/globs, or --dataset D --split S (one of the two)")
@@ -264,7 +265,7 @@ def load_predictor(model: str, runtime: str = "torch", device: str = "auto"):
 
 def predict_command(argv: list[str]) -> int:
     args = _predict_parser().parse_args(argv)
-    from . import prediction
+    from vit_finetune.serving import prediction
 
     write = prediction.writer_for(args.output, args.overwrite)  # a wrong output, image or model fails before loading
     sources = images_to_predict(args.model, args.images, args.dataset, args.split, args.output)
@@ -310,7 +311,7 @@ def evaluate_model(model: str, dataset: str | None = None, split: str | None = N
                    output_dir: Path | None = None, overwrite: bool = False) -> dict:
     """The evaluate command's work: a saved model's metrics on `dataset` (default: its run's own eval split), also
     written into `output_dir` when given; what cannot work is refused before the model loads."""
-    from . import evaluate_saved
+    from vit_finetune.serving import evaluate_saved
 
     if output_dir is not None:
         evaluate_saved.check_evaluation_folder(output_dir, overwrite)  # before seconds of loading
@@ -323,11 +324,11 @@ def evaluate_model(model: str, dataset: str | None = None, split: str | None = N
 
 def explain_command(argv: list[str]) -> int:
     args = _explain_parser().parse_args(argv)
-    from . import prediction
+    from vit_finetune.serving import prediction
 
     sources = prediction.collect_images(args.images)
     saved_model.model_location(args.model)
-    from .explain import check_output_dir, explain_images, output_names
+    from vit_finetune.serving.explain import check_output_dir, explain_images, output_names
 
     check_output_dir(args.output_dir, output_names([source.name for source in sources], args.method), args.overwrite)
 
@@ -339,13 +340,13 @@ def explain_command(argv: list[str]) -> int:
 
 def export_command(argv: list[str]) -> int:
     args = _export_parser().parse_args(argv)
-    from .onnx_export import DEFAULT_TOLERANCE, ExportError, export_onnx
+    from vit_finetune.serving.onnx_export import DEFAULT_TOLERANCE, ExportError, export_onnx
 
     if not args.onnx:
         raise ExportError("export needs a format: pass --onnx (the one format for now)")
     if args.eval_images is not None and args.eval_images < 1:
         raise ExportError(f"--eval-images {args.eval_images}: give a positive count, or leave it out for the whole split")
-    from . import prediction
+    from vit_finetune.serving import prediction
 
     images = prediction.collect_images(args.images) if args.images else None
     written = export_onnx(args.model, args.output, args.quantize,
@@ -371,7 +372,7 @@ def push_command(argv: list[str]) -> int:
     url, repo_id = push_run(args.output_dir, args.repo_id, args.private, args.space_app)
     print(f"pushed to {url}")
     if args.space_app:
-        from .publish import push_space_app
+        from vit_finetune.outputs.publish import push_space_app
 
         print(f"app added: {push_space_app(repo_id)}")
     return 0
@@ -381,8 +382,8 @@ def push_run(folder: str, repo_id: str | None = None, private: bool | None = Non
              space_app: bool = False) -> tuple[str, str]:
     """The push command's work up to its Space app (publish.push_space_app): a finished run folder to `repo_id`
     (default: its recipe's hub.repo_id), space/ included when asked; returns the model's URL and the repo id."""
-    from .hub import PushError, require_token
-    from .recipe import read_yaml, validate
+    from vit_finetune.core.hub import PushError, require_token
+    from vit_finetune.recipe import read_yaml, validate
 
     output_dir = Path(folder)
     saved_model.path_kind(output_dir, folder, "the run folder")  # a name too long to look up: one line
@@ -395,7 +396,7 @@ def push_run(folder: str, repo_id: str | None = None, private: bool | None = Non
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
-    from .publish import push_folder  # loads the training stack: after the refusals above
+    from vit_finetune.outputs.publish import push_folder  # loads the training stack: after the refusals above
 
     return push_folder(output_dir, repo_id, private, space_app), repo_id
 

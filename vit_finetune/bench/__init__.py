@@ -12,7 +12,7 @@ Each configuration trains `--steps` steps after `--warmup` steps (compilation an
               `set_transform`, float32 collation, bf16=True, SDPA attention, the same workers, batch and model;
   data_ours, data_peer  each one's training loader drained alone, no model: the rate its workers can feed.
 With --levers, our model step again with one lever changed at a time (levers.py): compile, each block compiled, the
-step's speed-ups (vit_finetune/speedups.py: fused qkv, one cast per LayerNorm output, the flash kernel), fused AdamW,
+step's speed-ups (vit_finetune/model/speedups.py: fused qkv, one cast per LayerNorm output, the flash kernel), fused AdamW,
 the NaN check read after every step, twice the batch; each row beside the defaults' row of the same run.
 On CUDA the model is ViT-B/16 at 384 px (random weights: speed does not depend on them, and the machine may be
 offline) over ~512 px JPEGs sized like Food-101's; on CPU a tiny ViT, so the command is testable anywhere.
@@ -26,7 +26,7 @@ against Trainer.evaluate and pipeline()), summary (every figure of `bash scripts
 cluster's needs from one GPU's rate).
 """
 
-from .cli import CONFIGS, main
-from .flops import MODELS, ModelSpec, training_flops_per_image, vit_macs
+from vit_finetune.bench.cli import CONFIGS, main
+from vit_finetune.bench.flops import MODELS, ModelSpec, training_flops_per_image, vit_macs
 
 __all__ = ["CONFIGS", "MODELS", "ModelSpec", "main", "training_flops_per_image", "vit_macs"]

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from .. import data
-from ..processes import reset_accelerate_state
-from .device import PeakMemory, device_peak, release_memory
-from .flops import MODELS
-from .levers import DEFAULTS, LEVERS, long_run_compile, parse_levers
-from .ours import run_our_loader, run_ours
-from .peer import run_peer, run_peer_loader
-from .report import TITLES, build_report, format_table, markdown_rows
-from .workload import DEVICE_DEFAULTS, Setup, ensure_base_model, ensure_jpeg_folder
+from vit_finetune import data
+from vit_finetune.bench.device import PeakMemory, device_peak, release_memory
+from vit_finetune.bench.flops import MODELS
+from vit_finetune.bench.levers import DEFAULTS, LEVERS, long_run_compile, parse_levers
+from vit_finetune.bench.ours import run_our_loader, run_ours
+from vit_finetune.bench.peer import run_peer, run_peer_loader
+from vit_finetune.bench.report import TITLES, build_report, format_table, markdown_rows
+from vit_finetune.bench.workload import DEVICE_DEFAULTS, Setup, ensure_base_model, ensure_jpeg_folder
+from vit_finetune.core.processes import reset_accelerate_state
 
 CONFIGS = ("model_step", "end_to_end", "lora", "peer", "data_ours", "data_peer")
 RUNNERS = {

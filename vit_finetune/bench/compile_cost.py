@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from .. import compiling
-from .device import PeakMemory, synchronize
-from .flops import MODELS
+from vit_finetune.bench.device import PeakMemory, synchronize
+from vit_finetune.bench.flops import MODELS
+from vit_finetune.model import compiling
 
 DEFAULTS = {"cuda": {"model": "vit-b16-384", "batch_size": 128, "precision": "bf16", "steps": 8},
             "cpu": {"model": "tiny", "batch_size": 8, "precision": "no", "steps": 3}}

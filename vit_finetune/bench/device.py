@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..data import cpu_cores
+from vit_finetune.data import cpu_cores
 
 # Dense (no 2:4 sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s; first match on the device name wins.
 DATASHEET_BF16_TFLOPS = (

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import ViTConfig
 
-    from ..recipe import LoraSettings
+    from vit_finetune.recipe import LoraSettings
 
 
 @dataclasses.dataclass(frozen=True)

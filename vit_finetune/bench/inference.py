@@ -27,18 +27,19 @@ from pathlib import Path
 
 import torch
 
-from .. import cli, data, loop
-from ..build import run_parts
-from ..callbacks import TrainingRun
-from ..checkpoint import TrainState
-from ..devices import make_accelerator, prepare
-from ..processes import reset_accelerate_state
-from ..recipe import validate
-from .device import synchronize
-from .flops import MODELS
-from .peer import ExampleBatchTransform, ExampleEvalTransform, example_collate_fn
-from .whole_job import DEFAULTS as JOB_DEFAULTS
-from .workload import ensure_base_model, ensure_hub_shards, ensure_jpeg_folder
+from vit_finetune import cli, data
+from vit_finetune.bench.device import synchronize
+from vit_finetune.bench.flops import MODELS
+from vit_finetune.bench.peer import ExampleBatchTransform, ExampleEvalTransform, example_collate_fn
+from vit_finetune.bench.whole_job import DEFAULTS as JOB_DEFAULTS
+from vit_finetune.bench.workload import ensure_base_model, ensure_hub_shards, ensure_jpeg_folder
+from vit_finetune.core.processes import reset_accelerate_state
+from vit_finetune.outputs.callbacks import TrainingRun
+from vit_finetune.outputs.checkpoint import TrainState
+from vit_finetune.recipe import validate
+from vit_finetune.training import loop
+from vit_finetune.training.build import run_parts
+from vit_finetune.training.devices import make_accelerator, prepare
 
 DEFAULTS = {"cuda": {"predict_images": 1_024}, "cpu": {"predict_images": 16}}
 PASSES = 2

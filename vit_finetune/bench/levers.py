@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 
-from .. import compiling, speedups
+from vit_finetune.model import compiling, speedups
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import checkpoint, compiling, loop, speedups
-from ..build import run_parts
-from ..devices import make_accelerator, prepare
-from ..optim import build_scheduler
-from ..callbacks import TrainingRun
-from ..recipe import validate
-from .device import PeakMemory
-from .flops import training_flops_per_image
-from .levers import DEFAULTS, Variant, unfused_adamw
-from .timing import TimedBatches, device_batches, measured
-from .workload import Setup
+from vit_finetune.bench.device import PeakMemory
+from vit_finetune.bench.flops import training_flops_per_image
+from vit_finetune.bench.levers import DEFAULTS, Variant, unfused_adamw
+from vit_finetune.bench.timing import TimedBatches, device_batches, measured
+from vit_finetune.bench.workload import Setup
+from vit_finetune.model import compiling, speedups
+from vit_finetune.outputs import checkpoint
+from vit_finetune.outputs.callbacks import TrainingRun
+from vit_finetune.recipe import validate
+from vit_finetune.training import loop
+from vit_finetune.training.build import run_parts
+from vit_finetune.training.devices import make_accelerator, prepare
+from vit_finetune.training.optim import build_scheduler
 
 
 def bench_recipe(setup: Setup, lora: bool, variant: Variant = DEFAULTS):

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .device import PeakMemory
-from .flops import training_flops_per_image
-from .timing import StepClock, measured
-from .workload import Setup
+from vit_finetune.bench.device import PeakMemory
+from vit_finetune.bench.flops import training_flops_per_image
+from vit_finetune.bench.timing import StepClock, measured
+from vit_finetune.bench.workload import Setup
 
 
 class ExampleTrainTransform:

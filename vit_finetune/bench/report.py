@@ -7,11 +7,11 @@ import shlex
 import sys
 from datetime import datetime, timezone
 
-from ..model import describe
-from .device import PeakMemory, device_info
-from .flops import vit_macs
-from .levers import LEVERS
-from .workload import Setup
+from vit_finetune.bench.device import PeakMemory, device_info
+from vit_finetune.bench.flops import vit_macs
+from vit_finetune.bench.levers import LEVERS
+from vit_finetune.bench.workload import Setup
+from vit_finetune.model.loading import describe
 
 SCHEMA = "vit_finetune.bench/1"
 LEVER_TITLES = {name: lever.title for name, lever in LEVERS.items()}

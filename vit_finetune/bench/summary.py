@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import compile_cost, inference, report, whole_job
+from vit_finetune.bench import compile_cost, inference, report, whole_job
 
 REPORTS = {"compile_cost.json": compile_cost.format_table, "whole_job.json": whole_job.format_table,
            "inference.json": inference.format_table, "bench.json": report.format_table}

@@ -8,8 +8,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .device import PeakMemory, synchronize
-from .flops import ModelSpec
+from vit_finetune.bench.device import PeakMemory, synchronize
+from vit_finetune.bench.flops import ModelSpec
 
 
 class StepClock:

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFilter
 
-from ..layout import CARD_FILE, CONFIG_FILE, PROCESSOR_FILE
-from .flops import ModelSpec
-from .timing import StepClock
+from vit_finetune.bench.flops import ModelSpec
+from vit_finetune.bench.timing import StepClock
+from vit_finetune.core.layout import CARD_FILE, CONFIG_FILE, PROCESSOR_FILE
 
 # Per device type: the model, per-device batch, warm-up and measured steps used unless given.
 DEVICE_DEFAULTS = {

@@ -4,7 +4,8 @@ Images are decoded here (not by `datasets`) so a bad file is reported by its pat
 batches leave the workers as uint8 and are normalised on the device; evaluation uses exactly the image
 processor that is saved with the model, so reported accuracy is what a `pipeline()` user gets.
 
-The package's modules follow the data's journey, lowest first: errors.py (DataError, BadImageError), synthetic.py
+The package's modules follow the data's journey, lowest first (its errors, DataError and BadImageError, are in
+core/errors.py): synthetic.py
 (the demo's generated images), labels.py (label files: CSV or JSON Lines naming each image and its labels or
 targets), opening.py (a dataset found and opened), targets.py (a regression's target columns read and checked),
 splits.py (the train and eval splits, their columns, labels or targets, and what a checkpoint records of them),
@@ -16,18 +17,25 @@ checked and named), streaming.py (a dataset read as a stream of shards while tra
 
 from __future__ import annotations
 
-from .labels import LABEL_COLUMN_NAMES
-from .errors import BadImageError, DataError
-from .loaders import (SKIPPED_LABEL, TARGET_ENCODINGS, EpochSampler, ImageClassificationDataset, PixelNormalizer,
-                      blank_pixels, collate, cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor,
-                      make_loader, train_dataset, train_dataset_as_evaluated)
-from .pixels import (ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale,
-                     crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat,
-                     random_resized_crop_box, resample_of, sample_rng, train_transform)
-from .opening import (BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset,
-                      refuse_unreachable)
-from .splits import (CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity,
-                     is_label_set, load_splits, target_encoding, training_facts, training_facts_notes)
+from vit_finetune.core.errors import BadImageError, DataError
+from vit_finetune.data.labels import LABEL_COLUMN_NAMES
+from vit_finetune.data.loaders import (
+    EpochSampler, ImageClassificationDataset, PixelNormalizer, SKIPPED_LABEL, TARGET_ENCODINGS, blank_pixels, collate,
+    cpu_cores, default_num_workers, eval_dataset, eval_pixels_from_processor, make_loader, train_dataset,
+    train_dataset_as_evaluated,
+)
+from vit_finetune.data.opening import (
+    BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset, refuse_unreachable,
+)
+from vit_finetune.data.pixels import (
+    ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale, crop_in_words,
+    decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box, resample_of,
+    sample_rng, train_transform,
+)
+from vit_finetune.data.splits import (
+    CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity, is_label_set,
+    load_splits, target_encoding, training_facts, training_facts_notes,
+)
 
 __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
            "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",

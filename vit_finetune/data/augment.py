@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..recipe import AugmentSettings
+from vit_finetune.recipe import AugmentSettings
 
 # (labels, own, partner, partner_weight, num_classes, label_smoothing) -> a mixed batch's targets: the task's
 # mixed_targets, which knows what its labels are

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .loaders import EpochSampler
-from .splits import Splits
+from vit_finetune.data.loaders import EpochSampler
+from vit_finetune.data.splits import Splits
 
 
 def class_counts(labels: list[int], num_classes: int) -> torch.Tensor:

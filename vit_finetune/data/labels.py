@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..recipe import DataSettings
-from ..errors import excerpt
+from vit_finetune.core.errors import excerpt
+from vit_finetune.recipe import DataSettings
 
 METADATA_NAMES = ("metadata.csv", "metadata.jsonl")
 # A label file's or a dataset's label column, when data.label_column does not name it (cls: WebDataset).

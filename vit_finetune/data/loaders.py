@@ -12,10 +12,10 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from ..recipe import DataSettings
-from .errors import BadImageError
-from .pixels import decode_image, sample_name
-from .splits import Splits, target_encoding
+from vit_finetune.core.errors import BadImageError
+from vit_finetune.data.pixels import decode_image, sample_name
+from vit_finetune.data.splits import Splits, target_encoding
+from vit_finetune.recipe import DataSettings
 
 
 # The label of an image skipped as bad. Training and evaluation keep such an image's place (blank pixels, this

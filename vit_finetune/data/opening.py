@@ -8,14 +8,12 @@ import os
 import re
 from pathlib import Path
 
-from .. import hub
-from ..errors import excerpt
-from ..layout import CARD_FILE
-from ..recipe import DataSettings
-from ..sources import REPO_ID_PATTERN
-from . import labels
-from .errors import DataError
-from .synthetic import ensure_demo_dataset
+from vit_finetune.core import hub
+from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.core.layout import CARD_FILE, REPO_ID_PATTERN
+from vit_finetune.data import labels
+from vit_finetune.data.synthetic import ensure_demo_dataset
+from vit_finetune.recipe import DataSettings
 
 
 BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministically on first use

@@ -15,11 +15,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from ..recipe import DataSettings
-from ..errors import excerpt
-from .errors import BadImageError
-from .opening import not_the_datasets_file, path_allowed
-from .splits import Splits
+from vit_finetune.core.errors import BadImageError, excerpt
+from vit_finetune.data.opening import not_the_datasets_file, path_allowed
+from vit_finetune.data.splits import Splits
+from vit_finetune.recipe import DataSettings
 
 
 # ---------------------------------------------------------------- decoding

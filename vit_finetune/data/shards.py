@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import os
 
-from .. import hub
-from ..errors import excerpt
-from ..recipe import DataSettings
-from .errors import DataError
-from .splits import CONTENT_HASH_LIMIT_BYTES, files_digest
+from vit_finetune.core import hub
+from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.data.splits import CONTENT_HASH_LIMIT_BYTES, files_digest
+from vit_finetune.recipe import DataSettings
 
 
 # The shard formats datasets streams: parquet (push_to_hub), and WebDataset tar files (an image file and a .cls

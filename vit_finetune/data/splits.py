@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ..recipe import DataSettings
-from ..errors import excerpt
-from .errors import DataError
-from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
-from .opening import image_folders, open_dataset, refuse_foreign_paths
-from .targets import TARGETS_COLUMN, as_targets, standardisation_notes, target_column, target_values
+from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.data.labels import LABEL_COLUMN_NAMES, label_sets_chosen
+from vit_finetune.data.opening import image_folders, open_dataset, refuse_foreign_paths
+from vit_finetune.data.targets import TARGETS_COLUMN, as_targets, standardisation_notes, target_column, target_values
+from vit_finetune.recipe import DataSettings
 
 
 IMAGE_COLUMN_NAMES = ("image", "img", "picture", "photo", "pixel_values")

@@ -27,14 +27,13 @@ import torch
 from PIL import Image
 from torch.utils.data import Sampler
 
-from ..errors import excerpt
-from ..recipe import DataSettings, Recipe
-from . import loaders
-from .errors import DataError
-from .labels import LABEL_COLUMN_NAMES, label_sets_chosen
-from .shards import SHARD_SUFFIXES, check_shards, online_unless_the_user_is_offline, shard_identity
-from .opening import is_local
-from .splits import IMAGE_COLUMN_NAMES, detect_column, is_label_set, target_encoding
+from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.data import loaders
+from vit_finetune.data.labels import LABEL_COLUMN_NAMES, label_sets_chosen
+from vit_finetune.data.opening import is_local
+from vit_finetune.data.shards import SHARD_SUFFIXES, check_shards, online_unless_the_user_is_offline, shard_identity
+from vit_finetune.data.splits import IMAGE_COLUMN_NAMES, detect_column, is_label_set, target_encoding
+from vit_finetune.recipe import DataSettings, Recipe
 
 
 @dataclass

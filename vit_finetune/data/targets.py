@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import excerpt
-from .errors import DataError
-from .labels import LABEL_COLUMN_NAMES
+from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.data.labels import LABEL_COLUMN_NAMES
 
 
 TARGETS_COLUMN = "vit_finetune_targets"  # a regression's loaded column: each image's list of target values

@@ -9,13 +9,17 @@ keys' meanings).
 
 from __future__ import annotations
 
-from .checks import (flatten, fold_older_spellings, pixel_drawing_settings, probe_unused_settings,
-                     step_only_settings, weight_selection_settings, without_pixel_draws)
-from .loading import (RECIPE_DIRS, RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
-                      key_descriptions, load_recipe, read_yaml, recipe_files, to_yaml, validate, write_recipe)
-from .fields import HOME_PATH_KEYS
-from .schema import AugmentSettings, DataSettings, HubSettings, LoraSettings, ModelSettings, Recipe
-from .train_section import DistillSettings, TrainSettings
+from vit_finetune.recipe.checks import (
+    flatten, fold_older_spellings, pixel_drawing_settings, probe_unused_settings, step_only_settings,
+    weight_selection_settings, without_pixel_draws,
+)
+from vit_finetune.recipe.fields import HOME_PATH_KEYS
+from vit_finetune.recipe.loading import (
+    RECIPE_DIRS, RecipeError, apply_overrides, available_recipes, default_values, find_recipe, format_keys,
+    key_descriptions, load_recipe, read_yaml, recipe_files, to_yaml, validate, write_recipe,
+)
+from vit_finetune.recipe.schema import AugmentSettings, DataSettings, HubSettings, LoraSettings, ModelSettings, Recipe
+from vit_finetune.recipe.train_section import DistillSettings, TrainSettings
 
 __all__ = ["HOME_PATH_KEYS", "RECIPE_DIRS",
            "AugmentSettings", "DataSettings", "DistillSettings", "HubSettings", "LoraSettings", "ModelSettings",

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from ..methods import METHODS, lp_ft_head_scale_refusal
-from ..errors import excerpt
-from .limits import _is_dir
+from vit_finetune.core.errors import excerpt
+from vit_finetune.recipe.limits import _is_dir
+from vit_finetune.recipe.methods import METHODS, lp_ft_head_scale_refusal
 
 if TYPE_CHECKING:
-    from .schema import DataSettings, Recipe
-    from .train_section import TrainSettings
+    from vit_finetune.recipe.schema import DataSettings, Recipe
+    from vit_finetune.recipe.train_section import TrainSettings
 
 # A rule's problems leave in one ValueError (pydantic takes one per validator), apart, and are listed one by one.
 PROBLEMS_APART = "\n"

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, StrictInt
 
-from .limits import WHOLE_NUMBER_LIMITS, names_fit
+from vit_finetune.recipe.limits import WHOLE_NUMBER_LIMITS, names_fit
 
 
 def _not_a_bool(value: Any) -> Any:

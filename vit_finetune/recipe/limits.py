@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..errors import excerpt
+from vit_finetune.core.errors import excerpt
 
 # A recipe has ~60 keys. A YAML alias bomb ("billion laughs") loads in milliseconds as shared references, then
 # expands to hundreds of millions of values wherever it is walked (validation, messages): refuse it first.

@@ -14,13 +14,13 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import to_jsonable_python
 
-from ..errors import EXIT_USAGE, VitFinetuneError
-from ..layout import RECIPE_FILE
-from .checks import PROBLEMS_APART, as_yaml_value, flatten, older_spellings
-from ..errors import excerpt
-from ..sources import PACKAGE_DIR
-from .limits import MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, _is_dir, _is_file, count_values, deepest
-from .schema import Recipe
+from vit_finetune.core.errors import EXIT_USAGE, VitFinetuneError, excerpt
+from vit_finetune.core.layout import PACKAGE_DIR, RECIPE_FILE
+from vit_finetune.recipe.checks import PROBLEMS_APART, as_yaml_value, flatten, older_spellings
+from vit_finetune.recipe.limits import (
+    MAX_RECIPE_BYTES, MAX_RECIPE_DEPTH, MAX_RECIPE_VALUES, _is_dir, _is_file, count_values, deepest,
+)
+from vit_finetune.recipe.schema import Recipe
 
 
 # A checkout keeps recipes/ beside the package; an installed wheel carries a copy inside it.

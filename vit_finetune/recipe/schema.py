@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, StrictInt, field_validator, model_validator
 
-from ..errors import excerpt
-from ..sources import REPO_ID_PATTERN
-from .checks import check_data_section, check_recipe, fold_older_spellings
-from .fields import Bounded, Float, HomePath, PositiveFloat, Strict, check_colour, survives_float32
-from .train_section import TrainSettings
+from vit_finetune.core.errors import excerpt
+from vit_finetune.core.layout import REPO_ID_PATTERN
+from vit_finetune.recipe.checks import check_data_section, check_recipe, fold_older_spellings
+from vit_finetune.recipe.fields import Bounded, Float, HomePath, PositiveFloat, Strict, check_colour, survives_float32
+from vit_finetune.recipe.train_section import TrainSettings
 
 
 class LoraSettings(Strict):
@@ -30,7 +30,7 @@ class LoraSettings(Strict):
 class ModelSettings(Strict):
     base: HomePath = Field("google/vit-base-patch16-224", description=(
         "the pretrained ViT-family model (see docs/families.md): a Hub id, a local folder with config.json, or builtin:NAME for a model shipped in "
-        "vit_finetune/assets (builtin:tiny-vit-32, the offline demo's)"))
+        "vit_finetune/model/assets (builtin:tiny-vit-32, the offline demo's)"))
     image_size: Bounded("model.image_size") = Field(384, gt=0, description="training and saved resolution in px; a multiple of the patch size")
     lora: LoraSettings | None = Field(None,
         description="null = full fine-tuning; {r, alpha, dropout, target_modules} = LoRA")

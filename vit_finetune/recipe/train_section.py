@@ -8,11 +8,22 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictInt, field_validator, model_validator
 
-from ..methods import METHODS
-from ..metric_goals import KEEP_BEST_GOALS  # each task's, for train.keep_best
-from .checks import check_train_section
-from .fields import Bounded, Float, HomePath, PositiveFloat, Strict, survives_float32
-from .limits import SEED_MAX
+from vit_finetune.recipe.checks import check_train_section
+from vit_finetune.recipe.fields import Bounded, Float, HomePath, PositiveFloat, Strict, survives_float32
+from vit_finetune.recipe.limits import SEED_MAX
+from vit_finetune.recipe.methods import METHODS
+
+
+# The metrics each task measures that train.keep_best can follow, and whether higher or lower is better. One place for
+# both readers: each task takes its own table (tasks/), and the recipe's schema accepts any metric of them for
+# train.keep_best; a low module, so that the schema needs none of the tasks' heavy imports.
+# Each task's metrics train.keep_best may follow -> "max" or "min".
+SINGLE_LABEL_GOALS = {"eval_accuracy": "max", "eval_top5_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min"}
+MULTI_LABEL_GOALS = {"eval_accuracy": "max", "eval_macro_f1": "max", "eval_loss": "min", "eval_map": "max",
+                     "eval_micro_f1": "max"}
+REGRESSION_GOALS = {"eval_mae": "min", "eval_rmse": "min", "eval_r2": "max", "eval_loss": "min"}
+# Every metric train.keep_best accepts, and its goal (the same wherever two tasks measure it).
+KEEP_BEST_GOALS: dict[str, str] = {**SINGLE_LABEL_GOALS, **MULTI_LABEL_GOALS, **REGRESSION_GOALS}
 
 
 class DistillSettings(Strict):

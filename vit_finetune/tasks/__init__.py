@@ -4,11 +4,11 @@ task is one module and one entry in TASKS."""
 
 from __future__ import annotations
 
-from ..recipe import TrainSettings
-from .base import Answers, SplitPredictions, Task
-from .multi_label import MultiLabel
-from .regression import Regression
-from .single_label import SingleLabel
+from vit_finetune.recipe import TrainSettings
+from vit_finetune.tasks.base import Answers, SplitPredictions, Task
+from vit_finetune.tasks.multi_label import MultiLabel
+from vit_finetune.tasks.regression import Regression
+from vit_finetune.tasks.single_label import SingleLabel
 
 TASKS: dict[str, type[Task]] = {task.name: task for task in (SingleLabel, MultiLabel, Regression)}
 # config.problem_type -> task; transformers writes "single_label_classification" when it trains a classifier itself

@@ -9,11 +9,11 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .. import pictures
-from ..data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
-from ..data import balance
-from ..evaluation import SplitPredictions
-from ..recipe import TrainSettings
+from vit_finetune.tasks import pictures
+from vit_finetune.data import SKIPPED_LABEL as SKIPPED  # an unreadable image's class id (a regression's row is NaN instead)
+from vit_finetune.data import balance
+from vit_finetune.tasks.evaluation import SplitPredictions
+from vit_finetune.recipe import TrainSettings
 
 
 @dataclass

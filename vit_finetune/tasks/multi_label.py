@@ -9,15 +9,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import pictures
-from ..data import DataError
-from ..layout import PRECISION_RECALL_FILE
-from ..metric_goals import MULTI_LABEL_GOALS
-from ..recipe import TrainSettings
-from ..text import printable
-from . import label_sets
-from .base import SKIPPED, Answers, SplitPredictions, Task
-from .label_sets import ThresholdRule
+from vit_finetune.core.errors import printable
+from vit_finetune.core.layout import PRECISION_RECALL_FILE
+from vit_finetune.data import DataError
+from vit_finetune.recipe import TrainSettings
+from vit_finetune.recipe.train_section import MULTI_LABEL_GOALS
+from vit_finetune.tasks import label_sets, pictures
+from vit_finetune.tasks.base import Answers, SKIPPED, SplitPredictions, Task
+from vit_finetune.tasks.label_sets import ThresholdRule
 
 
 class MultiLabel(Task):

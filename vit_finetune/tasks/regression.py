@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import layout, pictures
-from ..metric_goals import REGRESSION_GOALS
-from ..text import printable
-from .base import Answers, SplitPredictions, Task
+from vit_finetune.core import layout
+from vit_finetune.core.errors import printable
+from vit_finetune.recipe.train_section import REGRESSION_GOALS
+from vit_finetune.tasks import pictures
+from vit_finetune.tasks.base import Answers, SplitPredictions, Task
 
 PROBLEM_TYPE = "regression"
 MEAN_KEY, STD_KEY, LOSS_KEY = "target_mean", "target_std", "regression_loss"  # config.json keys

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from .. import evaluation, pictures
-from ..metric_goals import SINGLE_LABEL_GOALS
-from .base import SKIPPED, Answers, SplitPredictions, Task
+from vit_finetune.recipe.train_section import SINGLE_LABEL_GOALS
+from vit_finetune.tasks import evaluation, pictures
+from vit_finetune.tasks.base import Answers, SKIPPED, SplitPredictions, Task
 
 DEFAULT_TOP_K = 5  # the labels predict lists per image when --top-k is not given
 
