@@ -27,8 +27,8 @@ ONE_EPOCH = ["train.epochs=1"]  # 6 optimiser steps (runs.RECIPE: 24 images, bat
 
 
 def fp16_as_on_cuda(init_scale: float) -> tuple:
-    """A patch of devices.make_accelerator (as training.py calls it): the run's Accelerator with fp16 set up as Accelerate sets it up on CUDA
-    (mixed precision fp16, native autocast, a GradScaler starting at `init_scale`)."""
+    """A patch of devices.make_accelerator (as training/run.py calls it): the run's Accelerator with fp16 set up as
+    Accelerate sets it up on CUDA (mixed precision fp16, native autocast, a GradScaler starting at `init_scale`)."""
     made = devices.make_accelerator
 
     def make_accelerator(recipe):
@@ -38,7 +38,7 @@ def fp16_as_on_cuda(init_scale: float) -> tuple:
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         return accelerator
 
-    return training, "make_accelerator", make_accelerator  # the name training.py calls
+    return training, "make_accelerator", make_accelerator  # the name training/run.py calls
 
 
 class Overflow(Callback):

@@ -1,15 +1,15 @@
 """The project's one error type: a user's mistake or a refused run, each kind with the exit code it ends with; and
 the short excerpt and shortened text every message quotes a value or a library's message by.
 
-The CLI catches `VitFinetuneError` alone and prints its message (the Python API, api.py, lets it reach the caller
-with the same message); anything else (a plain ValueError from a
-library, say) is a bug and keeps its traceback. Each stage defines its own subclass next to its code.
+The CLI catches `VitFinetuneError` alone and prints its message (the Python API, vit_finetune/__init__.py, lets it
+reach the caller with the same message); anything else (a plain ValueError from a library, say) is a bug and keeps
+its traceback. Each stage defines its own subclass next to its code.
 """
 
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from typing import Any, Callable
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -32,6 +32,37 @@ class StoppedByAnotherProcess(VitFinetuneError):
 
     said_elsewhere = True
 
+
+
+class Problems(RunError):
+    """Several problems a pre-flight found in one recipe, said together: the user fixes them in one go, not one per
+    attempt. It ends with the first problem's exit code."""
+
+    def __init__(self, problems: list[VitFinetuneError]):
+        self.problems = problems
+        self.exit_code = problems[0].exit_code
+        listed = "\n".join(f"  - {problem}".replace("\n", "\n    ") for problem in problems)
+        super().__init__(f"{len(problems)} problems before the run started:\n{listed}")
+
+
+def problems_of(*checks: Callable[[], object]) -> list[VitFinetuneError]:
+    """Run each check (a function that raises a VitFinetuneError for what it refuses) and return what they raised,
+    in order; a check that passes adds nothing."""
+    found = []
+    for check in checks:
+        try:
+            check()
+        except VitFinetuneError as problem:
+            found.append(problem)
+    return found
+
+
+def raise_together(problems: list[VitFinetuneError]) -> None:
+    """Nothing found: return. One problem: raised as it is, its message and exit code unchanged. Several: Problems."""
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise Problems(problems)
 
 # torchrun and Accelerate set RANK in each process of a launch; the first prints a user's error at once.
 PRINTING_RANK = "0"

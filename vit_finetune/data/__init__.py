@@ -25,7 +25,8 @@ from vit_finetune.data.loaders import (
     train_dataset_as_evaluated,
 )
 from vit_finetune.data.opening import (
-    BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset, refuse_unreachable,
+    BUILTIN_SHAPES, cache_dir, image_folders, is_hub_dataset_copy, is_local, open_dataset, preflight,
+    refuse_unreachable,
 )
 from vit_finetune.data.pixels import (
     ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale, crop_in_words,
@@ -44,6 +45,7 @@ __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES",
            "decoding_settings", "default_num_workers", "detect_column", "drawing_in_alpha", "eval_dataset",
            "eval_pixels_from_processor",
            "files_digest", "FLAT_SPREAD", "flat_images", "identity", "image_folders", "is_flat", "is_hub_dataset_copy",
+           "preflight",
            "is_label_set", "is_local", "load_splits", "make_loader", "open_dataset",
            "random_resized_crop_box", "refuse_unreachable", "resample_of", "sample_rng",
            "target_encoding", "train_dataset", "train_dataset_as_evaluated", "train_transform", "training_facts",

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from vit_finetune.core import hub
-from vit_finetune.core.errors import DataError, excerpt
+from vit_finetune.core.errors import DataError, VitFinetuneError, excerpt, problems_of
 from vit_finetune.core.layout import CARD_FILE, REPO_ID_PATTERN
 from vit_finetune.data import labels
 from vit_finetune.data.synthetic import ensure_demo_dataset
@@ -21,6 +21,11 @@ BUILTIN_SHAPES = "builtin:shapes"  # the demo's dataset, generated deterministic
 
 def cache_dir() -> Path:
     return Path(os.environ.get("VIT_FINETUNE_CACHE", Path.home() / ".cache" / "vit_finetune"))
+
+
+def preflight(settings: DataSettings) -> list[VitFinetuneError]:
+    """The data's problems before any download: a dataset that is neither on this disk nor fetchable."""
+    return problems_of(lambda: refuse_unreachable(settings))
 
 
 def refuse_unreachable(settings: DataSettings) -> None:

@@ -23,14 +23,13 @@ from transformers.models.auto.image_processing_auto import (IMAGE_PROCESSOR_MAPP
                                                             get_image_processor_class_from_name)
 
 from vit_finetune.core import hub, previous_run
-from vit_finetune.model import student
-from vit_finetune.core.errors import VitFinetuneError
+from vit_finetune.core.errors import RunError, VitFinetuneError
+from vit_finetune.core.layout import ASSETS_DIR, BUILTIN_PREFIX, CONFIG_FILE, REPO_ID_PATTERN
+from vit_finetune.model import memory, student
 from vit_finetune.model.families import FAMILIES, AbsoluteTable, Family, Geometry
-from vit_finetune.core.layout import CONFIG_FILE
 from vit_finetune.model.positions import resample_position_embeddings  # noqa: F401  (re-exported: the ViT reference resampling)
-from vit_finetune.recipe import ModelSettings
+from vit_finetune.recipe import ModelSettings, Recipe
 from vit_finetune.recipe.limits import MAX_GRID_SIDE
-from vit_finetune.core.layout import ASSETS_DIR, BUILTIN_PREFIX, REPO_ID_PATTERN
 
 # The data pipeline decodes and crops with PIL, and torchvision is not required: evaluation and every later
 # pipeline() use the PIL image processors, chosen by name, so transformers 5 does not fall back to them with a
@@ -69,6 +68,19 @@ def family_of(config: PretrainedConfig, base: str = "") -> Family:
             f"supported families (model_type): {supported}"
         )
     return family
+
+
+def preflight(recipe: Recipe, device: torch.device) -> tuple[PretrainedConfig | None, list[VitFinetuneError]]:
+    """The model's problems with a recipe, from the base's config alone (no weights): a base that is not there or
+    not a supported family, a size it cannot take, a training step that cannot fit `device`. Returns the config too
+    (None where it could not be read), for the rest of the run."""
+    try:
+        config = load_base_config(recipe.model)
+    except VitFinetuneError as problem:
+        return None, [problem]
+    # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
+    too_big = memory.why_it_cannot_fit(family_of(config).vision_config(config), recipe, device)
+    return config, [RunError(too_big)] if too_big else []
 
 
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from vit_finetune.core import layout, previous_run, progress
-from vit_finetune.core.errors import RunError, excerpt
+from vit_finetune.core import hub, layout, previous_run, progress
+from vit_finetune.core.errors import RunError, VitFinetuneError, excerpt, problems_of
 from vit_finetune.core.layout import BUILTIN_PREFIX
 from vit_finetune.core.processes import SHARED_FOLDER_PATIENCE_S, any_process, unshared_folder_refusal, world_size
 from vit_finetune.core.run_lock import OutputDirError, RunLock, claim, foreign_entries, staging_refusal
@@ -104,6 +104,16 @@ def refusal(recipe: Recipe, run_names: tuple[str, ...]) -> str | None:
         return (f"output_dir={shown} holds {excerpt(colliding)}, which this toolkit did not write and a run would "
                 "replace, even with overwrite=true or a resume. Fix: move them out, or choose a new or empty output_dir")
     return None
+
+
+def preflight(recipe: Recipe) -> list[VitFinetuneError]:
+    """The outputs' problems with a recipe, before anything loads: the output folder (check_output_dir), a tracker
+    whose package is missing, and for hub.push=true a missing token or a malformed VIT_FINETUNE_HUB_TIMEOUT (a push
+    must not fail after the training)."""
+    checks = [lambda: check_output_dir(recipe), lambda: tracking.check_trackers(recipe.train.report_to)]
+    if recipe.hub.push:
+        checks += [hub.require_token, hub.request_timeout]
+    return problems_of(*checks)
 
 
 def check_output_dir(recipe: Recipe) -> None:

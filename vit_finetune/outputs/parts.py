@@ -1,4 +1,4 @@
-"""What a run trains with: the model, its data loaders, optimiser and schedule, built by training.py and worked on by
+"""What a run trains with: the model, its data loaders, optimiser and schedule, built by training/run.py and worked on by
 the loop (loop.py) and the callbacks (callbacks.py), which import it from here."""
 
 from __future__ import annotations

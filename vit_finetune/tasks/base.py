@@ -43,7 +43,7 @@ class Task:
     name: ClassVar[str]  # the recipe's data.task value
     problem_type: ClassVar[str | None]  # config.problem_type (None: transformers' single-label default)
     selection_metric: ClassVar[str]  # chooses raw against EMA weights when train.keep_best is not set
-    keep_best_metrics: ClassVar[frozenset[str]]  # the train.keep_best names this task measures (metric_goals.py)
+    keep_best_metrics: ClassVar[frozenset[str]]  # the train.keep_best names this task measures (recipe/train_section.py)
     ema_compared: ClassVar[str] = "accuracy"  # the metric the card gives for the raw and the EMA weights
     metric_names: ClassVar[dict[str, str]]  # metrics.json key -> the card's name, in the card's order
     curve: ClassVar[tuple[str, str, tuple[float, float] | None]]  # training_curves.png: (history key, title, y range)

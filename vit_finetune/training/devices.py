@@ -14,12 +14,19 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
 from vit_finetune.core import layout, progress
-from vit_finetune.core.errors import RunError
+from vit_finetune.core.errors import RunError, VitFinetuneError, problems_of
+from vit_finetune.core.processes import refuse_a_lone_process
 from vit_finetune.data import cpu_cores
 from vit_finetune.model import compiling, precision, speedups
 from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.training import sharding
+
+
+def preflight(recipe: Recipe) -> list[VitFinetuneError]:
+    """The launch's problems with a recipe, before anything loads: a process started alone by a launch of several
+    (`accelerate launch --cpu --num_processes 2` does), settings the launch's sharding engine cannot run."""
+    return problems_of(refuse_a_lone_process, lambda: sharding.refuse_unsupported(recipe, sharding.requested_engine()))
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from vit_finetune import data, tasks
 from vit_finetune.core import progress
-from vit_finetune.core.errors import EXIT_USAGE, VitFinetuneError, shortened
+from vit_finetune.core.errors import EXIT_USAGE, VitFinetuneError, problems_of, shortened
 from vit_finetune.data import SKIPPED_LABEL
 from vit_finetune.model.saved_model import InputError, load_classifier, model_location, refuse_own_code
 from vit_finetune.recipe import DistillSettings, Recipe
@@ -48,6 +48,11 @@ def teacher_location(settings: DistillSettings) -> str:
         return model_location(settings.teacher)
     except InputError as error:
         raise DistillError(f"train.distill.teacher={settings.teacher!r}: {error}") from None
+
+
+def preflight(settings: DistillSettings | None) -> list[VitFinetuneError]:
+    """The teacher's problems, from its config alone: one that is not there, not a classifier, or multi-label."""
+    return [] if settings is None else problems_of(lambda: teacher_config(settings))
 
 
 def teacher_config(settings: DistillSettings):

@@ -1,9 +1,10 @@
 """Training: one run from a validated recipe to a finished output folder, driven by Accelerate.
 
-`run()` reads top to bottom: check everything cheap first (the launch, the output folder, the token, the trackers,
-the base and the data, the memory), hold the output folder, then `_run`: the run built (build.py: data, the run's
-plan, model, optimiser), the loop (loop.py: each optimiser step, then log / evaluate / checkpoint / stop), the end
-(finish.py: the final evaluation, the weights kept, the output folder written) and the push.
+`run()` reads top to bottom: each wing's pre-flight (the launch, the output folder, the token, the trackers; then
+from the base's config: the base, the memory, the data, the teacher), every problem said at once, hold the output
+folder, then `_run`: the run built (build.py: data, the run's plan, model, optimiser), the loop (loop.py: each
+optimiser step, then log / evaluate / checkpoint / stop), the end (finish.py: the final evaluation, the weights kept,
+the output folder written) and the push.
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ from accelerate.utils import set_seed
 
 from vit_finetune import data
 from vit_finetune.core import hub, previous_run, progress
-from vit_finetune.core.errors import RunError
-from vit_finetune.core.processes import let_gloo_threads_settle, local_main_first, refuse_a_lone_process, watch_launcher
-from vit_finetune.model import memory
-from vit_finetune.model.loading import count_parameters, describe, family_of, load_base_config
+from vit_finetune.core.errors import raise_together
+from vit_finetune.core.processes import let_gloo_threads_settle, local_main_first, watch_launcher
+from vit_finetune.model import loading, memory
+from vit_finetune.model.loading import count_parameters, describe, family_of
 from vit_finetune.outputs import checkpoint, output_guard, publish, tracking
 from vit_finetune.outputs.callbacks import Callback, CallbackList, REGISTERED, TrainingRun
 from vit_finetune.outputs.final_outputs import begin_outputs
 from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.tasks import evaluation, pictures
-from vit_finetune.training import build, distill, finish, loop, selection, sharding
+from vit_finetune.training import build, devices, distill, finish, loop, selection, sharding
 from vit_finetune.training.devices import make_accelerator, prepare, torch_threads
 from vit_finetune.training.interrupts import StoppedAtOnce
 from vit_finetune.training.optim import reapply_hyperparameters
@@ -37,25 +38,15 @@ from vit_finetune.training.optim import reapply_hyperparameters
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
     after those registered with vit_finetune.outputs.callbacks.register (see that module for the events)."""
-    refuse_a_lone_process()  # `accelerate launch --cpu --num_processes 2` starts this process alone
+    # Each wing's pre-flight, cheap checks first: every problem said at once, before any download or output.
+    raise_together(devices.preflight(recipe) + output_guard.preflight(recipe))
     watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training
-    output_guard.check_output_dir(recipe)
-    sharding.refuse_unsupported(recipe, sharding.requested_engine())
-    if recipe.hub.push:
-        hub.require_token()
-        hub.request_timeout()  # a malformed VIT_FINETUNE_HUB_TIMEOUT fails now, not after the training
-    tracking.check_trackers(recipe.train.report_to)
     accelerator = make_accelerator(recipe)
     threads = recipe.train.cpu_threads if accelerator.device.type == "cpu" else None
     with torch_threads(threads):  # before any weight exists: every sum splits the same way
         # One process per machine downloads; the others then read its cache, so only it talks to the Hub.
-        config = local_main_first(accelerator, partial(check_base_and_data, recipe, accelerator))
-        # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
-        vision = family_of(config).vision_config(config)
-        too_big = memory.why_it_cannot_fit(vision, recipe, accelerator.device)
-        if too_big:
-            raise RunError(too_big)
-        slow = memory.why_a_pass_is_slow(vision, recipe, accelerator.device)
+        config = local_main_first(accelerator, partial(preflight_with_base, recipe, accelerator))
+        slow = memory.why_a_pass_is_slow(family_of(config).vision_config(config), recipe, accelerator.device)
         if slow and accelerator.is_main_process:
             progress.say(slow)
         lock = output_guard.hold_output_dir(accelerator, recipe)  # the first write into output_dir
@@ -73,14 +64,14 @@ def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
             lock.release()
 
 
-def check_base_and_data(recipe: Recipe, accelerator: Accelerator):
-    """The base's config (config only: a wrong base or size fails before any download); a Hub dataset that cannot
-    be fetched is refused here too, before output_dir is touched."""
+def preflight_with_base(recipe: Recipe, accelerator: Accelerator):
+    """The pre-flight's second pass, from the base's config and the data's source alone (no weights, no images): the
+    model's, the data's and the teacher's problems, said together, before output_dir is touched. Returns the base's
+    config."""
     with hub.offline_unless(accelerator.is_local_main_process):
-        config = load_base_config(recipe.model)
-        data.refuse_unreachable(recipe.data)
-        if recipe.train.distill is not None:
-            distill.teacher_config(recipe.train.distill)  # a missing or multi-label teacher fails now
+        config, problems = loading.preflight(recipe, accelerator.device)
+        problems += data.preflight(recipe.data) + distill.preflight(recipe.train.distill)
+    raise_together(problems)
     return config
 
 
