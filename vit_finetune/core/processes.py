@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import select
 import shlex
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -211,19 +213,70 @@ def watch_launcher(grace_s: float, poll_s: float = LAUNCHER_POLL_S) -> None:
 
     A thread watches the parent pid (it changes when the parent dies: the orphan is re-parented).
     prctl(PR_SET_PDEATHSIG) would be cheaper but fires when the *thread* that started this process ends, which in
-    a launcher may be a helper thread while the launcher lives on."""
+    a launcher may be a helper thread while the launcher lives on. Accelerate's own launcher (1.16 on) pipes stderr
+    through itself: that pipe dies with it, and sys.stderr is made to outlive it (OutlivesItsReader)."""
     if _watching or not any(name in os.environ for name in LAUNCHER_VARIABLES):
         return
     launcher = os.getppid()
+    if _has_no_reader(2) is not None:  # a pipe: Accelerate's launcher (1.16 on) reads this process's stderr itself
+        sys.stderr = OutlivesItsReader(sys.stderr)
     watcher = threading.Thread(target=_stop_when_orphaned, args=(launcher, grace_s, poll_s),
                                name="launcher-watchdog", daemon=True)
     _watching.append(watcher)
     watcher.start()
 
 
+def _has_no_reader(fd: int) -> bool | None:
+    """None where `fd` is not a pipe; else whether the pipe's reader is gone (Linux's poll() says POLLERR then)."""
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except OSError:
+        return True
+
+
+def _point_stderr_elsewhere() -> None:
+    """The launcher that read this process's stderr is gone: what the run says from now on (its stop, its checkpoint)
+    goes to its stdout, the launcher's own terminal or log that this process inherited, or nowhere if that is gone
+    too, rather than failing the run with BrokenPipeError."""
+    target = 1 if not _has_no_reader(1) else os.open(os.devnull, os.O_WRONLY)
+    os.dup2(target, 2)
+
+
+class OutlivesItsReader:
+    """sys.stderr, whose write and flush outlive a killed launcher that piped it: a BrokenPipeError moves file
+    descriptor 2 elsewhere (_point_stderr_elsewhere) and writes again there. A killed launcher is then a stop like
+    its SIGTERM (watch_launcher), not a crash of the training loop on its next progress line."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _point_stderr_elsewhere()
+            return self._stream.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _point_stderr_elsewhere()
+            self._stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def _stop_when_orphaned(launcher: int, grace_s: float, poll_s: float) -> None:
     while os.getppid() == launcher:
         time.sleep(poll_s)
+    if _has_no_reader(2):
+        _point_stderr_elsewhere()
     print(f"error: the launcher (pid {launcher}) that started this process is gone; stopping this process "
           f"(pid {os.getpid()}) too", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGTERM)
