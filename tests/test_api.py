@@ -131,3 +131,31 @@ def test_the_readmes_notebook_block_calls_the_api_as_it_is():
     recipe = eval(compile(ast.Expression(loading), "README.md", "eval"), {"vit_finetune": vit_finetune})
     assert (recipe.data.dataset, recipe.data.horizontal_flip, recipe.output_dir) == ("my_photos", False,
                                                                                      "outputs/my_photos_tiny")
+
+
+class KernelShell:
+    """What tqdm and the toolkit read of a Jupyter kernel's shell (IPython.get_ipython()): its config names the kernel
+    app. A kernel cannot run here (no ipykernel), so its shell is stood in for; IPython itself is real where present."""
+
+    config = {"IPKernelApp": {"connection_file": "kernel.json"}}
+
+
+def test_progress_in_a_notebook_cell_is_a_bar_and_plain_lines_elsewhere(monkeypatch, capsys):
+    from tqdm.std import tqdm
+
+    from vit_finetune.core import progress
+
+    plain = progress.progress(10, desc="train")  # pytest's stderr is no terminal: one line per logged step
+    assert isinstance(plain, progress.LogLines) and not progress.interactive()
+    fake_ipython = type(sys)("IPython")
+    fake_ipython.get_ipython = KernelShell
+    monkeypatch.setitem(sys.modules, "IPython", fake_ipython)
+    assert progress.in_notebook() and progress.interactive()
+    bar = progress.progress(10, desc="train")
+    try:
+        assert isinstance(bar, tqdm)  # tqdm.auto's: the notebook bar with ipywidgets, else its redrawn text bar
+        bar.update(3)
+    finally:
+        bar.close()
+    fake_ipython.get_ipython = lambda: None  # IPython imported in a plain interpreter: no kernel
+    assert not progress.in_notebook()

@@ -1,5 +1,5 @@
-"""What a run shows while it works: a redrawn bar on a terminal, plain periodic lines in a log file or CI, and
-only the result with --quiet.
+"""What a run shows while it works: a redrawn bar on a terminal or in a notebook's cell, plain periodic lines in a
+log file or CI, and only the result with --quiet.
 
 A redrawn tqdm bar written to a file is one endless line of carriage returns; a log reader wants one line per
 logged step instead.
@@ -62,8 +62,16 @@ def is_quiet() -> bool:
 
 
 def interactive() -> bool:
-    """A terminal that can redraw a bar (not a pipe, a log file or CI)."""
-    return sys.stderr.isatty()
+    """A terminal that can redraw a bar (not a pipe, a log file or CI), or a notebook's cell."""
+    return sys.stderr.isatty() or in_notebook()
+
+
+def in_notebook() -> bool:
+    """A Jupyter kernel runs this (Colab, Kaggle, JupyterLab): its stderr is no terminal, yet a cell redraws a bar, and
+    tqdm.auto draws its notebook bar there (ipywidgets'; without them, its plain bar). Read as tqdm.auto reads it."""
+    ipython = sys.modules.get("IPython")  # imported by the kernel itself: never imported here
+    shell = getattr(ipython, "get_ipython", lambda: None)() if ipython else None
+    return shell is not None and "IPKernelApp" in getattr(shell, "config", {})
 
 
 def say(text: str) -> None:
