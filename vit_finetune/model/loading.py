@@ -80,7 +80,20 @@ def preflight(recipe: Recipe, device: torch.device) -> tuple[PretrainedConfig | 
         return None, [problem]
     # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
     too_big = memory.why_it_cannot_fit(family_of(config).vision_config(config), recipe, device)
-    return config, [RunError(too_big)] if too_big else []
+    sizes = schedule_size_problems(recipe, family_of(config).patch_size(config))
+    return config, ([RunError(too_big)] if too_big else []) + sizes
+
+
+def schedule_size_problems(recipe: Recipe, patch_size: int) -> list[VitFinetuneError]:
+    """train.resolution_schedule's sizes that are no multiple of the base's patch size, each with the sizes that are."""
+    schedule = recipe.train.resolution_schedule
+    problems = []
+    for size, _share in schedule if isinstance(schedule, list) else []:
+        if size % patch_size:
+            low, high = (size // patch_size) * patch_size, (size // patch_size + 1) * patch_size
+            problems.append(ModelError(f"train.resolution_schedule size {size} is not a multiple of the base's patch "
+                                       f"size {patch_size}; use {low or high} or {high}"))
+    return problems
 
 
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
