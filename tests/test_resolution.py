@@ -27,6 +27,7 @@ from vit_finetune.training import resolution
 
 # 12 steps (6 an epoch): 3 at 16 px, then 9 at 32 px, the second stage starting inside epoch 0.
 SCHEDULE = "train.resolution_schedule=[[16, 0.25], [32, 0.75]]"
+EVAL = "train.eval_every_steps=2"  # an evaluation in each stage
 LABELS = ["cat", "dog", "fox"]
 
 
@@ -90,19 +91,33 @@ def test_every_family_moved_across_sizes_holds_the_tensors_of_the_base_loaded_at
                 assert torch.equal(model.eval()(pixel_values=pixels).logits, direct.eval()(pixel_values=pixels).logits)
 
 
+class Sizes(Callback):
+    """The pixels' size of each training batch and of the eval split at each evaluation, by step."""
+
+    def __init__(self):
+        self.trained, self.evaluated = [], []
+
+    def on_batch(self, run, batch):
+        self.trained.append((run.state.step + 1, batch["pixel_values"].shape[-1]))
+
+    def on_evaluate(self, run, metrics):
+        self.evaluated.append((run.state.step, run.parts.eval_loader.dataset[(0, 0)][0].shape[-1]))
+
+
 @pytest.fixture(scope="module")
 def scheduled(args, tmp_path_factory):
-    """The uninterrupted 2-stage run, every checkpoint kept, and the lines it printed."""
+    """The uninterrupted 2-stage run, every checkpoint kept, the lines it printed and the sizes it trained and
+    evaluated at."""
     out = tmp_path_factory.mktemp("scheduled") / "out"
-    printed = io.StringIO()
+    printed, sizes = io.StringIO(), Sizes()
     with contextlib.redirect_stdout(printed):
-        assert train([*args, SCHEDULE, f"output_dir={out}", "train.checkpoint_every_steps=2",
-                      "train.keep_checkpoints=10"]) == 0
-    return out, printed.getvalue().splitlines()
+        assert train([*args, SCHEDULE, EVAL, f"output_dir={out}", "train.checkpoint_every_steps=2",
+                      "train.keep_checkpoints=10"], callbacks=[sizes]) == 0
+    return out, printed.getvalue().splitlines(), sizes
 
 
 def test_a_scheduled_run_says_its_stages_and_saves_a_plain_model_at_the_final_size(scheduled, tmp_path):
-    out, lines = scheduled
+    out, lines, sizes = scheduled
     assert "resolution stage 1 of 2: 16 px, steps 1-3 (3 steps)" in lines
     assert "resolution stage 2 of 2: 32 px, steps 4-12 (9 steps)" in lines
     assert any(line.startswith("resolution stage 1 of 2 (16 px): 3 steps in ") and "images/s" in line for line in lines)
@@ -110,8 +125,10 @@ def test_a_scheduled_run_says_its_stages_and_saves_a_plain_model_at_the_final_si
     assert [(s["image_size"], s["first_step"], s["steps"]) for s in stages] == [(16, 0, 3), (32, 3, 9)]
     assert all(s["seconds"] > 0 and s["images_per_s"] > 0 for s in stages)
     assert "Resolution schedule (`train.resolution_schedule`): 16 px for 3 steps" in (out / "README.md").read_text()
-    # The evaluation after epoch 0 (step 6) and the final one ran at 32 px; the saved model is a 32 px model.
-    assert [e["step"] for e in history(out) if "eval_accuracy" in e] == [6, 12]
+    # Crops and evaluations at the stage's size, the final evaluation at model.image_size; a plain 32 px model saved.
+    assert sizes.trained == [(step, 16 if step <= 3 else 32) for step in range(1, 13)]
+    assert sizes.evaluated == [(2, 16), (4, 32), (6, 32), (8, 32), (10, 32), (12, 32)]
+    assert [e["step"] for e in history(out) if "eval_accuracy" in e] == [2, 4, 6, 8, 10, 12]
     model = AutoModelForImageClassification.from_pretrained(out)
     assert model.config.image_size == 32 and model.vit.embeddings.position_embeddings.shape == (1, 65, 32)
     classify = pipeline("image-classification", model=str(out))
@@ -120,7 +137,7 @@ def test_a_scheduled_run_says_its_stages_and_saves_a_plain_model_at_the_final_si
 
 
 def test_each_checkpoint_records_its_stage_and_holds_the_weights_at_its_size(scheduled):
-    out, _lines = scheduled
+    out = scheduled[0]
     for step, stage, size in ((2, 0, 16), (4, 1, 32)):
         folder = completed(out, step).parent
         state = json.loads((folder / "trainer_state.json").read_text())
@@ -130,8 +147,8 @@ def test_each_checkpoint_records_its_stage_and_holds_the_weights_at_its_size(sch
 
 
 def test_killed_in_the_first_stage_and_resumed_across_its_end_equals_the_uninterrupted_run(args, scheduled, tmp_path):
-    out = killed_after_a_checkpoint([*args, SCHEDULE, "train.keep_checkpoints=10"], tmp_path / "out")  # at step 2
-    assert train([*args, SCHEDULE, f"output_dir={out}", "train.checkpoint_every_steps=2",
+    out = killed_after_a_checkpoint([*args, SCHEDULE, EVAL, "train.keep_checkpoints=10"], tmp_path / "out")  # at 2
+    assert train([*args, SCHEDULE, EVAL, f"output_dir={out}", "train.checkpoint_every_steps=2",
                   "train.keep_checkpoints=10", "train.resume=auto"]) == 0
     assert history(out) == history(scheduled[0])
     assert_bit_identical(out / "model.safetensors", scheduled[0] / "model.safetensors")
