@@ -132,13 +132,14 @@ class Schedule:
         """The stage in use ends: its seconds recorded and its cost said."""
         if self.stage is None:
             return
-        stage, entry = self.stages[self.stage], run.state.resolution["stages"][self.stage]
+        index = self.stage
+        stage, entry = self.stages[index], run.state.resolution["stages"][index]
         entry["seconds"] = round(entry["seconds"] + time.perf_counter() - self.started, 3)
         images = self.images_read(stage.first_step + stage.steps) - self.images_read(stage.first_step)
         entry["images_per_s"] = round(images / entry["seconds"], 1) if entry["seconds"] else None
         self.stage = None
         if run.accelerator.is_main_process:
-            progress.say(f"resolution stage {self.stages.index(stage) + 1} of {len(self.stages)} ({stage.size} px): "
+            progress.say(f"resolution stage {index + 1} of {len(self.stages)} ({stage.size} px): "
                          f"{stage.steps} steps in {entry['seconds']:.1f} s, {entry['images_per_s']} images/s")
 
     def _move(self, model, optimizer, size: int) -> None:
