@@ -21,6 +21,7 @@ from tiny import TINY_FAMILIES, make_tiny_family
 from vit_finetune.core.errors import RunError
 from vit_finetune.model import loading
 from vit_finetune.model.families import FAMILIES
+from vit_finetune.model.positions import resample_position_embeddings
 from vit_finetune.outputs.callbacks import Callback
 from vit_finetune.recipe import ModelSettings, Recipe
 from vit_finetune.training import resolution
@@ -102,6 +103,23 @@ class Sizes(Callback):
 
     def on_evaluate(self, run, metrics):
         self.evaluated.append((run.state.step, run.parts.eval_loader.dataset[(0, 0)][0].shape[-1]))
+
+
+def test_what_training_changed_in_a_table_moves_with_it_once_resampled(base):
+    kept = []
+    model = loading.build_model(ModelSettings(base=str(base), image_size=32), LABELS, keep_base=kept.append)
+    table = model.vit.embeddings.position_embeddings
+    learned = 0.01 * torch.randn(table.shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        table += learned  # as steps at 32 px would have changed it
+    movers = loading.at_image_size(model, kept[0], 16)
+    direct = loading.build_model(ModelSettings(base=str(base), image_size=16), LABELS).vit.embeddings
+    expected = direct.position_embeddings + resample_position_embeddings(learned, (4, 4))
+    assert model.vit.embeddings.position_embeddings is table  # the same parameter: an optimiser keeps it
+    # (table + learned) - table is learned up to float32's rounding
+    torch.testing.assert_close(table.detach(), expected.detach(), rtol=0, atol=1e-7)
+    assert not torch.allclose(table.detach(), direct.position_embeddings.detach(), atol=1e-4)
+    assert list(movers) == [table] and movers[table](learned).shape == (1, 17, 32)  # so do its optimiser moments
 
 
 @pytest.fixture(scope="module")
