@@ -48,8 +48,10 @@ class AbsoluteTable:
 class PatchGridBiasTables:
     """BEiT/Data2Vec relative position bias, per layer or shared: sized by the patch grid, 3 CLS rows at the end."""
 
+    suffix: str = "relative_position_bias_table"
+
     def __call__(self, state: State, geometry: Geometry) -> None:
-        for key in [k for k in state if k.endswith("relative_position_bias_table")]:
+        for key in [k for k in state if k.endswith(self.suffix)]:
             state[key] = resize_relative_bias_table(state[key], 2 * geometry.new_grid[0] - 1, "bilinear", extra_rows=3)
 
 
@@ -57,10 +59,12 @@ class PatchGridBiasTables:
 class WindowBiasTables:
     """Swin relative position bias: sized by the attention window, so resized only when the window changes."""
 
+    suffix: str = "relative_position_bias_table"
+
     def __call__(self, state: State, geometry: Geometry) -> None:
         if geometry.new_window == geometry.old_window:
             return
-        for key in [k for k in state if k.endswith("relative_position_bias_table")]:
+        for key in [k for k in state if k.endswith(self.suffix)]:
             state[key] = resize_relative_bias_table(state[key], 2 * geometry.new_window - 1, "bicubic")
 
 
@@ -155,6 +159,11 @@ class Family:
     def new_modules(self) -> tuple[str, ...]:
         """Name prefixes of what may be newly initialised: the head, and what the family adds with it."""
         return (f"{self.head}.", *(f"{name}." for name in self.fresh_with_head))
+
+    def position_keys(self, state: State) -> list[str]:
+        """The keys of `state` that one of self.position resizes (its `suffix` ends them): the tensors a new size moves."""
+        suffixes = tuple(resize.suffix for resize in self.position)
+        return [key for key in state if suffixes and key.endswith(suffixes)]
 
     def model_class(self) -> type:
         return getattr(transformers, self.classification_class)

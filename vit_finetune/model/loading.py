@@ -80,7 +80,20 @@ def preflight(recipe: Recipe, device: torch.device) -> tuple[PretrainedConfig | 
         return None, [problem]
     # CLIP and SigLIP keep the vision tower's sizes under vision_config, as every family entry knows.
     too_big = memory.why_it_cannot_fit(family_of(config).vision_config(config), recipe, device)
-    return config, [RunError(too_big)] if too_big else []
+    sizes = schedule_size_problems(recipe, family_of(config).patch_size(config))
+    return config, ([RunError(too_big)] if too_big else []) + sizes
+
+
+def schedule_size_problems(recipe: Recipe, patch_size: int) -> list[VitFinetuneError]:
+    """train.resolution_schedule's sizes that are no multiple of the base's patch size, each with the sizes that are."""
+    schedule = recipe.train.resolution_schedule
+    problems = []
+    for size, _share in schedule if isinstance(schedule, list) else []:
+        if size % patch_size:
+            low, high = (size // patch_size) * patch_size, (size // patch_size + 1) * patch_size
+            problems.append(ModelError(f"train.resolution_schedule size {size} is not a multiple of the base's patch "
+                                       f"size {patch_size}; use {low or high} or {high}"))
+    return problems
 
 
 def load_base_config(settings: ModelSettings) -> PretrainedConfig:
@@ -268,13 +281,29 @@ def absolute_table(family: Family, state: dict[str, torch.Tensor]) -> torch.Tens
     return None if table is None else table.detach().reshape(1, -1, table.shape[-1]).clone()
 
 
+class BaseTables(NamedTuple):
+    """The base's own position tensors as loaded, at its own geometry (`config`): what every later size is resampled
+    from (at_image_size), so no table is ever resampled from a resampled one."""
+
+    config: PretrainedConfig
+    state: dict[str, torch.Tensor]
+
+
+def base_tables_of(family: Family, config: PretrainedConfig, state: dict[str, torch.Tensor]) -> BaseTables:
+    return BaseTables(copy.deepcopy(config), {key: state[key].detach().float().clone()
+                                              for key in family.position_keys(state)})
+
+
 def build_model(settings: ModelSettings, labels: list[str],
-                on_resample: Callable[[torch.Tensor | None, torch.Tensor], None] | None = None) -> PreTrainedModel:
+                on_resample: Callable[[torch.Tensor | None, torch.Tensor], None] | None = None,
+                keep_base: Callable[[BaseTables], None] | None = None) -> PreTrainedModel:
     """Pretrained model at `settings.image_size` with a new head for `labels` (LoRA not yet applied).
 
     `on_resample(before, after)` receives the absolute position table as loaded and as resampled (before is None
     for a model from random weights), e.g. to draw them; it is not called for a family without one, nor for a table
     kept at the base's own grid (nothing moved: a "before and after" would show the same table twice).
+    `keep_base(tables)` receives the base's position tensors before any resample (from random weights: the model's
+    own), for a run that changes size later (train.resolution_schedule).
     """
     if not settings.pretrained:
         config = target_config(load_base_config(settings), settings, labels)
@@ -284,6 +313,8 @@ def build_model(settings: ModelSettings, labels: list[str],
         after = absolute_table(family_of(config), model.state_dict())
         if on_resample is not None and after is not None:
             on_resample(None, after)
+        if keep_base is not None:
+            keep_base(base_tables_of(family_of(config), config, model.state_dict()))
         return model
     family = family_of(load_base_config(settings), settings.base)
     pretrained = load_pretrained(settings, family)
@@ -295,6 +326,8 @@ def build_model(settings: ModelSettings, labels: list[str],
 
     # What the family initialises with the head (BEiT's pooling norm) is in `pretrained`: loaded, or fresh there.
     state = {k: v for k, v in pretrained.state_dict().items() if keeps_head or not k.startswith(f"{family.head}.")}
+    if keep_base is not None:
+        keep_base(base_tables_of(family, pretrained.config, state))
     before = absolute_table(family, state)
     moved = geometry(family, pretrained.config, config)
     for resize in family.position:
@@ -305,6 +338,78 @@ def build_model(settings: ModelSettings, labels: list[str],
         state.update(new_head_state(getattr(model, family.head), settings.head_init, family.head))
     model.load_state_dict(state, strict=True)  # strict: every tensor but the new head comes from the checkpoint
     return model
+
+
+def at_image_size(model: nn.Module, base: BaseTables, size: int) -> dict[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]]:
+    """`model` (a built classifier, LoRA's wrapper too) moved in place to `size` px, as build_model would have built
+    it there: each position tensor resampled from the base's own (`base`), plus what training has changed in it since
+    (its difference from the base's at the current size, resampled once), and every size the modules keep (patch
+    counts, grids, Swin's windows, CLIP's position ids) taken from a model built fresh at `size`. The parameters stay
+    the same objects, so an optimiser keeps them. Returns, for each parameter whose shape changed, how a tensor of
+    its old shape moves (an optimiser's moments)."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA's wrapper: the model inside
+    family = family_of(core.config)
+    if family.image_size(core.config) == size:
+        return {}
+    target = copy.deepcopy(core.config)
+    check_image_size(size, family.patch_size(target))
+    family.set_image_size(target, size)
+    with report_errors_only():
+        fresh = type(core)(target)
+    now, after = geometry(family, base.config, core.config), geometry(family, base.config, target)
+    step = geometry(family, core.config, target)
+
+    def moved(key: str, tensor: torch.Tensor, how: Geometry) -> torch.Tensor:
+        one = {key: tensor}
+        for resize in family.position:
+            resize(one, how)
+        return one[key]
+
+    parameters = dict(core.named_parameters())
+    movers: dict[nn.Parameter, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for key in family.position_keys(parameters):
+        parameter, table = parameters[key], base.state[key].to(parameters[key].device)
+        learned = parameter.detach().float() - moved(key, table, now)  # what the steps so far changed in it
+        parameter.data = (moved(key, table, after) + moved(key, learned, step)).to(parameter.dtype)
+        movers[parameter] = lambda tensor, key=key: moved(key, tensor, step)
+    _adopt_sizes(core, fresh, {id(old): new for old, new in _configs(core.config, target)},
+                 {id(parameter) for parameter in movers})
+    return movers
+
+
+def _configs(old: PretrainedConfig, new: PretrainedConfig):
+    """The config and its sub-configs (CLIP's vision_config), paired with their copies at the new size."""
+    yield old, new
+    for key, value in vars(old).items():
+        if isinstance(value, PretrainedConfig):
+            yield value, getattr(new, key)
+
+
+def _adopt_sizes(core: nn.Module, fresh: nn.Module, configs: dict[int, PretrainedConfig], moved: set[int]) -> None:
+    """Each module of `core` takes from its twin in `fresh` what depends on the size: whole-number and tuple
+    attributes, buffers (position ids, relative index tables) and the config; a parameter other than the moved ones
+    whose shape would change means a layout this toolkit does not know, and is refused."""
+    twins = dict(fresh.named_modules())
+    for name, module in core.named_modules():
+        twin = twins.get(name)
+        if twin is None or type(twin) is not type(module):  # a module LoRA added or wrapped: no size of its own
+            continue
+        for key, value in list(vars(module).items()):
+            if id(value) in configs:
+                setattr(module, key, configs[id(value)])
+            elif (not key.startswith("_") and key != "training" and isinstance(value, (int, tuple, list))
+                  and key in vars(twin) and vars(twin)[key] != value):
+                setattr(module, key, copy.deepcopy(vars(twin)[key]))
+        for key, buffer in module._buffers.items():
+            theirs = twin._buffers.get(key)
+            if buffer is not None and theirs is not None and (buffer.shape != theirs.shape or not torch.equal(buffer, theirs)):
+                module._buffers[key] = theirs.to(buffer.device)
+        for key, parameter in module._parameters.items():
+            theirs = twin._parameters.get(key)
+            if parameter is not None and id(parameter) not in moved and theirs is not None and parameter.shape != theirs.shape:
+                raise ModelError(f"{name}.{key} changes shape at a new size ({tuple(parameter.shape)} -> "
+                                 f"{tuple(theirs.shape)}) and is no position tensor {family_of(core.config).name} "
+                                 "records: this model cannot change size during training")
 
 
 def keeps_base_head(settings: ModelSettings, labels: list[str]) -> bool:
@@ -363,6 +468,11 @@ def load_image_processor(settings: ModelSettings, image_size: int):
                                             trust_remote_code=settings.trust_remote_code)
         family = IMAGE_PROCESSOR_MAPPING_NAMES[config.model_type]
         processor = get_image_processor_class_from_name(family[IMAGE_PROCESSOR_BACKEND])()
+    return processor_at_size(processor, image_size)
+
+
+def processor_at_size(processor, image_size: int):
+    """The image processor resizing (and centre-cropping, where it crops) to `image_size`; changed in place."""
     processor.size = {"height": image_size, "width": image_size}
     if getattr(processor, "crop_size", None):
         processor.crop_size = {"height": image_size, "width": image_size}

@@ -241,7 +241,11 @@ def info_text(info: dict | None) -> str:
     versions = ", ".join(f"{name} {version}" for name, version in info["versions"].items())
     rate = f"{info['images_per_s']} images/s (median over logged steps)" if info["images_per_s"] else "images/s not logged"
     resumed = f"; resumed from {markdown_code(info['resumed_from'])}" if info["resumed_from"] else ""
-    return (f"- Saved weights: {info['weights']}\n"
+    stages = info.get("resolution_stages")
+    schedule = (f"- Resolution schedule (`train.resolution_schedule`): " + ", then ".join(
+        f"{entry['image_size']} px for {entry['steps']} steps ({duration(entry['seconds'])})" for entry in stages)
+        + "; the saved model runs at the last size\n") if stages else ""
+    return (f"- Saved weights: {info['weights']}\n{schedule}"
             f"- Training time: {duration(info['training_seconds'])} on {info['processes']} x {markdown_text(info['device'])} "
             f"(mixed precision: {info['mixed_precision']}), {rate}{resumed}\n"
             f"- Versions: {versions} (also in [`{RUN_INFO_FILE}`]({RUN_INFO_FILE}))\n")

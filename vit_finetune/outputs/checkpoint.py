@@ -65,6 +65,8 @@ class TrainState:
     evaluations_without_gain: int = 0
     stopped_early: bool = False
     probe: dict | None = None  # train.method linear_probe / lp_ft: how the head was fitted (probe.ProbeResult)
+    # train.resolution_schedule: the stage and size these weights are at, and each stage's record (resolution.py)
+    resolution: dict | None = None
 
 
 
@@ -279,8 +281,10 @@ def _differs(saved_hash: str | None, current_hash: str | None) -> bool:
     return saved_hash is not None and current_hash is not None and saved_hash != current_hash
 
 
-def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> TrainState:
-    """Model from safetensors; optimizer, scheduler and RNG through torch.load(weights_only=True)."""
+def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict,
+                    before_load: Callable[[dict], None] | None = None) -> TrainState:
+    """Model from safetensors; optimizer, scheduler and RNG through torch.load(weights_only=True). `before_load`
+    sees the saved trainer state first (a resolution schedule moves the model to the size it was saved at)."""
     from accelerate.utils import load
 
     refuse_changed_recipe(checkpoint, recipe)
@@ -297,6 +301,8 @@ def load_checkpoint(accelerator, checkpoint: Path, recipe: Recipe, data_identity
         # Accelerate skips an RNG file it cannot read without a word, and the resumed run would then quietly
         # differ from the original; reading it here first turns that into an error.
         load(checkpoint / f"random_states_{accelerator.process_index}.pkl")
+        if before_load is not None:
+            before_load(read_saved_state(checkpoint)[1])
         accelerator.load_state(str(checkpoint))
         return TrainState(**read_saved_state(checkpoint)[1])
     except READ_ERRORS as error:
@@ -330,14 +336,15 @@ def unreadable_file(checkpoint: Path) -> str | None:
     return None
 
 
-def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict) -> tuple[Path, TrainState]:
+def load_resumable(accelerator, checkpoint: Path, recipe: Recipe, data_identity: dict,
+                   before_load: Callable[[dict], None] | None = None) -> tuple[Path, TrainState]:
     """Load `checkpoint`; with train.resume=auto, a damaged one is moved aside and the next older one loaded.
 
     Every process must agree: one that cannot read its part makes all of them move on (or stop) together."""
     while True:
         damage = None
         try:
-            state = load_checkpoint(accelerator, checkpoint, recipe, data_identity)
+            state = load_checkpoint(accelerator, checkpoint, recipe, data_identity, before_load)
         except DamagedCheckpoint as error:
             damage = error
         if not any_process(accelerator, damage is not None):

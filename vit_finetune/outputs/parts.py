@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # annotations only: the callbacks' module stays light to impo
     from vit_finetune.data.augment import BatchAugmenter
     from vit_finetune.training.distill import Teacher, TeacherLogitsCache
     from vit_finetune.training.probe import ProbeResult
+    from vit_finetune.training.resolution import Schedule
     from vit_finetune.data.streaming import StreamLoader
     from vit_finetune.tasks import Task
 
@@ -40,3 +41,4 @@ class Parts:
     probe: ProbeResult | None = None  # train.method linear_probe / lp_ft: how the head was fitted (None on a resume)
     data_facts: dict = field(default_factory=dict)  # what metrics.json records of the training split (data.training_facts)
     wise_ft_start: dict | None = None  # train.wise_ft_alpha < 1: the probe's model, which the final weights move toward
+    resolution: Schedule | None = None  # train.resolution_schedule: its stages (None: one size throughout)

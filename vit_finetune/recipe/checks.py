@@ -131,6 +131,7 @@ def check_recipe(recipe: Recipe) -> None:
     if recipe.train.distill is not None and recipe.train.distill.cache_logits:
         problems.extend(_cache_logits_problems(recipe))
     problems.extend(_method_problems(recipe))
+    problems.extend(_resolution_problems(recipe))
     problems.extend(_wise_ft_problems(recipe))
     problems.extend(_lp_ft_head_scale_problems(recipe))
     warmup = recipe.train.warmup_steps
@@ -199,6 +200,34 @@ def _method_problems(recipe: Recipe) -> list[str]:
         problems.append(f"train.method=linear_probe reads each training image once, unaugmented, so {', '.join(drawing)} "
                         "would never be used; turn them off, or use train.method=lp_ft (the fine-tuning after the "
                         "probe uses them)")
+    return problems
+
+
+def _resolution_problems(recipe: Recipe) -> list[str]:
+    """What a train.resolution_schedule cannot be combined with: a final size other than model.image_size, a stream,
+    a method without optimiser steps, weight selections across sizes, a teacher's logits cached at one size."""
+    schedule = recipe.train.resolution_schedule
+    if schedule is None or schedule == "auto":
+        return []
+    given, t = f"train.resolution_schedule={as_yaml_value([list(pair) for pair in schedule])}", recipe.train
+    problems = []
+    if schedule[-1][0] != recipe.model.image_size:
+        problems.append(f"{given} ends at {schedule[-1][0]} px, and the saved model is model.image_size="
+                        f"{recipe.model.image_size}: end the schedule at [{recipe.model.image_size}, share], or set "
+                        f"model.image_size={schedule[-1][0]}")
+    if recipe.data.streaming:
+        problems.append(f"{given} restarts the epoch's reading at each new size, which a stream cannot "
+                        "(data.streaming=true); set train.resolution_schedule=null or data.streaming=false")
+    if t.method == "linear_probe":
+        problems.append(f"{given} divides the optimiser steps, and train.method=linear_probe takes none; set "
+                        "train.resolution_schedule=null, or train.method=finetune or lp_ft")
+    selecting = weight_selection_settings(recipe)
+    if selecting:
+        problems.append(f"{given} evaluates each stage at its own size, so {', '.join(selecting)} would compare or "
+                        "average weights across sizes; remove them, or set train.resolution_schedule=null")
+    if t.distill is not None and t.distill.cache_logits:
+        problems.append(f"{given} changes the training pixels' size between stages, and train.distill.cache_logits="
+                        "true labels them once; set train.distill.cache_logits=false or train.resolution_schedule=null")
     return problems
 
 

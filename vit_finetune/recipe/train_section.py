@@ -158,6 +158,36 @@ class TrainSettings(Strict):
         "methods.auto_lp_ft_head_scale, 0.2 for a regression where the regression study measured it, else 1, "
         "printed with its reason"))
 
+    resolution_schedule: list[tuple[StrictInt, Float]] | Literal["auto"] | None = Field(None, description=(
+        "train at lower sizes first: [[size, share], ...] of the optimiser steps, sizes increasing, shares summing to "
+        "1, the last size model.image_size, e.g. [[224, 0.7], [384, 0.3]]; each stage's position tables resampled "
+        "from the base's own, its crops and evaluations at its size, the saved model at model.image_size; null = "
+        "off; auto: resolution.auto_schedule, a measured schedule (none yet: off), printed with its reason"))
+
+    @field_validator("resolution_schedule", mode="before")
+    @classmethod
+    def _schedule_shape(cls, value):
+        """One clear problem for a schedule that is not [[size, share], ...] in order, not one per union member."""
+        if value is None or value == "auto":
+            return value
+        example = "e.g. [[224, 0.7], [384, 0.3]]"
+        pairs = value if isinstance(value, (list, tuple)) else None
+        if not pairs or not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int)
+                                and not isinstance(p[0], bool) and isinstance(p[1], (int, float))
+                                and not isinstance(p[1], bool) for p in pairs):
+            raise ValueError(f"must be null, auto or a list of [size, share] pairs, got {value!r}; {example}")
+        sizes, shares = [p[0] for p in pairs], [float(p[1]) for p in pairs]
+        if len(pairs) < 2:
+            raise ValueError(f"{value!r} has one size, which is the run without a schedule: give two or more sizes, "
+                             f"{example}, or null")
+        if any(size <= 0 for size in sizes) or sizes != sorted(set(sizes)):
+            raise ValueError(f"sizes {sizes} must be positive and strictly increasing (the last is model.image_size); "
+                             f"{example}")
+        if any(not 0 < share <= 1 for share in shares) or abs(sum(shares) - 1) > 1e-6:
+            raise ValueError(f"shares {shares} must each be in (0, 1] and sum to 1 (they sum to {sum(shares):g}): "
+                             f"they are shares of the optimiser steps; {example}")
+        return value
+
     @field_validator("lr", "head_lr", mode="before")
     @classmethod
     def _lr_number_or_auto(cls, value):

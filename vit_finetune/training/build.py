@@ -5,6 +5,9 @@ says, the loaders, the optimiser and its schedule, the batch augmentations, and 
 
 from __future__ import annotations
 
+import copy
+from functools import partial
+
 from accelerate import Accelerator
 
 from vit_finetune import data, tasks
@@ -14,12 +17,12 @@ from vit_finetune.data import augment, streaming
 from vit_finetune.model import compiling
 from vit_finetune.model.loading import (
     base_on_meta, base_parameter_count, build_model, has_distillation_token, head_names, keeps_base_head,
-    load_image_processor, with_distillation_head,
+    load_image_processor, processor_at_size, with_distillation_head,
 )
 from vit_finetune.model.lora import apply_lora
 from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe, methods
-from vit_finetune.training import distill, plan, probe, probe_checks, wise_ft
+from vit_finetune.training import distill, plan, probe, probe_checks, resolution, wise_ft
 from vit_finetune.training.optim import build_optimizer, build_scheduler
 
 
@@ -46,16 +49,20 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     size = plan.RunSize.of(asked, rows, len(splits.labels), None if streamed else len(splits.eval),
                            accelerator.num_processes, base_parameter_count(base))
     recipe = plan.plan_run(asked, size, accelerator, task, head_kept=keeps_base_head(asked.model, splits.labels),
-                           compile_facts=compiling.facts_of(base.model, asked.model.image_size))
+                           compile_facts=compiling.facts_of(base.model, asked.model.image_size),
+                           base_image_size=base.family.image_size(base.model.config))
     # From here on only the recipe as run is read.
     method = methods.METHODS[recipe.train.method]
     total_steps = size.total_steps if method.fine_tunes else 0  # the probe alone is the whole training
     if method.fine_tunes and recipe.train.warmup_steps >= total_steps:
         raise RunError(f"train.warmup_steps={recipe.train.warmup_steps} is not below the run's {total_steps} steps; "
                        "lower it or train longer")
+    stages = resolution.stages_of(recipe.train.resolution_schedule, total_steps)  # []: one size throughout
     tables: dict = {}
+    kept = []  # the base's own position tensors, which each stage is resampled from
     model = build_model(recipe.model, splits.labels,
-                        on_resample=lambda before, after: tables.update(before=before, after=after))
+                        on_resample=lambda before, after: tables.update(before=before, after=after),
+                        keep_base=kept.append if stages else None)
     checks = probe_checks.FeatureChecks(model, splits, recipe.data, processor, accelerator, task, recipe.train.seed,
                                         recipe.train.batch_size, recipe.model.image_size)
     recipe, checked = plan.plan_from_features(recipe, checks, accelerator.is_main_process)
@@ -92,6 +99,13 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
                                              augment.total_epochs(total_steps, size.steps_per_epoch),
                                              accelerator.process_index, recipe.train.label_smoothing,
                                              mix_targets=task.mixed_targets)
+    schedule = None
+    if stages:
+        per_step = recipe.train.batch_size * accelerator.num_processes * recipe.train.grad_accum
+        schedule = resolution.Schedule(
+            stages, kept[0], lambda px: make_loaders(splits, recipe, processor_at_size(copy.deepcopy(processor), px),
+                                                     accelerator, workers, sampler, px),
+            partial(plan.images_read, rows, size.steps_per_epoch, images_per_step=per_step), recipe.model.image_size)
     identity = dict(splits.identity if streamed else data.identity(splits))
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
@@ -100,7 +114,8 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
                          augment=batch_augmenter, steps_per_epoch=size.steps_per_epoch, total_steps=total_steps,
                          eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
                          class_weights=None if class_weights is None else class_weights.to(accelerator.device),
-                         teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start)
+                         teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start,
+                         resolution=schedule)
 
 
 def open_data(recipe: Recipe, accelerator: Accelerator) -> tuple[data.Splits | streaming.StreamedSplits, int]:
@@ -158,10 +173,12 @@ def freeze_all_but_heads(model) -> None:
         parameter.requires_grad = name.startswith(heads)
 
 
-def make_loaders(splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int, sampler) -> tuple:
+def make_loaders(splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int, sampler,
+                 image_size: int | None = None) -> tuple:
     """The training loader (each image cropped and flipped as data.crop_scale and data.horizontal_flip say, resized as
-    evaluation resizes) and the eval loader (the saved image processor's preprocessing); a stream's own loaders."""
-    size, seed, batch_size = recipe.model.image_size, recipe.train.seed, recipe.train.batch_size
+    evaluation resizes) and the eval loader (the saved image processor's preprocessing); a stream's own loaders.
+    `image_size`: a resolution stage's, with `processor` at it (None: model.image_size)."""
+    size, seed, batch_size = image_size or recipe.model.image_size, recipe.train.seed, recipe.train.batch_size
     resample = data.resample_of(processor)  # training resizes as evaluation does
 
     def train_pixels(image, index, epoch):

@@ -78,6 +78,8 @@ def save_and_say(training: TrainingRun, keeper: selection.WeightSelection, metri
                     state.history, training_seconds, resumed_from, metrics)
     if parts.probe is not None:
         info["probe_seconds"] = round(parts.probe.seconds, 1)
+    if state.resolution is not None:  # train.resolution_schedule: each stage's size, steps and cost
+        info["resolution_stages"] = state.resolution["stages"]
     draw = None
     # The pictures show eval images by their place in the split, which a stream cannot look up.
     if recipe.pictures and not recipe.data.streaming:

@@ -96,7 +96,10 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, cal
     accelerator, parts, state = run.accelerator, run.parts, run.state
     boundary = StepBoundary(accelerator, state, log) if stops_between_passes(run) else None
     skips = loss_scale.skipped_steps(accelerator, state)
+    stages = parts.resolution  # None: one size throughout
     while state.step < parts.total_steps and not state.stopped_early:
+        if stages is not None:
+            stages.enter(run)  # the next step's size: the model and the loaders moved to it if it changed
         step_starts = True
         for batch in _epoch_batches(run):
             if boundary is not None and step_starts:
@@ -112,14 +115,17 @@ def _optimiser_steps(run: TrainingRun, log: TrainLog, watch: NonFiniteWatch, cal
                 state.step += 1
                 log.add_step(lr)
                 yield finite
+                if stages is not None and stages.changes_after(state.step):
+                    break  # a new size from the next step on: the epoch's reading restarts, as a resume's does
             elif boundary is not None and any_process_interrupted(interrupt, accelerator):  # a collective, as at a step's end
                 boundary.restore(parts.model)
                 return
-        report_skipped(accelerator, run.recipe, state.epoch, log)
-        state.epoch += 1
-        state.batches_done = 0
-        if not eval_every_steps(run) and state.step < parts.total_steps:
-            _evaluate_during_training(run, callbacks, watch)
+        else:
+            report_skipped(accelerator, run.recipe, state.epoch, log)
+            state.epoch += 1
+            state.batches_done = 0
+            if not eval_every_steps(run) and state.step < parts.total_steps:
+                _evaluate_during_training(run, callbacks, watch)
 
 
 def eval_every_steps(run: TrainingRun) -> int | None:

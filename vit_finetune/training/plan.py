@@ -21,7 +21,7 @@ from vit_finetune.recipe import (
     Recipe, methods, probe_unused_settings, step_only_settings, weight_selection_settings, without_pixel_draws,
 )
 from vit_finetune.tasks import Task, evaluation
-from vit_finetune.training import optim, probe_checks, sharding, wise_ft
+from vit_finetune.training import optim, probe_checks, resolution, sharding, wise_ft
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,7 @@ class RunFacts:
     head_kept: bool  # a student keeps its base's trained head
     unaveraged: str | None  # a setting WiSE-FT's average was not measured with (auto's alpha is then 1)
     compile_facts: compiling.CompileFacts = compiling.CompileFacts()  # the base, as model.compile=auto reads it
+    base_image_size: int = 0  # the base's own size, as train.resolution_schedule=auto reads it
 
 
 def _method(recipe: Recipe, facts: RunFacts) -> tuple[str, str]:
@@ -112,6 +113,8 @@ AUTO: dict[str, Callable[[Recipe, RunFacts], tuple[Any, str]]] = {
     "train.wise_ft_alpha": lambda recipe, facts: wise_ft.auto_alpha(recipe.train.method, facts.unaveraged,
                                                                      facts.size.epochs, facts.task.wise_ft_auto_alpha),
     "train.eval_every_steps": _eval_every_steps,
+    "train.resolution_schedule": lambda recipe, facts: resolution.auto_schedule(
+        facts.base_image_size, recipe.model.image_size, facts.processes, facts.sharded),
 }
 # A linear probe takes no optimiser step: of the choices above only these two concern it.
 SAID_FOR_A_PROBE = ("train.method", "train.mixed_precision")
@@ -136,8 +139,14 @@ def said_of_the_crop(key: str, value: Any, why: str, facts: RunFacts) -> str:
             f"  why: this run sees {facts.size.images_seen:,} training images; {why}")
 
 
+def said_of_the_schedule(key: str, value: Any, why: str, facts: RunFacts) -> str:
+    chosen = "off" if value is None else ", then ".join(f"{share:.0%} of the steps at {px} px" for px, share in value)
+    return f"{key}=auto -> {chosen}: {why}; set {key} to choose"
+
+
 # How a choice is said, where not plainly.
-SAID: dict[str, Callable[[str, Any, str, RunFacts], str]] = {"data.crop_scale": said_of_the_crop}
+SAID: dict[str, Callable[[str, Any, str, RunFacts], str]] = {"data.crop_scale": said_of_the_crop,
+                                                             "train.resolution_schedule": said_of_the_schedule}
 
 
 def setting(recipe: Recipe, key: str) -> Any:
@@ -151,7 +160,7 @@ def with_setting(recipe: Recipe, key: str, value: Any) -> Recipe:
 
 
 def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: bool = False,
-             compile_facts: compiling.CompileFacts = compiling.CompileFacts()) -> Recipe:
+             compile_facts: compiling.CompileFacts = compiling.CompileFacts(), base_image_size: int = 0) -> Recipe:
     """The recipe as this run runs it: every `auto` of `asked` resolved (AUTO) and said on the main process, and
     under a linear probe the settings it leaves unused switched off; `head_kept`: a student keeps its base's trained
     head; `compile_facts`: the base as model.compile=auto reads it (compiling.facts_of).
@@ -159,7 +168,7 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
     chose."""
     sharded = sharding.is_sharded(accelerator)
     facts = RunFacts(size, accelerator.device.type, accelerator.num_processes, sharded, accelerator.mixed_precision,
-                     task, head_kept, wise_ft_unmeasured(asked, task, sharded), compile_facts)
+                     task, head_kept, wise_ft_unmeasured(asked, task, sharded), compile_facts, base_image_size)
     recipe, said = asked, {}
     for key, resolve in AUTO.items():
         if setting(recipe, key) == "auto":
@@ -178,7 +187,8 @@ def plan_run(asked: Recipe, size: RunSize, accelerator, task: Task, head_kept: b
                 progress.say(said[key])
     refused = (wise_ft.refusal(recipe.train.method, recipe.train.wise_ft_alpha, sharded)
                or methods.lp_ft_head_scale_refusal(recipe.train.method, recipe.train.lp_ft_head_scale,
-                                                   auto_chose=asked.train.method == "auto"))
+                                                   auto_chose=asked.train.method == "auto")
+               or resolution.refusal(recipe.train.resolution_schedule, facts.processes, sharded))
     if refused:
         raise RunError(refused)
     return recipe

@@ -95,7 +95,9 @@ def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator)
     prepare(accelerator, parts, recipe)
     state = checkpoint.TrainState()
     if resume_from:
-        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, asked, parts.data_identity)
+        resize = None if parts.resolution is None else partial(  # the weights load at the size they were saved at
+            parts.resolution.size_of_checkpoint, accelerator.unwrap_model(parts.model, keep_torch_compile=False))
+        resume_from, state = checkpoint.load_resumable(accelerator, resume_from, asked, parts.data_identity, resize)
     state.data = parts.data_identity  # recorded in each checkpoint: a resume refuses other data
     if parts.probe is not None:  # a resumed run's comes from its checkpoint
         state.probe = parts.probe.as_metrics()
@@ -117,6 +119,8 @@ def _run(asked: Recipe, callbacks: Iterable[Callback], accelerator: Accelerator)
 
     started = time.perf_counter()
     loop.train_loop(training, hooks)
+    if parts.resolution is not None:  # the last stage's cost said; the model is at model.image_size
+        parts.resolution.close(training)
     training_seconds = time.perf_counter() - started
 
     metrics, predictions = finish.final_result(training, keeper, hooks, training_seconds)
