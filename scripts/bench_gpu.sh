@@ -18,7 +18,9 @@
 #    docs/performance.md (python -m vit_finetune.bench.summary "$OUT"); all.log holds everything printed.
 #    `more` writes profile_model_step.txt and profile_lever_compile.txt (profiler tables of the default step and of the
 #    other model.compile setting), precision.json (200 steps in fp16 and in bf16) and bench_other_compile.json (end to
-#    end and LoRA with model.compile flipped from what auto chooses for a long run).
+#    end and LoRA with model.compile flipped from what auto chooses for a long run), and resolution_whole.json and
+#    resolution_schedule.json (run_info.json of 300 steps at 384 px throughout, and of the same steps with 70 % of them
+#    at 224 px: train.resolution_schedule; their wall times are in more.log).
 #    `run` writes bench.json, bench.log and nvidia-smi.txt into $OUT; arguments after `run` go to the bench.
 #    On a machine without CUDA, `all` and `more` run the same steps on the CPU (tiny model, few steps): a dry run.
 #    PLAN=cuda (or PLAN=cpu) prints the commands `all` and `more` run on that device instead of running them
@@ -181,6 +183,20 @@ more() {
             output_dir="$work/precision-$precision"
     done
     [[ -n "${PLAN:-}" ]] || precision_summary "$work" "$OUT/precision.json"
+    # The resolution schedule against the whole run at the final size: the same optimiser steps and images, each run
+    # a whole process; each run_info.json's resolution_stages holds every stage's seconds and images/s.
+    local final=384 low=224 rsteps=300 rbatch=64
+    if dry_run; then final=64 low=32 rsteps=4 rbatch=8; fi
+    for arm in "whole:null" "schedule:[[$low,0.7],[$final,0.3]]"; do
+        step 150 "resolution ${arm%%:*}: $rsteps steps at batch $rbatch, final size $final" python3 -m vit_finetune \
+            "${model[0]}" model.image_size="$final" model.pretrained=false data.dataset=builtin:shapes \
+            data.num_workers="$workers" train.method=finetune train.max_steps="$rsteps" train.batch_size="$rbatch" \
+            train.lr=1e-4 train.warmup_steps="$warmup" train.log_every_steps=50 train.eval_every_steps="$rsteps" \
+            train.resolution_schedule="${arm#*:}" pictures=false output_dir="$work/resolution-${arm%%:*}"
+    done
+    [[ -n "${PLAN:-}" ]] || for arm in whole schedule; do
+        cp "$work/resolution-$arm/run_info.json" "$OUT/resolution_$arm.json" 2>/dev/null || true
+    done
     # End to end and LoRA under the other compile setting: what auto's choice is worth beyond the model step.
     step 120 "end to end and LoRA, model.compile flipped from auto's choice" python3 -m vit_finetune.bench \
         --configs end_to_end,lora --compile other "${bench[@]}" --out "$OUT/bench_other_compile.json"

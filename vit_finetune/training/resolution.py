@@ -27,6 +27,10 @@ from vit_finetune.model.loading import BaseTables, at_image_size
 MEASURED_SCHEDULES: dict[tuple[int, int], list[list]] = {}
 
 
+def counted(steps: int) -> str:
+    return f"{steps} step" if steps == 1 else f"{steps} steps"
+
+
 @dataclass(frozen=True)
 class Stage:
     size: int  # px
@@ -121,7 +125,7 @@ class Schedule:
         if accelerator.is_main_process:
             resumed = f", from step {run.state.step + 1}" if run.state.step > stage.first_step else ""
             progress.say(f"resolution stage {index + 1} of {len(self.stages)}: {stage.size} px, steps "
-                         f"{stage.first_step + 1}-{stage.first_step + stage.steps} ({stage.steps} steps{resumed})")
+                         f"{stage.first_step + 1}-{stage.first_step + stage.steps} ({counted(stage.steps)}{resumed})")
 
     def changes_after(self, steps_done: int) -> bool:
         """Whether the next step trains in another stage than the one in use."""
@@ -140,7 +144,7 @@ class Schedule:
         self.stage = None
         if run.accelerator.is_main_process:
             progress.say(f"resolution stage {index + 1} of {len(self.stages)} ({stage.size} px): "
-                         f"{stage.steps} steps in {entry['seconds']:.1f} s, {entry['images_per_s']} images/s")
+                         f"{counted(stage.steps)} in {entry['seconds']:.1f} s, {entry['images_per_s']} images/s")
 
     def _move(self, model, optimizer, size: int) -> None:
         if size == self.model_size:
