@@ -1,7 +1,7 @@
 """Test-only observation of a training run, from outside the package: what each process trained on,
 the weights each process ended with, and every file each process wrote.
 
-It observes through the package's documented hook (vit_finetune.outputs.callbacks), never by patching the
+It observes through the package's documented hook (vit_finetune.artifacts.callbacks), never by patching the
 loop's functions by name: `Recorder` is a Callback, passed to one in-process run, or registered for
 every run of a subprocess or an `accelerate launch`, where the folder `tests/observed_site/` goes on
 PYTHONPATH and its sitecustomize.py calls `install_in_subprocess()` when VIT_FINETUNE_RECORD names a
@@ -52,7 +52,7 @@ def recorder(record_dir: Path):
     """A vit_finetune Callback that writes the record files of this process into `record_dir`."""
     from safetensors.torch import save_file
 
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
     from vit_finetune.data import SKIPPED_LABEL
 
     record_dir = Path(record_dir)
@@ -99,7 +99,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
 def install_in_subprocess(record_dir: str) -> None:
-    """Record writes from the interpreter's start; register the recorder when vit_finetune.outputs.callbacks loads."""
+    """Record writes from the interpreter's start; register the recorder when vit_finetune.artifacts.callbacks loads."""
     import importlib.abc
     import importlib.util
 
@@ -151,11 +151,11 @@ def install_in_subprocess(record_dir: str) -> None:
         torch.serialization._open_zipfile_writer = recorded_zip_writer
 
     class RegisterOnImport(importlib.abc.MetaPathFinder):
-        """Lets vit_finetune.outputs.callbacks load normally, then registers the recorder: nothing heavy is imported
+        """Lets vit_finetune.artifacts.callbacks load normally, then registers the recorder: nothing heavy is imported
         before the user's code."""
 
         def find_spec(self, name, path, target=None):
-            if name != "vit_finetune.outputs.callbacks":
+            if name != "vit_finetune.artifacts.callbacks":
                 return None
             sys.meta_path.remove(self)
             spec = importlib.util.find_spec(name)

@@ -136,10 +136,10 @@ class WarmLauncher:
 def train(args: list[str], record: Path | None = None, patches: list[tuple] = (), callbacks: list = ()) -> int:
     """`python -m vit_finetune ARGS` in this process (cheaper than a subprocess); returns the exit code.
 
-    `record` observes it with tests/recorder.py; `callbacks` (vit_finetune.outputs.callbacks.Callback) observe it
+    `record` observes it with tests/recorder.py; `callbacks` (vit_finetune.artifacts.callbacks.Callback) observe it
     through the package's hook; `patches` are (object, name, value) applied for the run only.
     """
-    from vit_finetune.outputs.callbacks import REGISTERED, register
+    from vit_finetune.artifacts.callbacks import REGISTERED, register
     from vit_finetune.cli import main
 
     observers = [*([recorder.recorder(record)] if record is not None else []), *callbacks]
@@ -162,7 +162,7 @@ class SimulatedKill(BaseException):
 
 def before_batch(action: Callable[[int], None]):
     """A callback that calls `action(n)` before the n-th batch of a run (n from 1) is trained on."""
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
 
     class BeforeBatch(Callback):
         batches = 0

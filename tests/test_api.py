@@ -14,8 +14,8 @@ import torch
 import vit_finetune
 from runs import RECIPE, assert_bit_identical
 from tiny import REPO
+from vit_finetune.artifacts.callbacks import Callback, REGISTERED
 from vit_finetune.cli import main
-from vit_finetune.outputs.callbacks import Callback, REGISTERED
 
 ONE_EPOCH = "train.epochs=1"  # 6 steps: enough for a second run's weights to show any state the first one left
 

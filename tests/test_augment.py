@@ -186,7 +186,7 @@ def test_options_off_leave_the_batch_alone():
 def test_a_run_augments_every_training_batch_and_no_evaluation_batch(args, tmp_path):
     """Through the real CLI, observed with the callback hook: the run's augmenter sees exactly its training batches
     (2 epochs of 6 batches of 4, each epoch evaluated on a batch of 9)."""
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
 
     seen = []
 

@@ -1,4 +1,4 @@
-"""The training loop's documented hook (vit_finetune.outputs.callbacks): each event, its order and what it carries."""
+"""The training loop's documented hook (vit_finetune.artifacts.callbacks): each event, its order and what it carries."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import torch
 from transformers import ViTForImageClassification
 
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.recipe import load_recipe
 from vit_finetune.training import run as training
 

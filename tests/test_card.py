@@ -5,7 +5,7 @@ from __future__ import annotations
 import yaml
 from markdown_it import MarkdownIt
 
-from vit_finetune.outputs.card import model_card
+from vit_finetune.artifacts.card import model_card
 from vit_finetune.recipe import Recipe
 
 HOSTILE = ["<script>alert(1)</script>", "two\nlines\n# a heading\n| a | table |", "a|b", "*bold* [link](http://x) `code`"]

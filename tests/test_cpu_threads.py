@@ -10,7 +10,7 @@ from runs import RECIPE, assert_bit_identical, train
 
 
 def test_the_run_uses_the_recipes_thread_count(args, tmp_path):
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
 
     class ThreadCount(Callback):
         seen: list[int] = []

@@ -19,7 +19,7 @@ import yaml
 
 from runs import assert_bit_identical, completed, exists, history, launch_and_kill, losses, train
 from tiny import TINY_FAMILIES, tiny_family_config
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 
 pytestmark = pytest.mark.slow
 

@@ -272,7 +272,7 @@ def test_two_processes_each_with_its_own_teacher_follow_it(args, wrong_teacher, 
 def test_a_teacher_given_as_a_hub_id_is_fetched_and_followed(args, wrong_teacher, hub, hub_token, hub_repo_id,
                                                              tmp_path, monkeypatch):
     """The loopback Hub (tests/hub_server/) serves the teacher run pushed there."""
-    from vit_finetune.outputs.publish import push_folder
+    from vit_finetune.artifacts.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(wrong_teacher, hub_repo_id)
@@ -298,7 +298,7 @@ class TeacherCalls:
     """Counts calls of Teacher.logits (patched in for a run), and what a run's parts were."""
 
     def __init__(self):
-        from vit_finetune.outputs.callbacks import Callback
+        from vit_finetune.artifacts.callbacks import Callback
         from vit_finetune.training.distill import Teacher
 
         self.calls, self.at_batches, self.parts, self.seconds = 0, [], None, 0.0
@@ -451,7 +451,7 @@ def test_a_distillation_checkpoint_from_before_cache_logits_existed_resumes(dist
     older = yaml.safe_load(saved.read_text())
     del older["train"]["distill"]["cache_logits"]
     saved.write_text(yaml.safe_dump(older, sort_keys=False))
-    from vit_finetune.outputs.checkpoint import changed_keys
+    from vit_finetune.artifacts.checkpoint import changed_keys
     from vit_finetune.recipe import load_recipe
 
     # A section that was off is still a change when switched on, even with all its keys at their defaults.

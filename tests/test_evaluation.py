@@ -56,7 +56,7 @@ def test_a_run_with_a_thousand_labels_writes_a_small_metrics_json_that_evaluate_
     from tiny import colour_image
     from vit_finetune.cli import main
     from vit_finetune.tasks.evaluation import DENSE_CONFUSION_LABELS
-    from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
+    from vit_finetune.artifacts.final_outputs import TRAINING_ONLY_METRICS
 
     names = [f"class_{i:04d}" for i in range(1000)]
     rng = np.random.default_rng(0)

@@ -102,7 +102,7 @@ class HostReads(TorchFunctionMode):
 def test_steps_between_logs_never_wait_for_the_device(args, tmp_path):
     """The NaN/Inf check of each step stays on the device until the next log, evaluation or checkpoint: reading it
     back after every step (as the loop once did) made the host wait for each step's end before it queued the next."""
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
 
     reads = HostReads()
 
@@ -323,7 +323,7 @@ def test_a_batch_of_only_bad_images_trains_nothing_and_does_not_stop_the_run(bas
 
 def test_a_key_newer_than_the_checkpoint_counts_as_unchanged_while_it_keeps_its_default(unfinished, tmp_path):
     """A checkpoint written before a recipe key existed ran with what is now that key's default."""
-    from vit_finetune.outputs import checkpoint
+    from vit_finetune.artifacts import checkpoint
     from vit_finetune.recipe import Recipe
 
     old = tmp_path / "step-00000002"

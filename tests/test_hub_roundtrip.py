@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 from runs import warm_launch_command
 from tiny import COLOURS, colour_image, make_tiny_vit, run_cli
+from vit_finetune.artifacts import publish
 from vit_finetune.cli import main
 from vit_finetune.model.loading import resample_position_embeddings
-from vit_finetune.outputs import publish
 
 BASE_ID = "google/vit-base-patch16-224"
 DATASET_ID = "user/colour-shapes"
@@ -190,7 +190,7 @@ def test_pipeline_from_the_hub_reproduces_the_reported_accuracy(pushed, seeded_h
 
 
 def test_a_local_dataset_or_base_never_reaches_the_card_metadata(tmp_path):
-    from vit_finetune.outputs.card import model_card
+    from vit_finetune.artifacts.card import model_card
     from vit_finetune.recipe import load_recipe
 
     recipe = load_recipe(None, [f"data.dataset={tmp_path}", "model.base=./my-vit"])

@@ -18,7 +18,7 @@ from transformers import ViTForImageClassification
 
 from runs import SimulatedKill, assert_bit_identical, history, kill_at, train
 from tiny import write_colour_folder
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from runs import SimulatedKill, history, kill_at, train
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.training import devices, run as training
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from transformers import pipeline
 
 from runs import SimulatedKill, WarmLauncher, assert_bit_identical, history, kill_at, train
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.recipe import load_recipe, methods
 from vit_finetune.tasks import Regression, SingleLabel, evaluation
 from vit_finetune.training import optim, probe, wise_ft

@@ -189,7 +189,7 @@ def test_the_image_processor_is_chosen_by_name_quietly_and_saved_under_that_name
 
     from transformers.utils import logging as transformers_logging
 
-    from vit_finetune.outputs.final_outputs import save_image_processor
+    from vit_finetune.artifacts.final_outputs import save_image_processor
 
     class Kept(logging.Handler):
         records: list[str] = []

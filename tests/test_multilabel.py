@@ -13,9 +13,9 @@ import torch
 
 from runs import FLOAT32, NO_FLIP, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import make_tiny_vit, write_label_sets
+from vit_finetune.artifacts.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.cli import main
 from vit_finetune.data.augment import BatchAugmenter
-from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import AugmentSettings
 from vit_finetune.tasks import MultiLabel, label_sets as multilabel
 

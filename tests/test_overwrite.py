@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from runs import before_batch, completed, exists, launch_and_kill, train
+from vit_finetune.artifacts.publish import published_files
 from vit_finetune.core.layout import LOCK, MANIFEST, PREVIOUS_RUN
-from vit_finetune.outputs.publish import published_files
 
 SHORT = ["train.max_steps=2"]
 USERS_LOG = Path("runs") / "my_experiment_log.txt"

@@ -179,7 +179,7 @@ def test_a_run_without_pictures_draws_none_links_none_and_trains_the_same_model(
 
 
 def test_card_usage_names_the_repo_when_pushed_and_the_folder_otherwise(tmp_path):
-    from vit_finetune.outputs.card import model_card, usage_id
+    from vit_finetune.artifacts.card import model_card, usage_id
     from vit_finetune.recipe import load_recipe
 
     metrics = {"accuracy": 0.5, "eval_samples": 4, "eval_split": "validation", "eval_carved_from_train": False}

@@ -199,7 +199,7 @@ DEEP_GREY = {
 
 
 def test_32_bit_integer_and_float_grey_tiffs_train_as_their_range_says_not_white_or_black(tmp_path):
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
 
     images, gradient = tmp_path / "deep-grey", np.tile(GRADIENT, (32, 1))
     for label, (name, write, mode, _) in DEEP_GREY.items():

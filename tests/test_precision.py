@@ -13,8 +13,8 @@ import torch
 import yaml
 
 from runs import train
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.model import precision
-from vit_finetune.outputs.callbacks import Callback
 from vit_finetune.training import probe
 
 ONE_EPOCH = ["train.epochs=1"]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vit_finetune.outputs import checkpoint
+from vit_finetune.artifacts import checkpoint
 from vit_finetune.recipe import (
     RECIPE_DIRS, Recipe, RecipeError, apply_overrides, available_recipes, find_recipe, load_recipe, recipe_files,
     to_yaml, validate,

@@ -14,8 +14,8 @@ import yaml
 
 from runs import FLOAT32, assert_bit_identical, killed_after_a_checkpoint, train
 from tiny import colour_image, make_tiny_vit
+from vit_finetune.artifacts.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.cli import main
-from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.recipe import TrainSettings
 from vit_finetune.tasks import Regression, of_config
 from vit_finetune.tasks.regression import summarise

@@ -18,11 +18,11 @@ from transformers import AutoModelForImageClassification, pipeline
 
 from runs import assert_bit_identical, completed, history, killed_after_a_checkpoint, train
 from tiny import TINY_FAMILIES, make_tiny_family
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.core.errors import RunError
 from vit_finetune.model import loading
 from vit_finetune.model.families import FAMILIES
 from vit_finetune.model.positions import resample_position_embeddings
-from vit_finetune.outputs.callbacks import Callback
 from vit_finetune.recipe import ModelSettings, Recipe
 from vit_finetune.training import resolution
 

@@ -173,7 +173,7 @@ def test_a_run_with_hub_push_uploads_only_the_files_it_wrote(args, hub, hub_toke
 @pytest.fixture
 def fast_retries(hub_token, monkeypatch):
     """In-process pushes with the token, the real back-off shortened (it sleeps 15 s in all) and a 2 s timeout."""
-    from vit_finetune.outputs import publish
+    from vit_finetune.artifacts import publish
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     monkeypatch.setenv("VIT_FINETUNE_HUB_TIMEOUT", "2")

@@ -259,7 +259,7 @@ def test_the_readme_picture_of_the_package_holds():
     assert not upward, "README's picture: " + "; ".join(upward)
 
 
-WINGS = ["core", "recipe", "data", "tasks", "model", "outputs", "training", "serving"]  # lowest first
+WINGS = ["core", "recipe", "data", "tasks", "model", "artifacts", "training", "serving"]  # lowest first
 # The modules that are commands of their own, however short: `python -m` enters them.
 COMMAND_ENTRIES = {"__main__.py"}
 
@@ -277,7 +277,7 @@ def test_every_wing_says_what_it_holds_and_stays_light_to_import():
     for wing in WINGS:
         init = PACKAGE / wing / "__init__.py"
         assert ast.get_docstring(ast.parse(init.read_text())), f"{wing}/__init__.py has no docstring"
-    for wing in ("core", "model", "outputs", "training", "serving"):
+    for wing in ("core", "model", "artifacts", "training", "serving"):
         assert not slow_to_import(f"vit_finetune.{wing}", at_top), f"{wing}/__init__.py imports a slow library"
 
 

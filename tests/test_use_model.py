@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tiny import COLOURS, colour_image, run_cli, write_colour_folder
+from vit_finetune.artifacts.final_outputs import TRAINING_ONLY_METRICS
 from vit_finetune.cli import main
-from vit_finetune.outputs.final_outputs import TRAINING_ONLY_METRICS
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_a_wrong_output_format_is_refused_before_work(trained, photos, tmp_path,
 
 @pytest.mark.slow
 def test_predict_with_a_hub_model_id(trained, photos, hub, hub_token, hub_repo_id, tmp_path, monkeypatch, capsys):
-    from vit_finetune.outputs.publish import push_folder
+    from vit_finetune.artifacts.publish import push_folder
 
     monkeypatch.setenv("HF_TOKEN", hub_token)
     push_folder(trained, hub_repo_id)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from runs import train
-from vit_finetune.outputs.callbacks import Callback
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.recipe import load_recipe, methods
 from vit_finetune.tasks import MultiLabel, Regression, SingleLabel
 from vit_finetune.training import wise_ft
@@ -79,7 +79,7 @@ def test_both_the_fine_tuned_weights_and_the_average_are_scored_and_shown(args, 
 
 
 class SpoilTheProbesModel(Callback):
-    """A hook (vit_finetune.outputs.callbacks) that swaps the rows of the head in the probe's model before the average: that
+    """A hook (vit_finetune.artifacts.callbacks) that swaps the rows of the head in the probe's model before the average: that
     model then names the wrong class for every image, so any average with it scores below the fine-tuned weights.
     It makes the case the run must catch, an average that hurts, certain on data where every arm is otherwise right."""
 

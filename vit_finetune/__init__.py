@@ -9,7 +9,7 @@ VitFinetuneError with the message the CLI prints where the CLI would exit.
     metrics = vit_finetune.evaluate(result.output_dir)
 
 Each function runs the code its command runs (cli.py), so a recipe, an image or a model is checked the same way.
-Callbacks to observe a run: vit_finetune.outputs.callbacks.
+Callbacks to observe a run: vit_finetune.artifacts.callbacks.
 
 `import vit_finetune` stays light (`python -m vit_finetune` imports this package before its --help answers): the
 recipe's schema (pydantic), torch and the Hub's client load inside the functions that need them.
@@ -33,7 +33,7 @@ from vit_finetune.core.progress import say
 from vit_finetune.model.saved_model import InputError
 
 if TYPE_CHECKING:
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
     from vit_finetune.recipe import Recipe
 
 __version__ = "0.1.0"
@@ -96,7 +96,7 @@ class TrainResult:
 
 def train(recipe: Recipe, callbacks: Iterable[Callback] = (), quiet: bool = False) -> TrainResult:
     """Train as `python -m vit_finetune --recipe ...` does; `callbacks` observe this run only
-    (vit_finetune.outputs.callbacks).
+    (vit_finetune.artifacts.callbacks).
     Each call starts afresh: the same recipe gives the same weights as the CLI, however many runs came before."""
     from vit_finetune.core.processes import reset_accelerate_state
     from vit_finetune.recipe import Recipe, RecipeError
@@ -177,7 +177,7 @@ def push(model_dir: PathLike, repo_id: str | None = None, private: bool | None =
          space_app: bool = False) -> Pushed:
     """Push a finished run folder as `push` does: to `repo_id` (default: its recipe's hub.repo_id); `private`
     defaults to its recipe's hub.private; `space_app` adds the Gradio app of `push --space-app`."""
-    from vit_finetune.outputs.publish import push_space_app
+    from vit_finetune.artifacts.publish import push_space_app
 
     url, repo_id = cli.push_run(os.fspath(model_dir), repo_id, private, space_app)
     return Pushed(url, push_space_app(repo_id) if space_app else None)

@@ -32,7 +32,7 @@ from vit_finetune.serving.app import AppError, refuse_a_taken_port, require_grad
 from vit_finetune.serving.onnx_classifier import load_onnx_classifier
 
 if TYPE_CHECKING:
-    from vit_finetune.outputs.callbacks import Callback
+    from vit_finetune.artifacts.callbacks import Callback
     from vit_finetune.recipe import Recipe
 
 
@@ -372,7 +372,7 @@ def push_command(argv: list[str]) -> int:
     url, repo_id = push_run(args.output_dir, args.repo_id, args.private, args.space_app)
     print(f"pushed to {url}")
     if args.space_app:
-        from vit_finetune.outputs.publish import push_space_app
+        from vit_finetune.artifacts.publish import push_space_app
 
         print(f"app added: {push_space_app(repo_id)}")
     return 0
@@ -396,7 +396,7 @@ def push_run(folder: str, repo_id: str | None = None, private: bool | None = Non
     if not (output_dir / METRICS_FILE).is_file():
         raise PushError(f"{output_dir} holds no finished run ({METRICS_FILE} is missing); train first, then push")
     require_token("push")  # the message speaks of this command, not of hub.push=true
-    from vit_finetune.outputs.publish import push_folder  # loads the training stack: after the refusals above
+    from vit_finetune.artifacts.publish import push_folder  # loads the training stack: after the refusals above
 
     return push_folder(output_dir, repo_id, private, space_app), repo_id
 

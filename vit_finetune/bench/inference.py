@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from vit_finetune import cli, data
+from vit_finetune.artifacts.callbacks import TrainingRun
+from vit_finetune.artifacts.checkpoint import TrainState
 from vit_finetune.bench.device import synchronize
 from vit_finetune.bench.flops import MODELS
 from vit_finetune.bench.peer import ExampleBatchTransform, ExampleEvalTransform, example_collate_fn
 from vit_finetune.bench.whole_job import DEFAULTS as JOB_DEFAULTS
 from vit_finetune.bench.workload import ensure_base_model, ensure_hub_shards, ensure_jpeg_folder
 from vit_finetune.core.processes import reset_accelerate_state
-from vit_finetune.outputs.callbacks import TrainingRun
-from vit_finetune.outputs.checkpoint import TrainState
 from vit_finetune.recipe import validate
 from vit_finetune.training import loop
 from vit_finetune.training.build import run_parts

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from vit_finetune.artifacts import checkpoint
+from vit_finetune.artifacts.callbacks import TrainingRun
 from vit_finetune.bench.device import PeakMemory
 from vit_finetune.bench.flops import training_flops_per_image
 from vit_finetune.bench.levers import DEFAULTS, Variant, unfused_adamw
 from vit_finetune.bench.timing import TimedBatches, device_batches, measured
 from vit_finetune.bench.workload import Setup
 from vit_finetune.model import compiling, speedups
-from vit_finetune.outputs import checkpoint
-from vit_finetune.outputs.callbacks import TrainingRun
 from vit_finetune.recipe import validate
 from vit_finetune.training import loop
 from vit_finetune.training.build import run_parts

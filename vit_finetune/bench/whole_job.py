@@ -12,7 +12,7 @@ evaluated on the validation split after each, a checkpoint, the final save.
   peer  transformers.Trainer as its image-classification example's README runs it: the example's transforms,
         AdamW at 2e-5, evaluation and a checkpoint every epoch, the best model loaded at the end, then save_model
         and a final evaluate; the same batch, accumulation, precision and workers as ours.
-Each process marks the events of its run (ours through vit_finetune.outputs.callbacks, the peer through a TrainerCallback);
+Each process marks the events of its run (ours through vit_finetune.artifacts.callbacks, the peer through a TrainerCallback);
 the time between two marks is given to the phase the second one ends: start-up (imports, data, model, ours' linear
 probe), the first step (with any compile), training, evaluation, checkpoints, and the final save with the exit. The
 report prints the wall-time ratio and each phase's share, and writes them as JSON.
@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 from vit_finetune import cli, data
+from vit_finetune.artifacts import callbacks
 from vit_finetune.bench.flops import MODELS
 from vit_finetune.bench.peer import (
     ExampleBatchTransform, ExampleEvalTransform, ExampleTrainTransform, example_collate_fn,
 )
 from vit_finetune.bench.workload import ensure_base_model, ensure_hub_shards
-from vit_finetune.outputs import callbacks
 
 DEFAULTS = {
     "cuda": {"model": "vit-b16-384", "images": 20_000, "eval_images": 5_000, "batch_size": 128, "grad_accum": 4,

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from vit_finetune.artifacts.final_outputs import save_image_processor
 from vit_finetune.core.errors import VitFinetuneError, shortened
 from vit_finetune.core.layout import EXPORT_REPORT_FILE, ONNX_FILE, QUANTIZED_ONNX_FILES, RECIPE_FILE
 from vit_finetune.data import decode_image, decoding_settings, make_loader
 from vit_finetune.data.synthetic import generate_arrays
 from vit_finetune.model.families import FAMILIES
 from vit_finetune.model.saved_model import load_classifier, model_location
-from vit_finetune.outputs.final_outputs import save_image_processor
 from vit_finetune.serving.evaluate_saved import eval_split_of
 from vit_finetune.serving.onnx_classifier import ExportError, require_onnx_packages, run_session, session
 from vit_finetune.serving.onnx_folder import (

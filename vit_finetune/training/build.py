@@ -11,6 +11,7 @@ from functools import partial
 from accelerate import Accelerator
 
 from vit_finetune import data, tasks
+from vit_finetune.artifacts.parts import Parts
 from vit_finetune.core import progress
 from vit_finetune.core.errors import RunError
 from vit_finetune.data import augment, streaming
@@ -20,7 +21,6 @@ from vit_finetune.model.loading import (
     load_image_processor, processor_at_size, with_distillation_head,
 )
 from vit_finetune.model.lora import apply_lora
-from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe, methods
 from vit_finetune.training import distill, plan, probe, probe_checks, resolution, wise_ft
 from vit_finetune.training.optim import build_optimizer, build_scheduler

@@ -13,12 +13,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs, ProjectConfiguration
 
+from vit_finetune.artifacts.parts import Parts
 from vit_finetune.core import layout, progress
 from vit_finetune.core.errors import RunError, VitFinetuneError, problems_of
 from vit_finetune.core.processes import refuse_a_lone_process
 from vit_finetune.data import cpu_cores
 from vit_finetune.model import compiling, precision, speedups
-from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.training import sharding
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from vit_finetune.artifacts import card, checkpoint
+from vit_finetune.artifacts.callbacks import Callback, TrainingRun
+from vit_finetune.artifacts.final_outputs import clear_staging, run_info, write_outputs
+from vit_finetune.artifacts.parts import Parts
 from vit_finetune.core import layout, progress
 from vit_finetune.core.errors import RunError
 from vit_finetune.core.run_lock import OutputDirError
 from vit_finetune.model import student
 from vit_finetune.model.lora import is_lora, merged_copy
-from vit_finetune.outputs import card, checkpoint
-from vit_finetune.outputs.callbacks import Callback, TrainingRun
-from vit_finetune.outputs.final_outputs import clear_staging, run_info, write_outputs
-from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.training import distill, loop, loss_scale, selection, sharding
 from vit_finetune.training.devices import device_name

@@ -15,11 +15,11 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from vit_finetune.artifacts import checkpoint
+from vit_finetune.artifacts.callbacks import TrainingRun
+from vit_finetune.artifacts.train_log import TrainLog
 from vit_finetune.core.errors import EXIT_INTERRUPTED, VitFinetuneError
 from vit_finetune.core.processes import any_process
-from vit_finetune.outputs import checkpoint
-from vit_finetune.outputs.callbacks import TrainingRun
-from vit_finetune.outputs.train_log import TrainLog
 from vit_finetune.recipe import Recipe
 
 

@@ -18,12 +18,12 @@ from typing import Iterable, Iterator
 import torch
 from accelerate import Accelerator
 
+from vit_finetune.artifacts import checkpoint
+from vit_finetune.artifacts.callbacks import Callback, TrainingRun
+from vit_finetune.artifacts.train_log import TrainLog, report_skipped
 from vit_finetune.core import layout, progress
 from vit_finetune.core.errors import VitFinetuneError
 from vit_finetune.data import streaming
-from vit_finetune.outputs import checkpoint
-from vit_finetune.outputs.callbacks import Callback, TrainingRun
-from vit_finetune.outputs.train_log import TrainLog, report_skipped
 from vit_finetune.recipe import Recipe
 from vit_finetune.tasks import evaluation
 from vit_finetune.training import loss_scale

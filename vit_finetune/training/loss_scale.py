@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from accelerate import Accelerator
 
+from vit_finetune.artifacts.checkpoint import TrainState
 from vit_finetune.core.errors import VitFinetuneError
-from vit_finetune.outputs.checkpoint import TrainState
 
 # The scale below which a run stops. Under 1 the loss is scaled down, not up, and its gradients still overflow:
 # they are Inf/NaN in float16 on their own, which no scale can fix (GradScaler's documentation: "if the scale falls

@@ -18,15 +18,15 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from vit_finetune import data
+from vit_finetune.artifacts import checkpoint, output_guard, publish, tracking
+from vit_finetune.artifacts.callbacks import Callback, CallbackList, REGISTERED, TrainingRun
+from vit_finetune.artifacts.final_outputs import begin_outputs
+from vit_finetune.artifacts.parts import Parts
 from vit_finetune.core import hub, previous_run, progress
 from vit_finetune.core.errors import raise_together
 from vit_finetune.core.processes import let_gloo_threads_settle, local_main_first, watch_launcher
 from vit_finetune.model import loading, memory
 from vit_finetune.model.loading import count_parameters, describe, family_of
-from vit_finetune.outputs import checkpoint, output_guard, publish, tracking
-from vit_finetune.outputs.callbacks import Callback, CallbackList, REGISTERED, TrainingRun
-from vit_finetune.outputs.final_outputs import begin_outputs
-from vit_finetune.outputs.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.tasks import evaluation, pictures
 from vit_finetune.training import build, devices, distill, finish, loop, selection, sharding
@@ -37,7 +37,7 @@ from vit_finetune.training.optim import reapply_hyperparameters
 
 def run(recipe: Recipe, callbacks: Iterable[Callback] = ()) -> dict:
     """Train, evaluate, export and (optionally) push; returns the final metrics. `callbacks` observe this run,
-    after those registered with vit_finetune.outputs.callbacks.register (see that module for the events)."""
+    after those registered with vit_finetune.artifacts.callbacks.register (see that module for the events)."""
     # Each wing's pre-flight, cheap checks first: every problem said at once, before any download or output.
     raise_together(devices.preflight(recipe) + output_guard.preflight(recipe))
     watch_launcher(grace_s=recipe.train.collective_timeout_s)  # a killed launcher must not leave this one training

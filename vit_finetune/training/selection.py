@@ -22,14 +22,14 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from vit_finetune.artifacts.callbacks import Callback, TrainingRun
+from vit_finetune.artifacts.checkpoint import WRITE_ERRORS
 from vit_finetune.core.errors import VitFinetuneError
 from vit_finetune.core.layout import (
     BEST_DIR, BEST_FILE, CHECKPOINT_BEST, CHECKPOINT_EMA, PARTIAL_PREFIX, describe_write_error, record,
     replace_atomically,
 )
 from vit_finetune.core.processes import any_process
-from vit_finetune.outputs.callbacks import Callback, TrainingRun
-from vit_finetune.outputs.checkpoint import WRITE_ERRORS
 from vit_finetune.recipe import Recipe
 from vit_finetune.recipe.train_section import KEEP_BEST_GOALS
 from vit_finetune.tasks import TASKS, Task

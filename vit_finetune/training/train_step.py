@@ -7,7 +7,7 @@ import torch
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
 
-from vit_finetune.outputs.parts import Parts
+from vit_finetune.artifacts.parts import Parts
 from vit_finetune.recipe import Recipe
 from vit_finetune.training import distill, loss_scale
 

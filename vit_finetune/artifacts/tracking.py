@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.core.errors import VitFinetuneError
 from vit_finetune.core.layout import POSITION_FILE, TRACKER_DIR, describe_write_error, record
-from vit_finetune.outputs.callbacks import Callback
 from vit_finetune.recipe import flatten
 from vit_finetune.tasks.pictures import draw_confusion_matrix
 

@@ -20,6 +20,7 @@ from huggingface_hub import CommitOperationAdd, HfApi
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from vit_finetune.artifacts.card import card_loading_from
 from vit_finetune.core.errors import shortened
 from vit_finetune.core.hub import (
     PushError, TIMEOUT_VARIABLE, http_library, request_timeout, requests_time_out, require_token,
@@ -27,7 +28,6 @@ from vit_finetune.core.hub import (
 from vit_finetune.core.layout import (
     CARD_FILE, KEPT_FOR_THE_RUN, MANIFEST, METRICS_FILE, POSITION_FILE, SPACE_DIR, written,
 )
-from vit_finetune.outputs.card import card_loading_from
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0)  # seconds between attempts: five attempts in all
 

@@ -10,9 +10,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
+from vit_finetune.artifacts import checkpoint
 from vit_finetune.core import progress
 from vit_finetune.core.processes import sum_over_processes
-from vit_finetune.outputs import checkpoint
 from vit_finetune.recipe import Recipe
 
 

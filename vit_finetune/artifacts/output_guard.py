@@ -14,6 +14,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from vit_finetune.artifacts import checkpoint, tracking
 from vit_finetune.core import hub, layout, previous_run, progress
 from vit_finetune.core.errors import RunError, VitFinetuneError, excerpt, problems_of
 from vit_finetune.core.layout import BUILTIN_PREFIX
@@ -21,7 +22,6 @@ from vit_finetune.core.processes import SHARED_FOLDER_PATIENCE_S, any_process, u
 from vit_finetune.core.run_lock import OutputDirError, RunLock, claim, foreign_entries, staging_refusal
 from vit_finetune.data import BUILTIN_SHAPES, cache_dir
 from vit_finetune.data.labels import READERS
-from vit_finetune.outputs import checkpoint, tracking
 from vit_finetune.recipe import Recipe
 from vit_finetune.recipe.limits import _is_dir, _is_file
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from vit_finetune.outputs.parts import Parts
+from vit_finetune.artifacts.parts import Parts
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
     from torch import nn
 
-    from vit_finetune.outputs.checkpoint import TrainState
+    from vit_finetune.artifacts.checkpoint import TrainState
     from vit_finetune.recipe import Recipe
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 from vit_finetune import tasks
+from vit_finetune.artifacts.card import model_card, saved_weights, usage_id
 from vit_finetune.core.layout import (
     ADAPTER_DIR, CARD_FILE, CURVES_FILE, HISTORY_FILE, METRICS_FILE, PICTURE_FILES, POSITION_FILE, PROCESSOR_FILE,
     RECIPE_FILE, RUN_INFO_FILE, STAGING, move_into, record,
 )
 from vit_finetune.core.previous_run import drop_previous_run, set_previous_run_aside
 from vit_finetune.core.run_lock import OutputDirError, staging_refusal, unwritable
-from vit_finetune.outputs.card import model_card, saved_weights, usage_id
 from vit_finetune.recipe import Recipe, write_recipe
 from vit_finetune.tasks.pictures import plot_curves
 
