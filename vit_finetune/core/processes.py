@@ -242,8 +242,12 @@ def _point_stderr_elsewhere() -> None:
     """The launcher that read this process's stderr is gone: what the run says from now on (its stop, its checkpoint)
     goes to its stdout, the launcher's own terminal or log that this process inherited, or nowhere if that is gone
     too, rather than failing the run with BrokenPipeError."""
-    target = 1 if not _has_no_reader(1) else os.open(os.devnull, os.O_WRONLY)
-    os.dup2(target, 2)
+    if not _has_no_reader(1):
+        os.dup2(1, 2)
+        return
+    nowhere = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(nowhere, 2)
+    os.close(nowhere)  # fd 2 holds it now
 
 
 class OutlivesItsReader:
