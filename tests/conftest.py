@@ -6,6 +6,7 @@
 # Environment set for the whole test session (and inherited by subprocesses):
 #   HF_ENDPOINT=http://127.0.0.1:<port>   HF_HUB_DISABLE_XET=1   HF_HUB_DISABLE_TELEMETRY=1
 #   HF_HOME=<session temp dir>  (hub + datasets caches and the token file live there; removed at exit)
+#   VIT_FINETUNE_CACHE=<session temp dir>/vit_finetune_cache  (the demo's images, compiled graphs)
 #   NO_PROXY/no_proxy extended with 127.0.0.1,localhost
 #   HF_TOKEN / HUGGING_FACE_HUB_TOKEN / *_OFFLINE removed (no real token ever reaches the test Hub)
 # HF_TOKEN is deliberately NOT set: in-process tests pass `token=HUB_TOKEN` explicitly. A subprocess that
@@ -60,6 +61,9 @@ _hub_os.environ["HF_ENDPOINT"] = HUB_URL
 _hub_os.environ["HF_HUB_DISABLE_XET"] = "1"
 _hub_os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 _hub_os.environ["HF_HOME"] = _hub_os.path.join(_HUB_TMP, "hf_home")
+# The toolkit's own cache (the demo's generated images, inductor's compiled code) lives in the session's folder too:
+# a test run then reads nothing an earlier run left in ~/.cache, and takes what it takes on a fresh machine.
+_hub_os.environ["VIT_FINETUNE_CACHE"] = _hub_os.path.join(_HUB_TMP, "vit_finetune_cache")
 for _hub_var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                  "HF_DATASETS_OFFLINE", "HUGGINGFACE_CO_STAGING", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
                  "HF_DATASETS_CACHE", "HF_TOKEN_PATH", "HF_XET_CACHE", "HF_ASSETS_CACHE"):
