@@ -15,9 +15,10 @@ from PIL import Image
 from pydantic import ValidationError
 from safetensors.torch import load_file
 from transformers import AutoModelForImageClassification, pipeline
+import yaml
 
-from runs import assert_bit_identical, completed, history, killed_after_a_checkpoint, train
-from tiny import TINY_FAMILIES, make_tiny_family
+from runs import RECIPE, assert_bit_identical, completed, history, killed_after_a_checkpoint, train
+from tiny import TINY_FAMILIES, make_tiny_family, write_colour_folder
 from vit_finetune.artifacts.callbacks import Callback
 from vit_finetune.core.errors import RunError
 from vit_finetune.model import loading
@@ -197,3 +198,21 @@ def test_without_a_schedule_the_run_is_todays_and_auto_says_off(args, tmp_path, 
     assert ("train.resolution_schedule=auto -> off: no schedule measured yet (resolution.MEASURED_SCHEDULES is empty "
             "until scripts/resolution_study.py measures one); set train.resolution_schedule to choose") in said.out + said.err
     assert auto.start[0] is None and "resolution_stages" not in json.loads((tmp_path / "auto" / "run_info.json").read_text())
+
+
+def test_a_probe_that_auto_chose_says_the_schedule_is_unused_and_runs_at_the_final_size(base, tmp_path, capsys):
+    # 12 images per class seen 10 times (360 seen): train.method=auto takes the probe alone, which reads each image once
+    # at model.image_size and takes no step, so no stage would begin.
+    images = write_colour_folder(tmp_path / "colours", classes=3, train=12, validation=3)
+    out = tmp_path / "probe"
+    assert train([f"model.base={base}", f"data.dataset={images}", *RECIPE, "train.method=auto", "train.epochs=10",
+                  SCHEDULE, f"output_dir={out}"]) == 0
+    said = capsys.readouterr().out
+    method = said.split("train.method=auto -> ")[1]
+    assert method.startswith("linear_probe")
+    assert ("train.resolution_schedule=[[16, 0.25], [32, 0.75]]" in method.split("not used")[0]
+            and "not used: the probe alone reads each image once" in method)
+    assert "resolution stage" not in said
+    assert "resolution_stages" not in json.loads((out / "run_info.json").read_text())
+    assert yaml.safe_load((out / "recipe.yaml").read_text())["train"]["resolution_schedule"] is None
+    assert AutoModelForImageClassification.from_pretrained(out).config.image_size == 32

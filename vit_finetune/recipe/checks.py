@@ -241,11 +241,13 @@ def step_only_settings(recipe: Recipe) -> list[str]:
 def probe_unused_settings(recipe: Recipe) -> list[str]:
     """`key=value` of this recipe's settings that the linear probe alone leaves unused: it reads each image once,
     unaugmented, fits the head in one go and takes no optimiser step (the pixel draws, the weight selections,
-    train.max_steps, a train.wise_ft_alpha given as a number)."""
+    train.max_steps, a resolution schedule, a train.wise_ft_alpha given as a number)."""
     t = recipe.train
     unused = pixel_drawing_settings(recipe) + weight_selection_settings(recipe)
     if t.max_steps is not None:
         unused.append(f"train.max_steps={t.max_steps}")
+    if isinstance(t.resolution_schedule, list):  # the probe reads each image once, at model.image_size
+        unused.append(f"train.resolution_schedule={as_yaml_value([list(pair) for pair in t.resolution_schedule])}")
     for key in ("wise_ft_alpha", "lp_ft_head_scale"):
         if getattr(t, key) != "auto":
             unused.append(f"train.{key}={getattr(t, key):g}")

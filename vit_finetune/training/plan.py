@@ -210,6 +210,7 @@ def probe_alone(asked: Recipe, recipe: Recipe, said: dict[str, str]) -> tuple[Re
                                 + f"\n  {', '.join(unused)} not used: the probe alone reads each image once, "
                                 "unaugmented, fits the head in one go and takes no optimiser step")
         recipe = without_pixel_draws(recipe)
+    recipe = with_setting(recipe, "train.resolution_schedule", None)  # one size: the probe's features at the final one
     return recipe, {key: line for key, line in said.items() if key in SAID_FOR_A_PROBE}
 
 
