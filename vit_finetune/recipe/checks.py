@@ -209,7 +209,7 @@ def _resolution_problems(recipe: Recipe) -> list[str]:
     schedule = recipe.train.resolution_schedule
     if schedule is None or schedule == "auto":
         return []
-    given, t = f"train.resolution_schedule={as_yaml_value([list(pair) for pair in schedule])}", recipe.train
+    given, t = schedule_as_given(schedule), recipe.train
     problems = []
     if schedule[-1][0] != recipe.model.image_size:
         problems.append(f"{given} ends at {schedule[-1][0]} px, and the saved model is model.image_size="
@@ -247,7 +247,7 @@ def probe_unused_settings(recipe: Recipe) -> list[str]:
     if t.max_steps is not None:
         unused.append(f"train.max_steps={t.max_steps}")
     if isinstance(t.resolution_schedule, list):  # the probe reads each image once, at model.image_size
-        unused.append(f"train.resolution_schedule={as_yaml_value([list(pair) for pair in t.resolution_schedule])}")
+        unused.append(schedule_as_given(t.resolution_schedule))
     for key in ("wise_ft_alpha", "lp_ft_head_scale"):
         if getattr(t, key) != "auto":
             unused.append(f"train.{key}={getattr(t, key):g}")
@@ -324,6 +324,11 @@ def pixel_drawing_settings(recipe: Recipe) -> list[str]:
     """`key=value` of each setting that makes the training pixels change between epochs; none: they are fixed."""
     values = flatten(recipe.model_dump(mode="json"))
     return [f"{key}={as_yaml_value(values[key])}" for key, draws in PIXEL_DRAWS.items() if draws(values[key])]
+
+
+def schedule_as_given(schedule: list) -> str:
+    """train.resolution_schedule as the user writes it: train.resolution_schedule=[[16, 0.25], [32, 0.75]]."""
+    return f"train.resolution_schedule={as_yaml_value([list(pair) for pair in schedule])}"
 
 
 def as_yaml_value(value: Any) -> str:
