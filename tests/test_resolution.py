@@ -195,8 +195,8 @@ def test_without_a_schedule_the_run_is_todays_and_auto_says_off(args, tmp_path, 
     assert train([*args, "train.resolution_schedule=auto", "train.max_steps=2", f"output_dir={tmp_path / 'auto'}"],
                  callbacks=[auto]) == 0
     said = capsys.readouterr()
-    assert ("train.resolution_schedule=auto -> off: no schedule measured yet (resolution.MEASURED_SCHEDULES is empty "
-            "until scripts/resolution_study.py measures one); set train.resolution_schedule to choose") in said.out + said.err
+    assert ("train.resolution_schedule=auto -> off: every schedule measured lost accuracy to the whole run at the final "
+            "size (docs/studies/resolution.md); set train.resolution_schedule to choose") in said.out + said.err
     assert auto.start[0] is None and "resolution_stages" not in json.loads((tmp_path / "auto" / "run_info.json").read_text())
 
 

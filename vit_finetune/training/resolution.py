@@ -22,8 +22,9 @@ from vit_finetune.core import progress
 from vit_finetune.core.errors import RunError
 from vit_finetune.model.loading import BaseTables, at_image_size
 
-# (the base's own size, model.image_size) -> a schedule measured better than one size throughout, by
-# scripts/resolution_study.py (docs/training.md). Empty until a study measures one: auto is then off.
+# (the base's own size, model.image_size) -> a schedule measured to keep the final size's accuracy at a lower cost, by
+# scripts/resolution_study.py. Empty: every schedule that study measured lost accuracy to the whole run at the final size
+# (docs/studies/resolution.md), so auto is off.
 MEASURED_SCHEDULES: dict[tuple[int, int], list[list]] = {}
 
 
@@ -80,8 +81,8 @@ def auto_schedule(base_size: int, final_size: int, processes: int, sharded: bool
     """train.resolution_schedule=auto: the measured schedule for this base's size and model.image_size, if any."""
     measured = MEASURED_SCHEDULES.get((base_size, final_size))
     if measured is None:
-        why = ("no schedule measured yet (resolution.MEASURED_SCHEDULES is empty until scripts/resolution_study.py "
-               "measures one)" if not MEASURED_SCHEDULES else
+        why = ("every schedule measured lost accuracy to the whole run at the final size "
+               "(docs/studies/resolution.md)" if not MEASURED_SCHEDULES else
                f"no schedule measured for a base of {base_size} px fine-tuned at {final_size} px")
         return None, why
     cannot = refusal(measured, processes, sharded)
