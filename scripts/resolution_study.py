@@ -18,7 +18,7 @@ and seed, for every (final size F, low size L) with L < F, both multiples of the
   sched70   [[L, 0.7], [F, 0.3]]
   sched85   [[L, 0.85], [F, 0.15]]
   fixres    the low arm's run, then a short fine-tune at F from its saved model, its head kept (FIXRES_SHARE of
-            --steps more, FixRes: Touvron et al. 2019, arXiv 1906.06423); its wall time is both runs'
+            --steps more, FixRes: Touvron et al. 2019, arXiv 1906.06423); its cost is both runs'
   low_at_final  a diagnosis, not a way to train: the low arm's model moved to F untrained (one step at lr 1e-12),
             what a schedule's last stage starts from
 Each run uses one torch thread and no loader workers (train.cpu_threads=1), and its cost is its CPU seconds, which
@@ -110,9 +110,8 @@ def run_arm(arm: str, name: str, data: Path, final: int, low: int, steps: int, s
 
 
 def cost(result: dict) -> tuple[float, float]:
-    """A run's (wall, CPU) seconds; a record from before the CPU time was kept has its wall time for both (those runs
-    shared the 2 cores with one other 1-thread run only)."""
-    return result["seconds"], result.get("cpu_seconds", result["seconds"])
+    """A run's (wall, CPU) seconds."""
+    return result["seconds"], result["cpu_seconds"]
 
 
 def key(result: dict) -> tuple:
