@@ -114,10 +114,15 @@ def cost(result: dict) -> tuple[float, float]:
     return result["seconds"], result["cpu_seconds"]
 
 
+def crop_key(crop: list | None) -> tuple | None:
+    """A crop range as a run's key holds it: a tuple, or None for the toolkit's auto."""
+    return tuple(crop) if crop else None
+
+
 def key(result: dict) -> tuple:
     """(set, final, low, steps, crop, seed, arm): one run of the study."""
-    crop = tuple(result.get("crop_scale") or ()) or None
-    return result["set"], result["final"], result["low"], result["steps"], crop, result["seed"], result["arm"]
+    return (result["set"], result["final"], result["low"], result["steps"], crop_key(result.get("crop_scale")),
+            result["seed"], result["arm"])
 
 
 def read_results() -> list[dict]:
@@ -174,7 +179,7 @@ def main() -> None:
                 for low in [low for low in sizes(options.low_sizes) if low < final]:
                     for seed in [int(s) for s in options.seeds.split(",")]:
                         for arm in options.arms.split(","):
-                            if (name, final, low, options.steps, tuple(crop or ()) or None, seed, arm) in done:
+                            if (name, final, low, options.steps, crop_key(crop), seed, arm) in done:
                                 continue
                             result = run_arm(arm, name, data, final, low, options.steps, seed, crop)
                             with open(ROOT / "results.jsonl", "a") as handle:
