@@ -290,16 +290,21 @@ def test_epoch_sampler_is_a_seeded_permutation_per_epoch():
     assert [i for i, _ in data.EpochSampler(5, 4, shuffle=False)] == [0, 1, 2, 3, 4]
 
 
-def test_auto_crop_never_crops_where_no_crop_was_measured_to_help():
-    """The held-out digits case (7,040 images seen) lost accuracy to the old interpolated [0.75, 1.0]; beyond the
-    measured range auto must stay at no crop and say it was not measured."""
-    measured = data.AUTO_CROP_MEASURED_UP_TO
-    for images_seen in (1, 1_280, 7_040, measured):
+def test_auto_crop_never_crops_and_says_which_measurement_covers_the_run():
+    """The held-out digits case (7,040 images seen) lost accuracy to the old interpolated [0.75, 1.0]; under a shift
+    between sources crops cost one set its in-source accuracy up to 16,000 images seen; beyond both ranges auto must
+    stay at no crop and say it was not measured."""
+    same_source, under_shift = data.AUTO_CROP_MEASURED_UP_TO, data.CROP_MEASURED_UNDER_SHIFT_UP_TO
+    assert same_source < under_shift
+    for images_seen in (1, 1_280, same_source):
         scale, why = data.auto_crop_scale(images_seen)
-        assert scale == (1.0, 1.0) and f"measured up to {measured:,}" in why
-    for images_seen in (measured + 1, 250_000, 10**9):
+        assert scale == (1.0, 1.0) and f"measured up to {same_source:,}" in why and "another source" in why
+    for images_seen in (same_source + 1, under_shift):
         scale, why = data.auto_crop_scale(images_seen)
-        assert scale == (1.0, 1.0) and "not measured" in why
+        assert scale == (1.0, 1.0) and f"measured up to {under_shift:,}" in why and "another source" in why
+    for images_seen in (under_shift + 1, 250_000, 10**9):
+        scale, why = data.auto_crop_scale(images_seen)
+        assert scale == (1.0, 1.0) and f"not measured beyond {under_shift:,}" in why
 
 
 def test_a_run_prints_the_auto_crop_it_chose_and_saves_it_resolved_and_overridable(args, tmp_path, capsys):

@@ -29,8 +29,8 @@ from vit_finetune.data.opening import (
     refuse_unreachable,
 )
 from vit_finetune.data.pixels import (
-    ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale, crop_in_words,
-    decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box, resample_of,
+    ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, CROP_MEASURED_UNDER_SHIFT_UP_TO, FLAT_SPREAD, alpha_card_text,
+    auto_crop_scale, crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box, resample_of,
     sample_rng, train_transform,
 )
 from vit_finetune.data.splits import (
@@ -39,6 +39,7 @@ from vit_finetune.data.splits import (
 )
 
 __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
+           "CROP_MEASURED_UNDER_SHIFT_UP_TO",
            "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",
            "DataError", "EpochSampler", "ImageClassificationDataset", "PixelNormalizer", "Splits", "alpha_card_text",
            "auto_crop_scale", "blank_pixels", "cache_dir", "collate", "cpu_cores", "crop_in_words", "decode_image",

@@ -104,7 +104,8 @@ class DataSettings(Strict):
     crop_scale: tuple[Float, Float] | Literal["auto"] = Field("auto", description=(
         "random-resized-crop area range [low, high] as shares of the image ([0.05, 1.0]: the original ViT recipe); "
         "auto: the toolkit's measured choice for the training images the run will see (data.auto_crop_scale: no "
-        "crop, measured up to 7,040 images seen, kept beyond), printed with its reason and saved resolved in "
+        "crop, measured up to 7,040 images seen and, with eval images from another source, up to 16,000; kept "
+        "beyond), printed with its reason and saved resolved in "
         "the output's recipe.yaml"))
     horizontal_flip: bool | Literal["auto"] = Field(False, description=(
         "flip training crops left-right with probability 0.5: right for photos, wrong for digits, text and anything a "
