@@ -30,8 +30,8 @@ from vit_finetune.data.opening import (
 )
 from vit_finetune.data.pixels import (
     ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, CROP_MEASURED_UNDER_SHIFT_UP_TO, FLAT_SPREAD, alpha_card_text,
-    auto_crop_scale, crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box, resample_of,
-    sample_rng, train_transform,
+    auto_crop_scale, crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat,
+    random_resized_crop_box, resample_of, sample_rng, train_transform,
 )
 from vit_finetune.data.splits import (
     CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity, is_label_set,

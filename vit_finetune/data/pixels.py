@@ -249,8 +249,8 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
 # data.crop_scale=auto: the crop area from the training images a run will see (plan.images_read: what its steps read).
 # Measured where the eval images come from the training source (docs/studies/small-data.md, "The crop rule"): against
 # no crop, every random-resized-crop range tried lost or tied up to AUTO_CROP_MEASURED_UP_TO images seen, on three
-# real sets and on held-out digits. Measured where they come from another source (docs/studies/shift.md, "The crop"),
-# up to CROP_MEASURED_UNDER_SHIFT_UP_TO: crops raised the other source's accuracy on both sets, and on one of them cost
+# real sets and on held-out digits. Measured where they come from another source (docs/studies/shift.md, "The crop,
+# on two sets and three schedules"), up to CROP_MEASURED_UNDER_SHIFT_UP_TO images seen: crops raised the other source's accuracy on both sets, and on one of them cost
 # 0.05-0.07 on images like the training ones, more than the seeds' spread; nothing measured before training told the
 # two sets apart. So auto never crops; past both ranges it stays at no crop, the choice measured, rather than
 # extrapolate toward the ViT paper's 5-100 % over 250k+ images.
@@ -267,8 +267,8 @@ def auto_crop_scale(images_seen: int) -> tuple[tuple[float, float], str]:
         return (1.0, 1.0), (f"every crop range measured up to {AUTO_CROP_MEASURED_UP_TO:,} training images seen lost to "
                             f"no crop or tied (docs/training.md: Small data), and {under_shift}")
     if images_seen <= CROP_MEASURED_UNDER_SHIFT_UP_TO:
-        return (1.0, 1.0), (f"crops were measured up to {CROP_MEASURED_UNDER_SHIFT_UP_TO:,} training images seen only "
-                            f"{under_shift}, so auto stays at no crop")
+        return (1.0, 1.0), (f"crops were measured up to {CROP_MEASURED_UNDER_SHIFT_UP_TO:,} training images seen, and "
+                            f"only {under_shift}, so auto stays at no crop")
     return (1.0, 1.0), (f"crops are not measured beyond {CROP_MEASURED_UNDER_SHIFT_UP_TO:,} training images seen, so "
                         "auto stays at no crop")
 
