@@ -249,11 +249,11 @@ def flat_images(splits: Splits, settings: DataSettings, seed: int,
 # data.crop_scale=auto: the crop area from the training images a run will see (plan.images_read: what its steps read).
 # Measured where the eval images come from the training source (docs/studies/small-data.md, "The crop rule"): against
 # no crop, every random-resized-crop range tried lost or tied up to AUTO_CROP_MEASURED_UP_TO images seen, on three
-# real sets and on held-out digits. Measured where they come from another source (docs/studies/shift.md, "The crop,
-# on two sets and three schedules"), up to CROP_MEASURED_UNDER_SHIFT_UP_TO images seen: crops raised the other source's accuracy on both sets, and on one of them cost
-# 0.05-0.07 on images like the training ones, more than the seeds' spread; nothing measured before training told the
-# two sets apart. So auto never crops; past both ranges it stays at no crop, the choice measured, rather than
-# extrapolate toward the ViT paper's 5-100 % over 250k+ images.
+# real sets and on held-out digits. Measured where they come from another source (docs/studies/shift.md, "The crop, on
+# two sets and three schedules"), up to CROP_MEASURED_UNDER_SHIFT_UP_TO images seen: crops raised the other source's
+# accuracy on both sets, and on one of them cost 0.05-0.07 on images like the training ones, more than the seeds'
+# spread; nothing measured before training told the two sets apart. So auto never crops; past both ranges it stays at
+# no crop, the choice measured, rather than extrapolate toward the ViT paper's 5-100 % over 250k+ images.
 AUTO_CROP_MEASURED_UP_TO = 7_040  # training images seen: the longest same-source run where crops were compared
 CROP_MEASURED_UNDER_SHIFT_UP_TO = 16_000  # the longest run of the shift study's crop arms
 
