@@ -70,11 +70,14 @@ class WarmLauncher:
         self.pending = b""  # what the launcher has answered and no call has read yet
 
     def start(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
-              cwd: Path | None = None, module: str = "vit_finetune") -> list[int]:
+              cwd: Path | None = None, module: str = "vit_finetune", plain: bool = False) -> list[int]:
         """Fork the ranks of one launch of `-m module ARGS` (the launcher's environment with `changes`, its output in
-        `log` and `log`.err, in `cwd` or the launcher's); returns their pids, rank 0's first."""
+        `log` and `log`.err, in `cwd` or the launcher's); returns their pids, rank 0's first. `plain`: one process
+        with no launcher, as `python -m module ARGS` runs (its exit code is its own, minus a signal that ended it)."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        request = {"processes": 2, "config_file": str(config_file) if config_file else None,
+        for output in (log, log.with_suffix(".err")):  # there to read as soon as this returns
+            output.touch()
+        request = {"processes": 2, "plain": plain, "config_file": str(config_file) if config_file else None,
                    "module_and_args": [module, *args], "env": {**self.env, **changes},
                    "cwd": str(cwd or self.cwd), "stdout": str(log), "stderr": str(log.with_suffix(".err"))}
         self.server.stdin.write(json.dumps(request).encode() + b"\n")
@@ -88,10 +91,25 @@ class WarmLauncher:
         """The launch's exit code, once all its ranks have ended."""
         return self._answer(timeout)["exit_code"]
 
+    def finished(self) -> int | None:
+        """The launch's exit code if all its ranks have ended, else None (without waiting)."""
+        return self._answer(timeout=0)["exit_code"] if self._answered() else None
+
     def run(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
-            cwd: Path | None = None, module: str = "vit_finetune") -> subprocess.CompletedProcess:
-        self.start(args, changes, log, config_file, cwd, module)
+            cwd: Path | None = None, module: str = "vit_finetune", plain: bool = False) -> subprocess.CompletedProcess:
+        self.start(args, changes, log, config_file, cwd, module, plain)
         code = self.wait()
+        return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
+
+    def cli(self, *args: str, changes: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 400) -> subprocess.CompletedProcess:
+        """`python -m vit_finetune ARGS` in a process of its own, as tiny.run_cli runs it, but forked warm: for the
+        tests of what a run does and says, not of what a fresh interpreter imports or warns of as it loads."""
+        import tempfile
+
+        log = Path(tempfile.mkdtemp(prefix="warm-cli-")) / "out.log"
+        self.start(list(args), changes or {}, log, cwd=cwd, plain=True)
+        code = self.wait(timeout)
         return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
 
     def run_and_kill(self, args: list[str], changes: dict[str, str], log: Path,
@@ -109,6 +127,16 @@ class WarmLauncher:
             except ProcessLookupError:  # it ended on its own first
                 pass
         return self.wait(), ranks
+
+    def _answered(self) -> bool:
+        """Whether a whole answer line has arrived, reading what the launcher has written without waiting."""
+        import select
+
+        while b"\n" not in self.pending and select.select([self.server.stdout], [], [], 0)[0]:
+            chunk = os.read(self.server.stdout.fileno(), 65536)
+            assert chunk, f"the warm launcher ended (exit code {self.server.poll()})"
+            self.pending += chunk
+        return b"\n" in self.pending
 
     def _answer(self, timeout: float) -> dict:
         """The launcher's next answer line (read from the pipe's descriptor: a buffered reader could hold a second
@@ -184,29 +212,23 @@ def kill_at(step: int):
     return before_batch(kill)
 
 
-def launch_and_kill(args: list[str], record: Path, when: Callable[[str], bool], log: Path,
-                    sig: int = signal.SIGKILL, timeout: float = 180, env: dict | None = None,
-                    launcher: list[str] | None = None) -> subprocess.CompletedProcess:
-    """`python -m vit_finetune ARGS` in a subprocess, sent `sig` as soon as `when(stdout so far)` holds.
-
-    With a `launcher` (`python -m accelerate.commands.launch --config_file C`), `LAUNCHER -m vit_finetune ARGS`:
-    the launcher and all its workers are sent `sig`, as under a cluster's kill of the job."""
-    command = [*launcher, "-m", "vit_finetune", *args] if launcher else [sys.executable, "-m", "vit_finetune", *args]
-    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, env=env or recorder.subprocess_env(record),
-                                   cwd=recorder.OBSERVED_SITE.parent.parent)
-        deadline = time.monotonic() + timeout
-        sent = False
-        while process.poll() is None and time.monotonic() < deadline:
-            if not sent and when(log.read_text()):
-                signal_tree(process.pid, sig) if launcher else process.send_signal(sig)
-                sent = True
-            time.sleep(0.005)
-        if process.poll() is None:
-            signal_tree(process.pid, signal.SIGKILL) if launcher else process.kill()
-        process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(),
-                                       log.with_suffix(".err").read_text())
+def launch_and_kill(launcher: WarmLauncher, args: list[str], record: Path, when: Callable[[str], bool], log: Path,
+                    sig: int = signal.SIGKILL, timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python -m vit_finetune ARGS` as a process of its own (forked from the warm `launcher`, conftest.warm_launcher),
+    observed by tests/recorder.py into `record`, sent `sig` as soon as `when(stdout so far)` holds."""
+    [pid] = launcher.start(args, {recorder.ENV: str(record)}, log, plain=True)
+    deadline = time.monotonic() + timeout
+    code = launcher.finished()
+    while code is None and time.monotonic() < deadline and not when(log.read_text()):
+        time.sleep(0.005)
+        code = launcher.finished()
+    if code is None:
+        try:
+            os.kill(pid, sig if time.monotonic() < deadline else signal.SIGKILL)
+        except ProcessLookupError:  # it ended on its own first
+            pass
+        code = launcher.wait()
+    return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
 
 
 def signal_tree(pid: int, sig: int) -> None:

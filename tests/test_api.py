@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 import sys
 
 import pytest
@@ -41,7 +40,8 @@ def first_run(base, images, tmp_path_factory):
     return vit_finetune.train(recipe, callbacks=[counter], quiet=True), counter
 
 
-def test_a_second_training_in_the_same_process_gives_a_fresh_cli_runs_weights(first_run, base, images, tmp_path):
+def test_a_second_training_in_the_same_process_gives_a_fresh_cli_runs_weights(first_run, base, images, warm_launcher,
+                                                                              tmp_path):
     result, counter = first_run
     assert counter.steps == 6 and not REGISTERED  # the run's callback saw it, and was not left registered
     assert result.output_dir.is_dir()
@@ -50,9 +50,9 @@ def test_a_second_training_in_the_same_process_gives_a_fresh_cli_runs_weights(fi
     overrides = [f"model.base={base}", f"data.dataset={images}", *RECIPE, ONE_EPOCH]
     second = vit_finetune.train(vit_finetune.load_recipe(None, *overrides, output_dir=tmp_path / "api"), quiet=True)
     assert counter.steps == 6  # the first run's callback does not observe the second
-    # The reference runs in a process of its own: nothing an earlier run in this one left can reach it.
-    fresh = subprocess.run([sys.executable, "-m", "vit_finetune", *overrides, f"output_dir={tmp_path / 'cli'}",
-                            "--quiet"], capture_output=True, text=True, cwd=REPO)
+    # The reference runs in a process of its own (forked from one that imported the libraries and never ran the
+    # toolkit): nothing an earlier run in this one left can reach it.
+    fresh = warm_launcher.cli(*overrides, f"output_dir={tmp_path / 'cli'}", "--quiet")
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert_bit_identical(second.output_dir / "model.safetensors", tmp_path / "cli" / "model.safetensors")
     assert second.metrics == json.loads((tmp_path / "cli" / "metrics.json").read_text())

@@ -45,7 +45,7 @@ class Observe(Callback):
 # ---------------------------------------------------------------- mixed precision
 
 
-def test_bf16_autocast_trains_and_a_run_killed_under_it_resumes_bit_identical(args, tmp_path):
+def test_bf16_autocast_trains_and_a_run_killed_under_it_resumes_bit_identical(args, warm_launcher, tmp_path):
     reference, seen = tmp_path / "reference", Observe()
     run = [*args, *ONE_EPOCH, "train.mixed_precision=bf16", "train.checkpoint_every_steps=2"]
     assert train([*run, f"output_dir={reference}"], callbacks=[seen]) == 0
@@ -57,7 +57,8 @@ def test_bf16_autocast_trains_and_a_run_killed_under_it_resumes_bit_identical(ar
     assert {tensor.dtype for tensor in load_file(str(reference / "model.safetensors")).values()} == {torch.float32}
 
     out = tmp_path / "out"
-    killed = launch_and_kill([*run, f"output_dir={out}"], tmp_path / "r1", exists(completed(out, 2)), tmp_path / "1.log")
+    killed = launch_and_kill(warm_launcher, [*run, f"output_dir={out}"], tmp_path / "r1", exists(completed(out, 2)),
+                             tmp_path / "1.log")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not (out / "metrics.json").exists()
     assert train([*run, f"output_dir={out}", "train.resume=auto"]) == 0

@@ -84,11 +84,12 @@ def no_validation_split(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_log_file_gets_plain_lines_and_a_carved_eval_split_is_said_everywhere(base, no_validation_split, tmp_path):
+def test_a_log_file_gets_plain_lines_and_a_carved_eval_split_is_said_everywhere(base, no_validation_split,
+                                                                                warm_launcher, tmp_path):
     output = tmp_path / "run"
-    result = run_cli(f"model.base={base}", f"data.dataset={no_validation_split}", f"output_dir={output}",
-                     "model.image_size=32", "train.batch_size=9", "train.epochs=2", "train.log_every_steps=2",
-                     "data.num_workers=0", "data.eval_fraction=0.1")
+    result = warm_launcher.cli(f"model.base={base}", f"data.dataset={no_validation_split}", f"output_dir={output}",
+                               "model.image_size=32", "train.batch_size=9", "train.epochs=2", "train.log_every_steps=2",
+                               "data.num_workers=0", "data.eval_fraction=0.1")
     assert result.returncode == 0, result.stderr[-2000:]
     # Captured output is not a terminal: one line per logged step, no carriage-return redraws.
     assert "\r" not in result.stderr

@@ -160,7 +160,7 @@ def test_a_pass_estimated_far_beyond_interactive_is_warned_of_with_a_size_that_t
     assert memory.step_flops(tiny, 64, 32) / memory.SLOWEST_FLOPS_PER_S <= memory.UNINTERRUPTIBLE_PASS_SECONDS
 
 
-def test_the_demo_at_1024_px_warns_of_its_pass_before_training(images, tmp_path):
+def test_the_demo_at_1024_px_warns_of_its_pass_before_training(images, warm_launcher, tmp_path):
     """The warning comes before the output folder is held: here another run holds it, so the run ends there,
     before any weight loads or any image is read."""
     from vit_finetune.core.run_lock import RunLock
@@ -169,8 +169,8 @@ def test_the_demo_at_1024_px_warns_of_its_pass_before_training(images, tmp_path)
     lock = RunLock(out)
     assert lock.acquire() is None
     try:
-        done = run_cli("--recipe", "demo", "model.image_size=1024", "train.batch_size=1", f"data.dataset={images}",
-                       f"output_dir={out}", timeout=120)
+        done = warm_launcher.cli("--recipe", "demo", "model.image_size=1024", "train.batch_size=1",
+                                 f"data.dataset={images}", f"output_dir={out}", timeout=120)
     finally:
         lock.release()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]

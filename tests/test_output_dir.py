@@ -9,14 +9,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from runs import RECIPE, train
-from tiny import REPO, write_colour_folder
+from tiny import write_colour_folder
 from vit_finetune.core.layout import LOCK, MANIFEST
 
 SHORT = ["train.max_steps=2"]
@@ -92,27 +91,28 @@ def test_an_output_dir_overlapping_the_dataset_is_refused_before_anything_is_wri
     assert snapshot(tmp_path) == before and not (images / "train" / "runs").exists()
 
 
-def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_run_leaves_no_stuck_lock(args, tmp_path, capsys):
+def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_run_leaves_no_stuck_lock(args, warm_launcher,
+                                                                                           tmp_path, capsys):
     out = tmp_path / "out"
-    log = tmp_path / "first.err"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with open(log, "w") as stderr:
-        first = subprocess.Popen([sys.executable, "-m", "vit_finetune", *args, f"output_dir={out}", "train.epochs=500"],
-                                 stdout=subprocess.DEVNULL, stderr=stderr, cwd=REPO, env=env)
+    log = tmp_path / "first.log"
+    [first] = warm_launcher.start([*args, f"output_dir={out}", "train.epochs=500"], {}, log, plain=True)
+    ended = None
     try:
         deadline = time.monotonic() + 200
-        while first.poll() is None and time.monotonic() < deadline:  # until the first run holds the lock
-            if (out / LOCK).is_file() and (out / LOCK).read_text() == str(first.pid):
+        while ended is None and time.monotonic() < deadline:  # until the first run holds the lock
+            if (out / LOCK).is_file() and (out / LOCK).read_text() == str(first):
                 break
             time.sleep(0.2)
-        assert first.poll() is None and (out / LOCK).read_text() == str(first.pid), log.read_text()[-2000:]
+            ended = warm_launcher.finished()
+        assert ended is None and (out / LOCK).read_text() == str(first), log.with_suffix(".err").read_text()[-2000:]
         assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 1
         error = error_line(capsys.readouterr().err)
-        assert f"another run (process {first.pid}) is writing into output_dir" in error
+        assert f"another run (process {first}) is writing into output_dir" in error
         assert not (out / "metrics.json").exists()
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        if ended is None:
+            os.kill(first, signal.SIGKILL)
+            assert warm_launcher.wait() == -signal.SIGKILL
     assert train([*args, *SHORT, f"output_dir={out}", "overwrite=true"]) == 0  # the lock died with its process
     assert json.loads((out / "metrics.json").read_text())["steps"] == 2
     assert (out / LOCK).exists()

@@ -93,13 +93,13 @@ def test_an_overwrite_that_fails_before_a_checkpoint_puts_the_finished_run_back(
 
 
 def test_a_killed_overwrite_leaves_the_finished_run_aside_and_the_next_run_puts_it_back_or_resumes(
-        args, previous, tmp_path, capsys):
+        args, previous, warm_launcher, tmp_path, capsys):
     from transformers import AutoModelForImageClassification
 
     before = snapshot(previous)
     run = [*args, f"output_dir={previous}", "train.checkpoint_every_steps=2", "train.max_steps=6"]
-    killed = launch_and_kill([*run, "overwrite=true"], tmp_path / "record", exists(completed(previous, 4)),
-                             tmp_path / "killed.log")
+    killed = launch_and_kill(warm_launcher, [*run, "overwrite=true"], tmp_path / "record",
+                             exists(completed(previous, 4)), tmp_path / "killed.log")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     # Killed after its checkpoint at step 4: the finished run is whole, set aside; the user's log never moved.
     aside = previous / PREVIOUS_RUN

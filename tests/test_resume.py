@@ -57,12 +57,14 @@ def test_same_recipe_and_seed_give_identical_losses_weights_and_samples(args, re
 # ---------------------------------------------------------------- 2. SIGKILL and resume
 
 
-def test_killed_twice_in_one_epoch_then_resumed_equals_the_uninterrupted_run(args, reference, tmp_path):
+def test_killed_twice_in_one_epoch_then_resumed_equals_the_uninterrupted_run(args, reference, warm_launcher,
+                                                                             tmp_path):
     out = tmp_path / "out"
     run = [*args, f"output_dir={out}", "train.checkpoint_every_steps=2", "train.keep_checkpoints=10"]
-    first = launch_and_kill(run, tmp_path / "r1", exists(completed(out, 2)), tmp_path / "1.log")
+    first = launch_and_kill(warm_launcher, run, tmp_path / "r1", exists(completed(out, 2)), tmp_path / "1.log")
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
-    second = launch_and_kill([*run, "train.resume=auto"], tmp_path / "r2", exists(completed(out, 4)), tmp_path / "2.log")
+    second = launch_and_kill(warm_launcher, [*run, "train.resume=auto"], tmp_path / "r2", exists(completed(out, 4)),
+                             tmp_path / "2.log")
     assert second.returncode == -signal.SIGKILL, second.stderr[-2000:]
     assert "resuming from" in second.stdout and "at step 2" in second.stdout
     assert not (out / "metrics.json").exists()
@@ -144,10 +146,12 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_complete_one(
 # ---------------------------------------------------------------- 12. SIGINT / SIGTERM
 
 
-def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_the_resume_is_exact(args, reference, tmp_path):
+def test_ctrl_c_saves_a_checkpoint_says_how_to_resume_and_the_resume_is_exact(args, reference, warm_launcher,
+                                                                              tmp_path):
     out = tmp_path / "out"
     run = [*args, f"output_dir={out}", "train.checkpoint_every_steps=4"]
-    interrupted = launch_and_kill(run, tmp_path / "r1", exists(completed(out, 4)), tmp_path / "1.log", sig=signal.SIGINT)
+    interrupted = launch_and_kill(warm_launcher, run, tmp_path / "r1", exists(completed(out, 4)), tmp_path / "1.log",
+                                  sig=signal.SIGINT)
     assert interrupted.returncode == 130, interrupted.stderr[-2000:]
     message = interrupted.stderr[interrupted.stderr.index("error: "):]
     assert "train.resume=auto" in message and str(out) in message and "Traceback" not in interrupted.stderr

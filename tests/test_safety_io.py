@@ -311,20 +311,20 @@ def many_photos(folder: Path, count: int) -> Path:
     return folder
 
 
-def test_predict_killed_mid_write_leaves_no_partial_output(trained, tmp_path):
+def test_predict_killed_mid_write_leaves_no_partial_output(trained, warm_launcher, tmp_path):
     photos = many_photos(tmp_path / "photos", 300)
     output = tmp_path / "preds.csv"
-    command = [sys.executable, "-m", "vit_finetune", "predict", str(trained), str(photos), "--output", str(output),
-               "--batch-size", "1"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    [process] = warm_launcher.start(["predict", str(trained), str(photos), "--output", str(output), "--batch-size", "1"],
+                                    {}, tmp_path / "logs" / "predict.log", plain=True)
     deadline = time.monotonic() + 120
-    written = []
-    while process.poll() is None and time.monotonic() < deadline and not written:
+    written, ended = [], None
+    while ended is None and time.monotonic() < deadline and not written:
         written = [p for p in tmp_path.iterdir() if p.name.endswith("preds.csv") and p.stat().st_size > 200]
         time.sleep(0.01)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
+        ended = None if written else warm_launcher.finished()
+    if ended is None:
+        os.kill(process, signal.SIGKILL)
+        warm_launcher.wait()
     assert written, "predict finished or never wrote before it could be killed"
     assert not output.exists()  # no valid-looking CSV holding part of the rows
 

@@ -118,10 +118,12 @@ def rank_environment(rank: int, processes: int, port: int) -> dict[str, str]:
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
-def run_rank(environment: dict[str, str], module_and_args: list[str]) -> None:
-    """In the forked child: become the rank, then run `python -m MODULE ARGS` to its end (never returns)."""
-    os.setsid()  # torchrun starts each worker in a session of its own
-    os.environ.update(environment)
+def run_rank(environment: dict[str, str] | None, module_and_args: list[str]) -> None:
+    """In the forked child: become the rank (with no `environment`: a plain `python -m` process of the caller's
+    session), then run `python -m MODULE ARGS` to its end (never returns)."""
+    if environment is not None:
+        os.setsid()  # torchrun starts each worker in a session of its own
+        os.environ.update(environment)
     for name in SITE_HOOK_VARIABLES:
         if HELD + name in os.environ:
             os.environ[name] = os.environ.pop(HELD + name)
@@ -186,8 +188,10 @@ def import_and_freeze() -> None:
     gc.freeze()
 
 
-def fork_ranks(processes: int, port: int, module_and_args: list[str], before_rank) -> dict[int, int]:
-    """pid -> rank of the forked ranks; each calls `before_rank()` first, then run_rank."""
+def fork_ranks(processes: int, port: int, module_and_args: list[str], before_rank,
+               plain: bool = False) -> dict[int, int]:
+    """pid -> rank of the forked ranks; each calls `before_rank()` first, then run_rank. `plain`: one process with no
+    rank of its own, as `python -m MODULE ARGS` starts."""
     sys.stdout.flush()
     sys.stderr.flush()
     ranks = {}
@@ -195,9 +199,14 @@ def fork_ranks(processes: int, port: int, module_and_args: list[str], before_ran
         pid = os.fork()
         if pid == 0:
             before_rank()
-            run_rank(rank_environment(rank, processes, port), module_and_args)
+            run_rank(None if plain else rank_environment(rank, processes, port), module_and_args)
         ranks[pid] = rank
     return ranks
+
+
+def wait_for_plain(pid: int) -> int:
+    """A plain process's exit code as subprocess gives it: its own, or minus the signal that ended it."""
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 # ------------------------------------------------------------------ --serve: launch after launch
@@ -216,9 +225,11 @@ def changed_at_import(requested: dict[str, str], started: dict[str, str]) -> lis
 
 
 def serve() -> int:
-    """Read launches from stdin, one JSON object a line: {"processes", "config_file", "module_and_args", "env", "cwd",
-    "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} (rank 0's first) once its ranks are forked (each
-    with that env and cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have ended."""
+    """Read launches from stdin, one JSON object a line: {"processes", "plain", "config_file", "module_and_args", "env",
+    "cwd", "stdout", "stderr"}. For each, answer on stdout {"pids": [...]} (rank 0's first) once its ranks are forked
+    (each with that env and cwd, its output appended to those files, no stdin), then {"exit_code": N} once they have
+    ended. With "plain", one process and no launcher: no rank variables, and its own exit code (minus the signal that
+    ended it), as `subprocess` gives a fresh `python -m MODULE ARGS`."""
     hooked = [name for name in SITE_HOOK_VARIABLES if name in os.environ]
     if hooked:  # sitecustomize has installed them in this process already
         raise SystemExit(f"--serve: start without {hooked}; give them to each launch that wants them")
@@ -251,9 +262,12 @@ def serve() -> int:
                                        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)):
                 os.dup2(os.open(path, mode, 0o644), stream)
 
-        ranks = fork_ranks(request["processes"], port, request["module_and_args"], become_the_launch)
+        plain = request.get("plain", False)
+        ranks = fork_ranks(1 if plain else request["processes"], port, request["module_and_args"], become_the_launch,
+                           plain)
         print(json.dumps({"pids": sorted(ranks, key=ranks.get)}), file=channel, flush=True)  # in rank order
-        print(json.dumps({"exit_code": wait_for(ranks)}), file=channel, flush=True)
+        code = wait_for_plain(next(iter(ranks))) if plain else wait_for(ranks)
+        print(json.dumps({"exit_code": code}), file=channel, flush=True)
     return 0
 
 
