@@ -6,16 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 import recorder
-from runs import RECIPE, SimulatedKill, completed, kill_at, torchrun_command, train
-from tiny import REPO, write_colour_folder
+from runs import RECIPE, SimulatedKill, completed, kill_at, train
+from tiny import write_colour_folder
 
 pytestmark = pytest.mark.slow
 
@@ -105,54 +103,37 @@ def test_images_added_to_a_class_since_the_checkpoint_are_refused(base, tmp_path
     assert recorder.read_samples(tmp_path / "record2")[0]["step"] == 3
 
 
-def rank_pid(rank: int, marker: str) -> int | None:
-    """The pid of the torchrun worker with RANK=rank whose command line holds `marker`."""
-    for entry in Path("/proc").iterdir():
-        try:
-            environ, cmdline = (entry / "environ").read_bytes(), (entry / "cmdline").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if (f"RANK={rank}".encode() in environ.split(b"\0") and marker.encode() in cmdline
-                and b"torch.distributed.run" not in cmdline):
-            return int(entry.name)
-    return None
-
-
 @pytest.mark.timeout(400)
-def test_a_frozen_process_ends_a_two_process_run_with_a_message_naming_it(base, images, tmp_path):
-    out, err, log = tmp_path / "out", tmp_path / "stderr.txt", tmp_path / "stdout.txt"
-    command = [*torchrun_command(), "-m", "vit_finetune",
-               f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
-               "train.batch_size=2", "train.epochs=100", "data.num_workers=0", "train.collective_timeout_s=10"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    with open(err, "w") as stderr, open(log, "w") as stdout:
-        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=REPO, env=env)
-        frozen = None
+def test_a_frozen_process_ends_a_two_process_run_with_a_message_naming_it(base, images, warm_launcher, tmp_path):
+    out, log = tmp_path / "out", tmp_path / "stdout.txt"
+    err = log.with_suffix(".err")
+    # The ranks forked warm (tests/warm_launch.py): the subject is what the ranks do when one stops answering, which
+    # the toolkit's own collective timeout decides; as torchrun does, the launcher stops the other ranks once one fails.
+    _, frozen = warm_launcher.start([f"model.base={base}", f"data.dataset={images}", f"output_dir={out}",
+                                     "model.image_size=32", "train.batch_size=2", "train.epochs=100",
+                                     "data.num_workers=0", "train.collective_timeout_s=10"], {}, log)
+    code = None
+    try:
+        deadline = time.monotonic() + 200
+        # Training starts right after the main process says how many processes run it.
+        while "on 2 process(es)" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # into the loop's collectives
+        os.kill(frozen, signal.SIGSTOP)
+        stopped = time.monotonic()
+        # Without a timeout, rank 0 waits forever. Once it has said so, end the frozen rank here: the launcher would
+        # otherwise wait 30 s for it to obey a SIGTERM it cannot see while stopped.
+        while code is None and "error: " not in err.read_text() and time.monotonic() < stopped + 150:
+            time.sleep(0.2)
+            code = warm_launcher.finished()
+        waited = time.monotonic() - stopped
+    finally:
         try:
-            deadline = time.monotonic() + 200
-            # Training starts right after the main process says how many processes run it.
-            while "on 2 process(es)" not in log.read_text() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            time.sleep(2)  # into the loop's collectives
-            frozen = rank_pid(1, str(out))
-            assert frozen is not None
-            os.kill(frozen, signal.SIGSTOP)
-            stopped = time.monotonic()
-            # Without a timeout, rank 0 waits forever. Once it has said so, end the frozen rank here: torchrun would
-            # otherwise wait 30 s for it to obey a SIGTERM it cannot see while stopped.
-            while process.poll() is None and "error: " not in err.read_text() and time.monotonic() < stopped + 150:
-                time.sleep(0.2)
-            waited = time.monotonic() - stopped
             os.kill(frozen, signal.SIGKILL)
-            code = process.wait(timeout=60)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            if frozen is not None:
-                try:
-                    os.kill(frozen, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        except ProcessLookupError:  # the launcher ended it first
+            pass
+        if code is None:
+            code = warm_launcher.wait(timeout=60)
     assert code != 0 and waited >= 10
     message = next(line for line in err.read_text().splitlines() if line.startswith("error: "))
     assert message.startswith("error: process 0 waited train.collective_timeout_s=10 s") and "(rank) 1" in message

@@ -7,13 +7,16 @@ ranks forked from one interpreter that has imported the libraries once.
 A fresh `python -m vit_finetune` spends about 5.5 CPU-s importing torch, transformers, datasets and accelerate before
 its first step, and torchrun imports torch once more for itself: a tiny two-process run costs about 16 CPU-s, of which
 about 3 are training. The tests whose subject is what the ranks do together (sharding, streaming, distributed
-evaluation, one rank talking to the Hub) launch through this; the tests of the launchers themselves keep the real
-ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py, test_multiprocess_errors.py's schema mistake, the
-frozen rank of test_resume_safety.py, and the shared FSDP run of test_sharded.py, launched by `accelerate launch
---config_file`).
+evaluation, one rank talking to the Hub, a rank that stops answering) launch through this; the tests of the launchers
+themselves keep the real ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py,
+test_multiprocess_errors.py's schema mistake, and the shared FSDP run of test_sharded.py, launched by `accelerate
+launch --config_file`).
 With --serve, one launcher serves a pytest process's launches one after another (conftest.warm_launcher): the import
 is paid once for them all, and a launch that would change a variable some library read at import is refused
-(READ_AT_RUN_TIME).
+(READ_AT_RUN_TIME). A --serve launch may also be one plain process ("plain": no launcher, no rank variables, its own
+exit code): `python -m vit_finetune ARGS` for the one-process tests whose subject is what the run does when it is
+signalled, killed or locked out, not what a fresh interpreter imports (measured: a tiny run of the shared test recipe
+costs 6.4-7.3 CPU-s in a fresh interpreter, 1.0-1.2 forked).
 
 Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
 elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
