@@ -7,6 +7,7 @@ where the issue asks for one, no traceback, and no lost or poisoned checkpoint.
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import json
 import math
@@ -140,6 +141,7 @@ def small_disk(tmp_path):
                                            capture_output=True).returncode != 0:
         pytest.skip("mounting a tmpfs needs root; test_disk_full_injected covers the same path")
     yield mount
+    gc.collect()  # what the run left in reference cycles may still map a file there (tests/conftest.py: the collector)
     subprocess.run(["umount", str(mount)], check=True)
 
 

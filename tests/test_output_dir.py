@@ -3,6 +3,7 @@ user's, or the dataset's, is refused before anything is written; two runs never 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import shutil
 import json
@@ -141,6 +142,7 @@ def tmpfs(tmp_path):
         return folder
 
     yield mount
+    gc.collect()  # what the run left in reference cycles may still map a file there (tests/conftest.py: the collector)
     for folder in mounted:
         subprocess.run(["umount", str(folder)], check=False)
 
