@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -146,3 +147,33 @@ def test_quiet_prints_no_library_warning(quiet_run):
     assert result.stderr == ""
     assert len(result.stdout.splitlines()) == 1
     assert (output / "adapter").is_dir() and (output / "model.safetensors").is_file()
+
+
+# Where `python -m vit_finetune` enters (vit_finetune/__main__.py), reporting at the process's exit whether the
+# collector is on and how many objects it has frozen.
+COMMAND_WITH_A_COLLECTOR_REPORT = (
+    "import atexit, gc, runpy, sys\n"
+    "atexit.register(lambda: print('collector', gc.isenabled(), gc.get_freeze_count()))\n"
+    "sys.argv = ['vit_finetune', *sys.argv[1:]]\n"
+    "runpy.run_module('vit_finetune', run_name='__main__', alter_sys=True)\n")
+
+
+@pytest.mark.slow
+def test_a_command_freezes_what_the_training_stack_made_and_a_caller_of_the_api_keeps_its_collector(args, tmp_path):
+    import gc
+
+    from runs import train
+
+    # A command's own process: the libraries' objects leave the collector's reach, and it collects on.
+    result = subprocess.run([sys.executable, "-c", COMMAND_WITH_A_COLLECTOR_REPORT, *args,
+                             f"output_dir={tmp_path / 'command'}"], capture_output=True, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, enabled, frozen = result.stdout.splitlines()[-1].split()
+    assert enabled == "True" and int(frozen) > 100_000, result.stdout[-500:]
+    assert (tmp_path / "command" / "model.safetensors").is_file()
+    # The same training called in this process (a notebook's, a test's): nothing more is frozen (what was frozen
+    # before may be freed by its reference count).
+    before = gc.get_freeze_count()
+    assert train([*args, f"output_dir={tmp_path / 'in-process'}"]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() <= before

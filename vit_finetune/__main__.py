@@ -1,7 +1,5 @@
 """`python -m vit_finetune` and `accelerate launch -m vit_finetune` enter here."""
 
-import sys
+from vit_finetune.cli import main_exit
 
-from vit_finetune.cli import main
-
-sys.exit(main())
+main_exit()
