@@ -41,9 +41,9 @@ demo: $(STAMP)  ## offline demo: fine-tune the shipped tiny ViT at 64 px, print 
 	$(DEMO_KERNELS) $(PYTHON) -m vit_finetune --recipe demo overwrite=true $(ARGS)
 
 # One pytest worker per core, plus one (pytest-xdist): many tests wait on a process they started (a launcher, a killed
-# run, a stalled Hub), and the extra worker fills those waits (measured on 2 cores: 5 min 38 s and 5 min 49 s with
-# three workers, 5 min 58 s and 6 min 14 s with two). Each test file stays on one worker, so its module fixtures are
-# built once; files go out in collection order, longest first (tests/conftest.py), so the workers end together.
+# run, a stalled Hub), and the extra worker fills those waits (measured: docs/recipes.md, "Testing"). Each test file
+# stays on one worker, so its module fixtures are built once; files go out in collection order, longest first
+# (tests/conftest.py), so the workers end together.
 PYTEST_WORKERS = $(shell $(PYTHON) -c "import os; print(len(getattr(os, 'sched_getaffinity', lambda _: range(os.cpu_count()))(0)) + 1)")
 PYTEST_PARALLEL ?= -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

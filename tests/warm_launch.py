@@ -4,19 +4,18 @@ ranks forked from one interpreter that has imported the libraries once.
     python tests/warm_launch.py --nproc_per_node 2 --master_port P [--config_file C] -m vit_finetune ARGS
     python tests/warm_launch.py --serve     (launch after launch, asked for on stdin: tests/runs.py WarmLauncher)
 
-A fresh `python -m vit_finetune` spends about 5.5 CPU-s importing torch, transformers, datasets and accelerate before
-its first step, and torchrun imports torch once more for itself: a tiny two-process run costs about 16 CPU-s, of which
-about 3 are training. The tests whose subject is what the ranks do together (sharding, streaming, distributed
-evaluation, one rank talking to the Hub, a rank that stops answering) launch through this; the tests of the launchers
-themselves keep the real ones (tests/test_launch.py, test_stopping.py, test_multiprocess.py,
-test_multiprocess_errors.py's schema mistake, and the shared FSDP run of test_sharded.py, launched by `accelerate
-launch --config_file`).
+A fresh `python -m vit_finetune` spends most of a tiny run importing torch, transformers, datasets and accelerate
+(the tests' shared recipe: 3.8-5.3 CPU-s in a fresh interpreter, 1.0-1.2 in a process forked from one that imported
+them), and torchrun imports torch once more for itself. The tests whose subject is what the ranks do together
+(sharding, streaming, distributed evaluation, one rank talking to the Hub, a rank that stops answering) launch
+through this; the tests of the launchers themselves keep the real ones (tests/test_launch.py, test_stopping.py,
+test_multiprocess.py, test_multiprocess_errors.py's schema mistake, and the shared FSDP run of test_sharded.py,
+launched by `accelerate launch --config_file`).
 With --serve, one launcher serves a pytest process's launches one after another (conftest.warm_launcher): the import
 is paid once for them all, and a launch that would change a variable some library read at import is refused
 (READ_AT_RUN_TIME). A --serve launch may also be one plain process ("plain": no launcher, no rank variables, its own
 exit code): `python -m vit_finetune ARGS` for the one-process tests whose subject is what the run does when it is
-signalled, killed or locked out, not what a fresh interpreter imports (measured: a tiny run of the shared test recipe
-costs 6.4-7.3 CPU-s in a fresh interpreter, 1.0-1.2 forked).
+signalled, killed or locked out, not what a fresh interpreter imports.
 
 Each rank gets what torchrun gives it: a process of its own, in a session of its own, the variables of torch's
 elastic agent (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...), `-m vit_finetune ARGS` as its command,
