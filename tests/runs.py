@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -68,6 +70,7 @@ class WarmLauncher:
         self.server = subprocess.Popen([sys.executable, str(WARM_LAUNCH), "--serve"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, env=env, cwd=cwd)
         self.pending = b""  # what the launcher has answered and no call has read yet
+        self.logs = tempfile.mkdtemp(prefix="warm-launcher-")  # the output of cli()'s runs, removed at close()
 
     def start(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
               cwd: Path | None = None, module: str = "vit_finetune", plain: bool = False) -> list[int]:
@@ -105,9 +108,7 @@ class WarmLauncher:
             timeout: float = 400) -> subprocess.CompletedProcess:
         """`python -m vit_finetune ARGS` in a process of its own, as tiny.run_cli runs it, but forked warm: for the
         tests of what a run does and says, not of what a fresh interpreter imports or warns of as it loads."""
-        import tempfile
-
-        log = Path(tempfile.mkdtemp(prefix="warm-cli-")) / "out.log"
+        log = Path(tempfile.mkdtemp(prefix="cli-", dir=self.logs)) / "out.log"
         self.start(list(args), changes or {}, log, cwd=cwd, plain=True)
         code = self.wait(timeout)
         return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
@@ -153,6 +154,7 @@ class WarmLauncher:
         return json.loads(line)
 
     def close(self) -> None:
+        shutil.rmtree(self.logs, ignore_errors=True)
         self.server.stdin.close()
         try:
             self.server.wait(timeout=30)
@@ -229,19 +231,6 @@ def launch_and_kill(launcher: WarmLauncher, args: list[str], record: Path, when:
             pass
         code = launcher.wait()
     return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    """Send `sig` to a process and all its descendants: torchrun starts its workers in sessions of their own, so
-    its process group does not hold them."""
-    import psutil
-
-    root = psutil.Process(pid)
-    for member in [root, *root.children(recursive=True)]:
-        try:
-            member.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def exists(path: Path) -> Callable[[str], bool]:
