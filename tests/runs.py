@@ -214,11 +214,11 @@ def kill_at(step: int):
     return before_batch(kill)
 
 
-def launch_and_kill(launcher: WarmLauncher, args: list[str], record: Path, when: Callable[[str], bool], log: Path,
-                    sig: int = signal.SIGKILL, timeout: float = 180) -> subprocess.CompletedProcess:
+def launch_and_kill(launcher: WarmLauncher, args: list[str], record: Path | None, when: Callable[[str], bool],
+                    log: Path, sig: int = signal.SIGKILL, timeout: float = 180) -> subprocess.CompletedProcess:
     """`python -m vit_finetune ARGS` as a process of its own (forked from the warm `launcher`, conftest.warm_launcher),
-    observed by tests/recorder.py into `record`, sent `sig` as soon as `when(stdout so far)` holds."""
-    [pid] = launcher.start(args, {recorder.ENV: str(record)}, log, plain=True)
+    observed by tests/recorder.py into `record` (unless None), sent `sig` as soon as `when(stdout so far)` holds."""
+    [pid] = launcher.start(args, {recorder.ENV: str(record)} if record else {}, log, plain=True)
     deadline = time.monotonic() + timeout
     code = launcher.finished()
     while code is None and time.monotonic() < deadline and not when(log.read_text()):

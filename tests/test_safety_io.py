@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from runs import launch_and_kill
 from test_output_dir import tmpfs  # noqa: F401 (a fixture)
 from tiny import COLOURS, REPO, colour_image
 from vit_finetune.cli import main
@@ -314,18 +315,15 @@ def many_photos(folder: Path, count: int) -> Path:
 def test_predict_killed_mid_write_leaves_no_partial_output(trained, warm_launcher, tmp_path):
     photos = many_photos(tmp_path / "photos", 300)
     output = tmp_path / "preds.csv"
-    [process] = warm_launcher.start(["predict", str(trained), str(photos), "--output", str(output), "--batch-size", "1"],
-                                    {}, tmp_path / "logs" / "predict.log", plain=True)
-    deadline = time.monotonic() + 120
-    written, ended = [], None
-    while ended is None and time.monotonic() < deadline and not written:
-        written = [p for p in tmp_path.iterdir() if p.name.endswith("preds.csv") and p.stat().st_size > 200]
-        time.sleep(0.01)
-        ended = None if written else warm_launcher.finished()
-    if ended is None:
-        os.kill(process, signal.SIGKILL)
-        warm_launcher.wait()
-    assert written, "predict finished or never wrote before it could be killed"
+    written = []
+
+    def writing(_stdout: str) -> bool:
+        written.extend(p for p in tmp_path.iterdir() if p.name.endswith("preds.csv") and p.stat().st_size > 200)
+        return bool(written)
+
+    killed = launch_and_kill(warm_launcher, ["predict", str(trained), str(photos), "--output", str(output),
+                                             "--batch-size", "1"], None, writing, tmp_path / "predict.log", timeout=120)
+    assert written and killed.returncode == -signal.SIGKILL, "predict finished or never wrote before it was killed"
     assert not output.exists()  # no valid-looking CSV holding part of the rows
 
 
