@@ -99,9 +99,10 @@ class WarmLauncher:
         return self._answer(timeout=0)["exit_code"] if self._answered() else None
 
     def run(self, args: list[str], changes: dict[str, str], log: Path, config_file: Path | None = None,
-            cwd: Path | None = None, module: str = "vit_finetune", plain: bool = False) -> subprocess.CompletedProcess:
+            cwd: Path | None = None, module: str = "vit_finetune", plain: bool = False,
+            timeout: float = 400) -> subprocess.CompletedProcess:
         self.start(args, changes, log, config_file, cwd, module, plain)
-        code = self.wait()
+        code = self.wait(timeout)
         return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
 
     def cli(self, *args: str, changes: dict[str, str] | None = None, cwd: Path | None = None,
@@ -109,9 +110,7 @@ class WarmLauncher:
         """`python -m vit_finetune ARGS` in a process of its own, as tiny.run_cli runs it, but forked warm: for the
         tests of what a run does and says, not of what a fresh interpreter imports or warns of as it loads."""
         log = Path(tempfile.mkdtemp(prefix="cli-", dir=self.logs)) / "out.log"
-        self.start(list(args), changes or {}, log, cwd=cwd, plain=True)
-        code = self.wait(timeout)
-        return subprocess.CompletedProcess(args, code, log.read_text(), log.with_suffix(".err").read_text())
+        return self.run(list(args), changes or {}, log, cwd=cwd, plain=True, timeout=timeout)
 
     def run_and_kill(self, args: list[str], changes: dict[str, str], log: Path,
                      when: Callable[[], bool], config_file: Path | None = None,
