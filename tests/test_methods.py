@@ -19,7 +19,7 @@ from transformers import pipeline
 
 from runs import SimulatedKill, WarmLauncher, assert_bit_identical, history, kill_at, train
 from vit_finetune.artifacts.callbacks import Callback
-from vit_finetune.recipe import load_recipe, methods
+from vit_finetune.recipe import load_recipe, methods, to_yaml
 from vit_finetune.tasks import Regression, SingleLabel, evaluation
 from vit_finetune.training import optim, probe, wise_ft
 from vit_finetune.training.plan import RunSize, plan_run
@@ -282,9 +282,10 @@ def test_lp_ft_refuses_to_probe_random_features():
     (["train.method=auto", "train.lp_ft_head_scale=0.5"], "train.max_steps=50, train.lp_ft_head_scale=0.5 not used"),
     (["train.method=linear_probe"], "train.method=linear_probe\n  train.max_steps=50 not used"),
 ])
-def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, capsys):
+def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, capsys, tmp_path):
     """plan_run on 4,000 training images in 10 classes, 50 steps of 16 (800 images seen): auto takes the probe
-    alone; a setting it cannot use, chosen for another method, is named once."""
+    alone; a setting it cannot use, chosen for another method, is named once, and the recipe as run (saved with
+    the model, read back by evaluate, predict and a resume) has it off and loads again."""
     recipe = load_recipe(None, ["data.eval_split=validation", "train.batch_size=16", "train.max_steps=50", *overrides])
     size = RunSize(images_seen=800, training_images=4000, classes=10, eval_images=300, steps_per_epoch=250,
                    total_steps=50, base_parameters=22_000_000)
@@ -293,6 +294,11 @@ def test_what_the_probe_alone_leaves_unused_is_said_once(overrides, unused, caps
     assert resolved.train.method == "linear_probe"
     assert unused in said and said.count("not used") == 1
     assert "takes no optimiser step" in said
+    (tmp_path / "recipe.yaml").write_text(to_yaml(resolved))
+    reloaded = load_recipe(str(tmp_path / "recipe.yaml"))
+    t = reloaded.train
+    assert (t.method, t.keep_best, t.ema_decay, t.wise_ft_alpha, t.lp_ft_head_scale) == \
+        ("linear_probe", None, None, 1.0, 1.0)
 
 
 @pytest.mark.parametrize("method", ["linear_probe", "lp_ft"])

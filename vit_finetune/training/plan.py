@@ -210,7 +210,12 @@ def probe_alone(asked: Recipe, recipe: Recipe, said: dict[str, str]) -> tuple[Re
                                 + f"\n  {', '.join(unused)} not used: the probe alone reads each image once, "
                                 "unaugmented, fits the head in one go and takes no optimiser step")
         recipe = without_pixel_draws(recipe)
-    recipe = with_setting(recipe, "train.resolution_schedule", None)  # one size: the probe's features at the final one
+    # Each switched off as the probe leaves it (one size, the final one; no evaluation to choose among; nothing to
+    # average), so the recipe saved with the run loads again: a linear_probe recipe refuses what it would never use.
+    for key, off in (("train.resolution_schedule", None), ("train.keep_best", None),
+                     ("train.early_stopping_patience", None), ("train.ema_decay", None),
+                     ("train.wise_ft_alpha", 1.0), ("train.lp_ft_head_scale", 1.0)):
+        recipe = with_setting(recipe, key, off)
     return recipe, {key: line for key, line in said.items() if key in SAID_FOR_A_PROBE}
 
 
