@@ -16,8 +16,12 @@ moved once to 6x6, 84 px, every cell fine-tuned below it at 56 px or above it at
 Arms: the toolkit's defaults (whatever the schema says when the cell runs, recorded with what auto chose), each
 augmentation lever alone on top of them, the methods forced, WiSE-FT's alpha, and the transformers example recipe on
 the Trainer (`peer`: crops of 8-100 % of the area and a flip, lr 2e-5, linear schedule; scripts/peer_example.py).
-Results are appended to outputs/shift/results.jsonl (a cell recorded is not redone unless --rerun); the cells
-measured so far are kept in scripts/shift_study_results.jsonl: copy it there to extend it.
+Results are appended to outputs/shift/results.jsonl or --results FILE (a cell recorded there is not redone unless
+--rerun; --table reads the same file); the cells measured so far are kept in scripts/shift_study_results.jsonl: copy
+it there to extend it. --override KEY=VALUE adds a recipe override to every toolkit arm (not the peer), recorded with
+the cell; each cell also records the device it trained on. --shard K/N runs the K-th of N interleaved slices of the
+cell list (sliced before the recorded cells are dropped, so N processes sharing one results file never split it
+differently), --deadline SECONDS starts no cell after that long and --keep-going reports a failed cell and goes on.
 """
 
 from __future__ import annotations
@@ -60,6 +64,10 @@ ARMS = {
     "crop08_flip": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=true"],  # the peer's augmentation
     "randaugment": ["augment.policy=randaugment"],
     "mixup_cutmix": ["augment.mixup=true", "augment.cutmix=true"],
+    # the other ways to keep a fine-tune near its start: smaller steps in the early blocks, an averaged copy, a low lr
+    "layer_decay": ["train.layer_decay=0.75"],  # each block below the head at 0.75 of the lr of the one above
+    "ema": ["train.ema_decay=0.99"],  # an average over ~100 steps kept beside the weights, saved where it scores better
+    "lr1e-5": ["train.lr=1e-5"],  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
 }
 PEER = "peer"
 
@@ -91,20 +99,20 @@ def cells(arms: list[str], sets: list[str], sizes: list[int], steps: list[int], 
     return list(dict.fromkeys(out))
 
 
-def toolkit_argv(cell: Cell, base: Path, data: Path, out: Path) -> list[str]:
+def toolkit_argv(cell: Cell, base: Path, data: Path, out: Path, overrides: tuple[str, ...] = ()) -> list[str]:
     schedule = ([f"train.max_steps={cell.steps}", "train.epochs=1000", f"train.eval_every_steps={cell.steps}",
                  f"train.log_every_steps={cell.steps}"] if cell.steps else [])
     return ["--quiet", f"model.base={base}", f"model.image_size={cell.size}", f"data.dataset={data}",
             "data.eval_split=validation", "data.num_workers=0", *schedule, f"train.batch_size={BATCH}",
-            f"train.seed={cell.seed}", f"output_dir={out}", "overwrite=true", *ARMS[cell.arm]]
+            f"train.seed={cell.seed}", f"output_dir={out}", "overwrite=true", *ARMS[cell.arm], *overrides]
 
 
-def run_toolkit(cell: Cell, base: Path, data: Path, out: Path) -> dict:
+def run_toolkit(cell: Cell, base: Path, data: Path, out: Path, overrides: tuple[str, ...] = ()) -> dict:
     import yaml
 
     from vit_finetune.cli import main
 
-    argv = toolkit_argv(cell, base, data, out)
+    argv = toolkit_argv(cell, base, data, out, overrides)
     print("$ python -m vit_finetune " + " ".join(argv), flush=True)
     if main(argv) != 0:
         raise SystemExit(f"cell {cell.name()} failed")
@@ -136,25 +144,34 @@ def run_peer(cell: Cell, base: Path, data: Path, out: Path) -> dict:
             "horizontal_flip_used": True, "alpha_background_used": None, "lr_used": PEER_LR}
 
 
-def run_cell(cell: Cell, base: Path) -> dict:
+def device_name() -> str:
+    """The device a cell trains on, in words: the toolkit and the Trainer both take the GPU when there is one."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def run_cell(cell: Cell, base: Path, results: Path, overrides: tuple[str, ...] = ()) -> dict:
     data = shift_sources.write(shift_sources.SETS[cell.set], ROOT / "data" / cell.set)
     out = ROOT / "runs" / cell.name()
     start, cpu_start = time.perf_counter(), cpu_time()
-    outcome = run_peer(cell, base, data, out) if cell.arm == PEER else run_toolkit(cell, base, data, out)
+    outcome = (run_peer(cell, base, data, out) if cell.arm == PEER
+               else run_toolkit(cell, base, data, out, overrides))
     seconds, cpu_seconds = round(time.perf_counter() - start, 1), round(cpu_time() - cpu_start, 1)
     if cell.arm != PEER:  # after the timing: the cell's seconds stay its training's
         outcome.update(score_toolkit(out, data))
     result = {"arm": cell.arm, "set": cell.set, "size": cell.size, "steps": cell.steps, "seed": cell.seed,
               "batch": BATCH, "images_seen": cell.steps * BATCH, "seconds": seconds, "cpu_seconds": cpu_seconds,
-              **outcome}
-    with open(ROOT / "results.jsonl", "a") as handle:
+              "device": device_name(), **outcome}
+    if overrides and cell.arm != PEER:
+        result["overrides"] = list(overrides)
+    with open(results, "a") as handle:  # one write of one line: processes sharing the file append whole lines
         handle.write(json.dumps(result) + "\n")
     return result
 
 
-def read_results() -> list[dict]:
+def read_results(path: Path) -> list[dict]:
     """Every cell's latest result (a cell measured again replaces the earlier figure)."""
-    path = ROOT / "results.jsonl"
     latest = {}
     for line in (path.read_text().splitlines() if path.exists() else []):
         run = json.loads(line)
@@ -175,29 +192,56 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rerun", action="store_true", help="measure cells already recorded again")
     parser.add_argument("--table", action="store_true")
+    parser.add_argument("--results", type=Path, default=ROOT / "results.jsonl",
+                        help="the file cells are appended to and read back from (done cells, --table)")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override added to every toolkit arm (not the peer); repeatable")
+    parser.add_argument("--shard", default="0/1", metavar="K/N",
+                        help="run only the cells at positions K, K+N, K+2N, ... of the whole cell list")
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                        help="start no new cell after this many seconds from the start")
+    parser.add_argument("--keep-going", action="store_true", help="report a failed cell and go on to the next")
     args = parser.parse_args()
+    started = time.perf_counter()
     if args.table:
         from shift_table import print_tables
 
-        print_tables(read_results())
+        print_tables(read_results(args.results))
         return
+    shard, shards = (int(part) for part in args.shard.split("/"))
+    if not 0 <= shard < shards:
+        raise SystemExit(f"--shard {args.shard}: K must be in 0..N-1")
     import torch
 
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ROOT.mkdir(parents=True, exist_ok=True)
+    args.results.parent.mkdir(parents=True, exist_ok=True)
     base = reference_base(REPO / "outputs" / "transfer")
-    done = {(r["arm"], r["set"], r["size"], r["steps"], r["seed"]) for r in read_results()}
-    todo = [c for c in cells(args.arms.split(","), args.sets.split(","), [int(s) for s in args.sizes.split(",")],
-                             [int(s) for s in args.steps.split(",")], [int(s) for s in args.seeds.split(",")])
-            if args.rerun or c.key() not in done]
-    for arm in {c.arm for c in todo} - set(ARMS) - {PEER}:
+    done = {(r["arm"], r["set"], r["size"], r["steps"], r["seed"]) for r in read_results(args.results)}
+    every = cells(args.arms.split(","), args.sets.split(","), [int(s) for s in args.sizes.split(",")],
+                  [int(s) for s in args.steps.split(",")], [int(s) for s in args.seeds.split(",")])
+    todo = [c for c in every[shard::shards] if args.rerun or c.key() not in done]
+    for arm in {c.arm for c in every} - set(ARMS) - {PEER}:
         raise SystemExit(f"unknown arm {arm!r}: one of {', '.join([*ARMS, PEER])}")
     print(f"{len(todo)} cells to run", flush=True)
+    failed = []
     for number, cell in enumerate(todo, 1):
-        result = run_cell(cell, base)
+        if args.deadline is not None and time.perf_counter() - started >= args.deadline:
+            print(f"deadline of {args.deadline:g} s reached: {len(todo) - number + 1} cells left", flush=True)
+            break
+        try:
+            result = run_cell(cell, base, args.results, tuple(args.override))
+        except (Exception, SystemExit) as error:
+            if not args.keep_going:
+                raise
+            failed.append(cell.name())
+            print(f"[{number}/{len(todo)}] {cell.name()} failed: {error!r}", flush=True)
+            continue
         print(f"[{number}/{len(todo)}] {cell.name()}: test {result['test_accuracy']:.3f}, shifted "
               f"{result['shifted_accuracy']:.3f} ({result['cpu_seconds']:.0f} s CPU)", flush=True)
+    if failed:
+        raise SystemExit(f"{len(failed)} cells failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
