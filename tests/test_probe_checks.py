@@ -13,6 +13,7 @@ import yaml
 from PIL import Image
 
 from runs import RECIPE, assert_bit_identical, train
+from vit_finetune.data import CROP_UNDER_SHIFT, CROP_UNDER_SHIFT_GAINED_UP_TO, auto_crop_scale_under_shift
 from tiny import write_colour_folder
 
 # Every run here needs its flip and background resolved by auto, and nothing else from auto that takes time.
@@ -23,8 +24,10 @@ def resolved(out: Path) -> dict:
     return yaml.safe_load((out / "recipe.yaml").read_text())["data"]
 
 
-def write_halves(root: Path, train_count: int = 16, validation: int = 6, seed: int = 0) -> Path:
-    """Two classes a mirror swaps: bright on the left half, bright on the right half."""
+def write_halves(root: Path, train_count: int = 16, validation: int = 6, seed: int = 0,
+                 striped_validation: bool = False) -> Path:
+    """Two classes a mirror swaps: bright on the left half, bright on the right half; `striped_validation`: the
+    validation images striped, as another source's."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", train_count), ("validation", validation)):
         for name, side in (("left", 0), ("right", 1)):
@@ -33,6 +36,8 @@ def write_halves(root: Path, train_count: int = 16, validation: int = 6, seed: i
             for i in range(count):
                 pixels = rng.normal(60, 20, (32, 32, 3))
                 pixels[:, side * 16:(side + 1) * 16] += 140
+                if striped_validation and split == "validation":
+                    pixels[::4] = 255 - pixels[::4]
                 Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i}.png")
     return root
 
@@ -93,7 +98,46 @@ def test_eval_images_from_another_source_are_named_and_recorded(base, tmp_path, 
     assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, f"output_dir={out}"]) == 0
     recorded = json.loads((out / "metrics.json").read_text())["eval_unlike_train"]
     assert recorded["likely"] is shifted, recorded
-    assert ("the eval images look unlike the training images" in capsys.readouterr().out) is shifted
+    said = capsys.readouterr().out
+    assert ("the eval images look unlike the training images" in said) is shifted
+    # A run judged on another source crops, as the shift study measured it there; one judged on its own source not.
+    assert resolved(out)["crop_scale"] == ([0.08, 1.0] if shifted else [1.0, 1.0])
+    assert ("data.crop_scale=auto -> random crops of 8% to 100% of the area, in place of no crop" in said) is shifted
+
+
+@pytest.mark.parametrize("overrides, kept", [
+    (["data.crop_scale=[0.5, 1.0]"], [0.5, 1.0]),  # a crop the user chose stays theirs
+    (["train.method=linear_probe"], [1.0, 1.0]),  # the probe alone reads each image once, unaugmented
+])
+def test_a_run_judged_on_another_source_keeps_a_crop_it_did_not_leave_to_auto(base, tmp_path, capsys, overrides,
+                                                                               kept):
+    data = write_two_sources(tmp_path / "two")
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, *overrides, f"output_dir={out}"]) == 0
+    said = capsys.readouterr().out
+    assert "the eval images look unlike the training images" in said
+    assert resolved(out)["crop_scale"] == kept and "in place of no crop" not in said
+
+
+def test_a_run_judged_on_another_source_does_not_crop_where_a_mirror_swaps_the_classes(base, tmp_path, capsys):
+    data = write_halves(tmp_path / "halves", validation=16, striped_validation=True)
+    out = tmp_path / "out"
+    assert train([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, f"output_dir={out}"]) == 0
+    said = capsys.readouterr().out
+    assert json.loads((out / "metrics.json").read_text())["eval_unlike_train"]["likely"] is True
+    assert resolved(out)["horizontal_flip"] is False  # the mirror test: a mirror image is another thing here
+    assert resolved(out)["crop_scale"] == [1.0, 1.0] and "in place of no crop" not in said
+
+
+def test_the_crop_for_another_source_needs_a_mirror_to_keep_the_labels_and_stops_where_it_stopped_gaining():
+    measured = CROP_UNDER_SHIFT_GAINED_UP_TO
+    assert auto_crop_scale_under_shift(measured, True)[0] == CROP_UNDER_SHIFT == (0.08, 1.0)
+    scale, why = auto_crop_scale_under_shift(measured + 1, True)
+    assert scale == (1.0, 1.0) and f"crops gained up to {measured:,}" in why
+    # Where a mirror image is another thing to the base (digits, letters) or the test could not run: no crop.
+    for answer in (False, None):
+        scale, why = auto_crop_scale_under_shift(measured, answer)
+        assert scale == (1.0, 1.0) and "mirror image may be another thing" in why
 
 
 def write_discs(root: Path, under: str, seed: int = 0) -> Path:

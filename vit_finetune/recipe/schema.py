@@ -105,8 +105,9 @@ class DataSettings(Strict):
         "random-resized-crop area range [low, high] as shares of the image ([0.05, 1.0]: the original ViT recipe); "
         "auto: the toolkit's measured choice for the training images the run will see (data.auto_crop_scale: no "
         "crop, measured up to 7,040 images seen and, with eval images from another source, up to 16,000; kept "
-        "beyond), printed with its reason and saved resolved in "
-        "the output's recipe.yaml"))
+        "beyond; where the run's own eval images likely come from another source and a mirror image is the same "
+        "thing to the base, crops of 8-100 % of the area up to 4,800: data.auto_crop_scale_under_shift), printed "
+        "with its reason and saved resolved in the output's recipe.yaml"))
     horizontal_flip: bool | Literal["auto"] = Field(False, description=(
         "flip training crops left-right with probability 0.5: right for photos, wrong for digits, text and anything a "
         "mirror changes; auto: on where mirroring the held-out training images changes the linear probe's answers no "

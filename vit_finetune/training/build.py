@@ -65,7 +65,9 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
                         keep_base=kept.append if stages else None)
     checks = probe_checks.FeatureChecks(model, splits, recipe.data, processor, accelerator, task, recipe.train.seed,
                                         recipe.train.batch_size, recipe.model.image_size)
-    recipe, checked = plan.plan_from_features(recipe, checks, accelerator.is_main_process)
+    recipe, checked = plan.plan_from_features(recipe, checks, accelerator.is_main_process,
+                                              crop_was_auto=asked.data.crop_scale == "auto",
+                                              images_seen=size.images_seen)
     data_facts.update(checked)
     task.configure(model.config)  # pipeline(), predict and evaluate read the task back from the config
     if recipe.data.alpha_background is not None:  # predict, explain, export and the page read it back

@@ -273,15 +273,25 @@ def _horizontal_flip(recipe: Recipe, checks: probe_checks.FeatureChecks) -> tupl
     return False, f"{test.describe()}: to the base a mirror image is another thing, as a mirrored digit is"
 
 
+def draws_pixels(recipe: Recipe) -> bool:
+    """Whether this run may draw its training pixels anew each epoch: not a probe alone (it reads each image once,
+    unaugmented) nor a student whose teacher labels each image once (train.distill.cache_logits)."""
+    cached = recipe.train.distill is not None and recipe.train.distill.cache_logits
+    return methods.METHODS[recipe.train.method].fine_tunes and not cached
+
+
 FROM_FEATURES: dict[str, Callable[[Recipe, probe_checks.FeatureChecks], tuple[Any, str]]] = {
     "data.alpha_background": _alpha_background,
     "data.horizontal_flip": _horizontal_flip,
 }
 
 
-def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_process: bool) -> tuple[Recipe, dict]:
+def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_process: bool,
+                       crop_was_auto: bool = False, images_seen: int = 0) -> tuple[Recipe, dict]:
     """The recipe with FROM_FEATURES' keys resolved where they are `auto`, each said on the main process, and what
-    metrics.json records of the checks: a line too where the eval images look unlike the training images."""
+    metrics.json records of the checks: a line too where the eval images look unlike the training images, and there
+    the crop `auto` chose (`crop_was_auto`; `images_seen`: the run's) decided again for a run judged on another
+    source."""
     said, facts = [], {}
     for key, resolve in FROM_FEATURES.items():
         if setting(recipe, key) == "auto":
@@ -299,6 +309,13 @@ def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_
                             f"features tells them apart {shift.accuracy:.0%} of the time (chance 50%), so they likely "
                             "come from another source; accuracy on them measures how the model carries over to it "
                             "(docs/studies/shift.md)")
+                if crop_was_auto and draws_pixels(recipe):
+                    mirror = probe_checks.mirror_test(checks, recipe.data.alpha_background)
+                    scale, why = data.auto_crop_scale_under_shift(images_seen, mirror and mirror.flip_keeps_labels)
+                    if tuple(scale) != tuple(recipe.data.crop_scale):
+                        said.append(f"data.crop_scale=auto -> {data.crop_in_words(scale)}, in place of no crop: "
+                                    f"{why}; set data.crop_scale to choose")
+                        recipe = with_setting(recipe, "data.crop_scale", scale)
     if main_process:
         for line in said:
             progress.say(line)
