@@ -66,6 +66,7 @@ class FeatureChecks:
         self.accelerator, self.task, self.batch_size, self.image_size = accelerator, task, batch_size, image_size
         self.seed = seed
         self._features: dict = {}
+        self.mirror_tests: dict = {}  # background -> mirror_test's answer: the flip and the crop both ask it
 
     @functools.cached_property
     def train(self):
@@ -124,6 +125,12 @@ class MirrorTest:
 def mirror_test(checks: FeatureChecks, background: str | None) -> MirrorTest | None:
     """The mirror test on the checked training images, k-fold: the probe fitted on the other folds answers each fold
     as it is and mirrored. None where the task does not answer by classes or the sample is too small to fold."""
+    if background not in checks.mirror_tests:
+        checks.mirror_tests[background] = _mirror_test(checks, background)
+    return checks.mirror_tests[background]
+
+
+def _mirror_test(checks: FeatureChecks, background: str | None) -> MirrorTest | None:
     if not checks.task.mirror_tested:
         return None
     features, labels = checks.features("train", background)
