@@ -67,12 +67,12 @@ ARMS = {
     # the other ways to keep a fine-tune near its start: smaller steps in the early blocks, an averaged copy, a low lr
     "layer_decay": ["train.layer_decay=0.75"],  # each block below the head at 0.75 of the lr of the one above
     "ema": ["train.ema_decay=0.99"],  # an average over ~100 steps kept beside the weights, saved where it scores better
-    "lr1e-5": ["train.lr=1e-5"],
+    "lr1e-5": ["train.lr=1e-5"],  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
     # the run's own eval split taken from the shifted source, as a user's eval folder from elsewhere would be: what
     # the run chooses on its eval split (the method's end, WiSE-FT's average) then sees the other source
     "eval_shifted": ["data.eval_split=shifted", "data.crop_scale=[1.0,1.0]"],
     "eval_shifted_crop08": ["data.eval_split=shifted", "data.crop_scale=[0.08,1.0]"],
-    "eval_shifted_auto": ["data.eval_split=shifted"],  # the crop left to auto, which the shift test then decides  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
+    "eval_shifted_auto": ["data.eval_split=shifted"],  # the crop left to auto, which the shift test then decides
 }
 PEER = "peer"
 
