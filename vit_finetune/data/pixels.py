@@ -277,9 +277,9 @@ def auto_crop_scale(images_seen: int) -> tuple[tuple[float, float], str]:
 # judged on that source. There the shift study measured random-resized crops of CROP_UNDER_SHIFT of the area against
 # no crop, the run's eval split taken from the other source (docs/studies/shift.md, "When the run's eval images come
 # from another source"): where a mirror image is the same thing to the base (the mirror test: ELPV's cells, icons)
-# crops gained on the other source in every run of up to CROP_UNDER_SHIFT_GAINED_UP_TO images seen, and at 16,000 they
-# lost a little on both; on the digits, which a mirror turns into another symbol, they lost in three of four cells. So auto
-# crops only where both tests say so, and only that far.
+# crops gained on the other source in every run of up to CROP_UNDER_SHIFT_GAINED_UP_TO images seen, and at 16,000
+# they lost a little on both; on the digits, which a mirror turns into another symbol, they lost in three of four
+# cells. So auto crops only where both tests say so, and only that far.
 CROP_UNDER_SHIFT = (0.08, 1.0)  # the ViT recipe's range, the transformers example's too
 CROP_UNDER_SHIFT_GAINED_UP_TO = 4_800  # training images seen: the longest run where the crop gained on both sets
 
@@ -288,8 +288,9 @@ def auto_crop_scale_under_shift(images_seen: int, mirror_keeps_labels: bool | No
     """data.crop_scale=auto for a run whose eval images likely come from another source, and why; `mirror_keeps_labels`:
     the mirror test's answer (None where it could not run)."""
     if images_seen > CROP_UNDER_SHIFT_GAINED_UP_TO:
-        return (1.0, 1.0), (f"with eval images from another source crops gained up to {CROP_UNDER_SHIFT_GAINED_UP_TO:,} "
-                            "training images seen and lost a little on both sets measured at 16,000, so auto stays at no crop")
+        return (1.0, 1.0), (f"with eval images from another source crops gained up to "
+                            f"{CROP_UNDER_SHIFT_GAINED_UP_TO:,} training images seen and lost a little on both sets "
+                            "measured at 16,000, so auto stays at no crop")
     if not mirror_keeps_labels:
         return (1.0, 1.0), ("to the base a mirror image may be another thing (the mirror test: a digit, a letter), and "
                             "on digits crops lost on the other source in three of four cells (docs/studies/shift.md)")
