@@ -27,8 +27,10 @@ differently), --deadline SECONDS starts no cell after that long and --keep-going
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -73,7 +75,13 @@ ARMS = {
     "eval_shifted": ["data.eval_split=shifted", "data.crop_scale=[1.0,1.0]"],
     "eval_shifted_crop08": ["data.eval_split=shifted", "data.crop_scale=[0.08,1.0]"],
     "eval_shifted_auto": ["data.eval_split=shifted"],  # the crop left to auto, which the shift test then decides
+    # the defaults, and beside them every point of WiSE-FT's path scored on each split (PATH_ALPHAS)
+    "wise_path": [],
 }
+# wise_path: alpha x the fine-tuned weights + (1 - alpha) x the probe's model the run averages with, for each alpha;
+# 0 is the probe's model itself, 1 the fine-tuned weights. Taken in the run, so the start is the run's own probe.
+PATH_ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PATH_SPLITS = ("validation", "test", "shifted")
 PEER = "peer"
 
 
@@ -134,6 +142,63 @@ def run_toolkit(cell: Cell, base: Path, data: Path, out: Path, overrides: tuple[
     return recorded
 
 
+@contextlib.contextmanager
+def wise_ft_path_captured(captured: dict):
+    """While the run ends, its fine-tuned weights and the probe's model it averages with, copied into `captured`.
+    The study reads the toolkit's own WiSE-FT step: the run itself goes on unchanged."""
+    from vit_finetune.training import selection, wise_ft
+
+    original = selection.average_if_no_worse
+
+    def capturing(model, start, *args, **kwargs):
+        captured.update(fine_tuned=wise_ft.snapshot(model), start=dict(start))
+        return original(model, start, *args, **kwargs)
+
+    selection.average_if_no_worse = capturing
+    try:
+        yield
+    finally:
+        selection.average_if_no_worse = original
+
+
+def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
+    """Accuracy on each of PATH_SPLITS at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
+    the point's (the captured weights carry the model's own names, which saving may rename) and saved beside it."""
+    import torch
+    from transformers import AutoModelForImageClassification
+
+    from vit_finetune.serving.evaluate_saved import evaluate_saved
+
+    if "start" not in captured:
+        raise SystemExit(f"{out}: the run made no WiSE-FT average (the method auto chose fits no probe)")
+    model = AutoModelForImageClassification.from_pretrained(out)
+    unknown = sorted(set(captured["start"]) - set(model.state_dict()))
+    if unknown:  # the path would otherwise leave those weights where the run saved them, at every alpha
+        raise SystemExit(f"{out}: the saved model has no {', '.join(unknown[:3])}, which the average moves")
+    point = out.with_name(out.name + "-path")
+    scores = {}
+    for alpha in PATH_ALPHAS:
+        with torch.no_grad():
+            model.load_state_dict({name: alpha * captured["fine_tuned"][name] + (1 - alpha) * start
+                                   for name, start in captured["start"].items()}, strict=False)
+        shutil.rmtree(point, ignore_errors=True)
+        shutil.copytree(out, point, ignore=shutil.ignore_patterns("model.safetensors", "*.png"))
+        model.save_pretrained(point)
+        scores[f"{alpha:g}"] = {split: evaluate_saved(str(point), str(data), split)["accuracy"]
+                                for split in PATH_SPLITS}
+    shutil.rmtree(point, ignore_errors=True)
+    return {"wise_ft_path": scores}
+
+
+def path_reproduces_kept(outcome: dict) -> bool:
+    """Whether the path's point at the weights the run kept scores what the saved model scored: the check that the
+    path moved every weight the average moves (the same sums, made in another order, may still differ in the last
+    bit)."""
+    alpha = outcome["wise_ft_alpha_used"] if outcome.get("wise_ft_kept") == "average" else 1.0
+    point = outcome["wise_ft_path"].get(f"{alpha:g}")
+    return point is not None and all(point[split] == outcome[f"{split}_accuracy"] for split in ("test", "shifted"))
+
+
 def score_toolkit(out: Path, data: Path) -> dict:
     from vit_finetune.serving.evaluate_saved import evaluate_saved
 
@@ -161,11 +226,16 @@ def run_cell(cell: Cell, base: Path, results: Path, overrides: tuple[str, ...] =
     data = shift_sources.write(shift_sources.SETS[cell.set], ROOT / "data" / cell.set)
     out = ROOT / "runs" / cell.name()
     start, cpu_start = time.perf_counter(), cpu_time()
-    outcome = (run_peer(cell, base, data, out) if cell.arm == PEER
-               else run_toolkit(cell, base, data, out, overrides))
+    captured = {}
+    with wise_ft_path_captured(captured) if cell.arm == "wise_path" else contextlib.nullcontext():
+        outcome = (run_peer(cell, base, data, out) if cell.arm == PEER
+                   else run_toolkit(cell, base, data, out, overrides))
     seconds, cpu_seconds = round(time.perf_counter() - start, 1), round(cpu_time() - cpu_start, 1)
     if cell.arm != PEER:  # after the timing: the cell's seconds stay its training's
         outcome.update(score_toolkit(out, data))
+    if cell.arm == "wise_path":
+        outcome.update(score_wise_ft_path(out, data, captured))
+        outcome["path_reproduces_kept"] = path_reproduces_kept(outcome)
     result = {"arm": cell.arm, "set": cell.set, "size": cell.size, "steps": cell.steps, "seed": cell.seed,
               "batch": BATCH, "images_seen": cell.steps * BATCH, "seconds": seconds, "cpu_seconds": cpu_seconds,
               "device": device_name(), **outcome}

@@ -59,6 +59,27 @@ def chosen(run: dict) -> str:
 def print_tables(results: list[dict]) -> None:
     for name, size, steps in cells_of(results):
         print(table(results, name, size, steps))
+    print(path_table(results))
+
+
+def path_table(results: list[dict]) -> str:
+    """The wise_path arm: each point of WiSE-FT's path (alpha x fine-tuned + (1 - alpha) x the probe's model), the
+    run's eval split, in-source test and shifted accuracy, mean over the seeds, beside what the run kept."""
+    runs = [r for r in results if r["arm"] == "wise_path"]
+    if not runs:
+        return ""
+    alphas = list(runs[0]["wise_ft_path"])
+    out = ["\nWiSE-FT's path: eval split / in-source test / shifted, mean over the seeds (n)\n",
+           "| set, px, steps | n | " + " | ".join(f"alpha {a}" for a in alphas) + " | kept by the run |",
+           "|---" * (len(alphas) + 3) + "|"]
+    for name, size, steps in cells_of(runs):
+        cell = [r for r in runs if (r["set"], r["size"], r["steps"]) == (name, size, steps)]
+        points = [" / ".join(f"{statistics.mean(r['wise_ft_path'][a][split] for r in cell):.3f}"
+                             for split in ("validation", "test", "shifted")) for a in alphas]
+        kept = " / ".join(f"{statistics.mean(r[split] for r in cell):.3f}"
+                          for split in ("validation_accuracy", "test_accuracy", "shifted_accuracy"))
+        out.append(f"| {name}, {size}, {steps} | {len(cell)} | " + " | ".join(points) + f" | {kept} |")
+    return "\n".join(out)
 
 
 def verdict(results: list[dict], arm: str = "defaults") -> list[str]:
