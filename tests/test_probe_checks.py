@@ -127,6 +127,9 @@ def test_a_run_judged_on_another_source_does_not_crop_where_a_mirror_swaps_the_c
     assert json.loads((out / "metrics.json").read_text())["eval_unlike_train"]["likely"] is True
     assert resolved(out)["horizontal_flip"] is False  # the mirror test: a mirror image is another thing here
     assert resolved(out)["crop_scale"] == [1.0, 1.0] and "in place of no crop" not in said
+    # and the console says why the crop a run judged on another source may get was not taken
+    assert ("data.crop_scale=auto stays at no random crop for eval images from another source: to the base a mirror "
+            "image may be another thing") in " ".join(said.split())
 
 
 def test_the_crop_for_another_source_needs_a_mirror_to_keep_the_labels_and_stops_where_it_stopped_gaining():

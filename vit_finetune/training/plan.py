@@ -316,6 +316,9 @@ def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_
                         said.append(f"data.crop_scale=auto -> {data.crop_in_words(scale)}, in place of no crop: "
                                     f"{why}; set data.crop_scale to choose")
                         recipe = with_setting(recipe, "data.crop_scale", scale)
+                    else:  # the user reads why a run judged on another source was not given the crop
+                        said.append(f"data.crop_scale=auto stays at {data.crop_in_words(scale)} for eval images "
+                                    f"from another source: {why}; set data.crop_scale to choose")
     if main_process:
         for line in said:
             progress.say(line)
