@@ -14,8 +14,9 @@ Cells are (arm, set, image size, optimiser steps, seed), batch 16, one torch thr
 once at the end; the same reference base as the transfer study (scripts/transfer_study.py: the real backbone's grid
 moved once to 6x6, 84 px, every cell fine-tuned below it at 56 px or above it at 112 px).
 Arms: the toolkit's defaults (whatever the schema says when the cell runs, recorded with what auto chose), each
-augmentation lever alone on top of them, the methods forced, WiSE-FT's alpha, and the transformers example recipe on
-the Trainer (`peer`: crops of 8-100 % of the area and a flip, lr 2e-5, linear schedule; scripts/peer_example.py).
+augmentation lever alone on top of them, the methods forced, WiSE-FT's alpha, the defaults with every point of
+WiSE-FT's path scored on each split (`wise_path`), and the transformers example recipe on the Trainer (`peer`: crops
+of 8-100 % of the area and a flip, lr 2e-5, linear schedule; scripts/peer_example.py).
 Results are appended to outputs/shift/results.jsonl or --results FILE (a cell recorded there is not redone unless
 --rerun; --table reads the same file); the cells measured so far are kept in scripts/shift_study_results.jsonl: copy
 it there to extend it. --override KEY=VALUE adds a recipe override to every toolkit arm (not the peer), recorded with
