@@ -347,7 +347,12 @@ def test_cached_teacher_logits_train_the_same_student_as_the_online_teacher(onli
     (online, _), (cached, _) = online_run, cached_run
     online_weights, cached_weights = weights(online / "model.safetensors"), weights(cached / "model.safetensors")
     assert online_weights.keys() == cached_weights.keys()
-    for name in online_weights:
+    # A key's bias adds the same score to every key of a query, which the softmax cancels: its true gradient is zero,
+    # so AdamW moves it only by rounding, scaled up by the lr over its epsilon: noise of the order of 1e-6 that differs
+    # between two runs whose teachers round alike only to 1e-5 (the losses below).
+    trained = [name for name in online_weights if not name.endswith("attention.key.bias")]
+    assert len(trained) > len(online_weights) / 2
+    for name in trained:
         assert torch.allclose(online_weights[name], cached_weights[name], rtol=1e-4, atol=1e-6), name
     assert [step for step, _ in losses(cached)] == [step for step, _ in losses(online)] == list(range(1, 13))
     assert [loss for _, loss in losses(cached)] == pytest.approx([loss for _, loss in losses(online)], rel=1e-5)
