@@ -33,7 +33,7 @@ install: $(STAMP)  ## install the package and its dev tools (pip install -e .[de
 
 browser: $(BROWSER_STAMP)  ## chromium and chromedriver for the page's browser test (apt-get, as root)
 
-# The demo's figure is the same on more x86-64 CPUs when torch's own kernels, MKL's and oneDNN's take their AVX2 code
+# The demo's figure differs less between x86-64 CPUs when torch's own kernels, MKL's and oneDNN's take their AVX2 code
 # paths (AVX-512 ones sum in another order), with one thread (recipes/demo.yaml). Read before torch starts, so set here.
 DEMO_KERNELS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 
