@@ -199,7 +199,7 @@ LONGEST_FILES_FIRST = ("test_serving.py", "test_launch.py", "test_streaming.py",
                        "test_deepspeed.py", "test_first_minutes.py", "test_device_switches.py", "test_methods.py",
                        "test_bench.py", "test_readme_commands.py", "test_multilabel.py", "test_multiprocess.py",
                        "test_families.py", "test_warm_launch.py", "test_overwrite.py", "test_distill.py",
-                       "test_hostile_configs.py", "test_unreachable_hub.py", "test_model.py", "test_security.py")
+                       "test_test_split.py", "test_hostile_configs.py", "test_unreachable_hub.py", "test_model.py", "test_security.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.slow
 TRAIN_IMAGES, EVAL_IMAGES, BATCH, SEED, EPOCHS = 24, 9, 4, 1, 2
 BAD_IMAGES = BATCH  # all of rank 0's first batch
 BAD_EVAL_IMAGES = 1
+TEST_IMAGES = 9  # data.test_split's: padded by Accelerate like the eval split
 
 
 def spoil_first_batch_of_rank_0(images: Path) -> None:
@@ -60,7 +61,7 @@ def spoil_one_eval_image(images: Path) -> None:
 def two_process_run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("ddp")
     base = make_tiny_vit(root / "tiny-vit")
-    images = write_colour_folder(root / "colours", classes=3, train=8, validation=3)
+    images = write_colour_folder(root / "colours", classes=3, train=8, validation=3, test=TEST_IMAGES // 3)
     spoil_first_batch_of_rank_0(images)
     spoil_one_eval_image(images)
     out, record = root / "out", root / "record"
@@ -69,7 +70,7 @@ def two_process_run(tmp_path_factory) -> dict:
          f"model.base={base}", f"data.dataset={images}", f"output_dir={out}", "model.image_size=32",
          f"train.batch_size={BATCH}", f"train.epochs={EPOCHS}", "train.lr=0.005", f"train.seed={SEED}",
          "data.num_workers=0", "data.skip_bad_images=true", "train.checkpoint_every_steps=3",
-         "train.ema_decay=0.5", "train.keep_best=eval_loss",
+         "train.ema_decay=0.5", "train.keep_best=eval_loss", "data.test_split=test",
          FLOAT32],  # the one-process check below evaluates in float32
         capture_output=True, text=True, timeout=300, env=recorder.subprocess_env(record), cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -148,6 +149,18 @@ def test_evaluation_counts_each_image_once_and_equals_a_one_process_evaluation(t
     assert single["eval_samples"] == good and single["eval_skipped_images"] == BAD_EVAL_IMAGES
     assert single["confusion_matrix"] == metrics["confusion_matrix"] and single["accuracy"] == metrics["accuracy"]
     assert single["eval_loss"] == pytest.approx(metrics["eval_loss"], rel=1e-5)  # batches differ: float sums may
+
+
+def test_the_test_split_is_counted_once_and_scores_what_one_process_evaluating_the_saved_model_scores(
+        two_process_run):
+    from vit_finetune.serving.evaluate_saved import evaluate_saved
+
+    test = json.loads((two_process_run["out"] / "metrics.json").read_text())["test"]
+    assert test["test_samples"] == TEST_IMAGES and np.array(test["confusion_matrix"]).sum() == TEST_IMAGES
+    reset_accelerate_state()
+    single = evaluate_saved(str(two_process_run["out"]), dataset=str(two_process_run["images"]), split="test")
+    assert (single["confusion_matrix"], single["accuracy"]) == (test["confusion_matrix"], test["accuracy"])
+    assert single["eval_loss"] == pytest.approx(test["test_loss"], rel=1e-5)
 
 
 @pytest.mark.timeout(400)

@@ -43,11 +43,12 @@ def colour_image(rgb: tuple[int, int, int], rng: np.random.Generator, size: tupl
 
 
 def write_colour_folder(root: Path, classes: int = 3, train: int = 16, validation: int = 6, seed: int = 0,
-                        splits: bool = True) -> Path:
-    """root/[split/]class/i.png with noisy single-colour images: learnable in a few steps, not by chance."""
+                        splits: bool = True, test: int = 0) -> Path:
+    """root/[split/]class/i.png with noisy single-colour images: learnable in a few steps, not by chance; a test/
+    split too where `test` images per class are asked for."""
     rng = np.random.default_rng(seed)
     names = list(COLOURS)[:classes]
-    layout = {"train": train, "validation": validation} if splits else {"": train}
+    layout = {"train": train, "validation": validation, **({"test": test} if test else {})} if splits else {"": train}
     for split, count in layout.items():
         for name in names:
             folder = Path(root, split, name)

@@ -22,6 +22,7 @@ from vit_finetune.data import alpha_card_text
 from vit_finetune.model import student
 from vit_finetune.model.families import FAMILIES
 from vit_finetune.recipe import Recipe, methods
+from vit_finetune.tasks import evaluation
 
 # Marks that start Markdown syntax inside a line (emphasis, links, code, tables, headings, lists, escapes).
 MARKDOWN_MARKS = re.compile(r"[\\`*_{}\[\]()#+\-.!|~]")
@@ -99,7 +100,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
         )
         for key, label in metric_names(metrics).items()
         if key in metrics
-    ]
+    ] + results_on_test_split(metrics, dataset)
     data = ModelCardData(
         model_name=name,
         library_name="transformers",
@@ -110,7 +111,7 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
         eval_results=eval_results,
     )
     t = recipe.train
-    rows = "\n".join(f"| {label} | {metrics[k]:.4f} |" for k, label in metric_names(metrics).items() if k in metrics)
+    rows = results_table(metrics)
     lora_text = (
         f"LoRA (r={recipe.model.lora.r}, alpha={recipe.model.lora.alpha}, targets "
         f"{markdown_text(recipe.model.lora.target_modules)}); "
@@ -136,8 +137,6 @@ classify("photo.jpg")
 ## Results ({eval_set_text(metrics, recipe)})
 {weights_text(recipe, metrics)}
 
-| metric | value |
-|---|---|
 {rows}
 
 {"![training curves](" + CURVES_FILE + ")" if CURVES_FILE in pictures else ""}
@@ -152,6 +151,34 @@ classify("photo.jpg")
 - Full recipe: [`{RECIPE_FILE}`]({RECIPE_FILE})
 """
     return ModelCard(f"---\n{data.to_yaml()}\n---\n{body}")
+
+
+def results_on_test_split(metrics: dict, dataset: str) -> list[EvalResult]:
+    """The card metadata's results on data.test_split, beside the eval split's: one per metric, its split named."""
+    test = metrics.get("test")
+    if not test:
+        return []
+    return [EvalResult(task_type="image-classification", task_name="Image Classification",
+                       dataset_type=dataset if is_hub_id(dataset) else "local",
+                       dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
+                       dataset_split=test["split"], metric_type=key, metric_name=label,
+                       metric_value=round(float(test[evaluation.as_test_key(key)]), 6))
+            for key, label in metric_names(metrics).items() if evaluation.as_test_key(key) in test]
+
+
+def results_table(metrics: dict) -> str:
+    """The card's table of the eval split's metrics, with a column for data.test_split's where the run scored one."""
+    names = {key: label for key, label in metric_names(metrics).items() if key in metrics}
+    test = metrics.get("test")
+    if not test:
+        return "| metric | value |\n|---|---|\n" + "\n".join(f"| {label} | {metrics[k]:.4f} |" for k, label in names.items())
+
+    def cell(key: str) -> str:
+        value = test.get(evaluation.as_test_key(key))
+        return "" if value is None else f"{value:.4f}"
+    head = (f"| metric | eval | test: split {markdown_code(test['split'])}, {test.get('test_samples', '?')} images, "
+            "scored once by the saved weights |\n|---|---|---|\n")
+    return head + "\n".join(f"| {label} | {metrics[k]:.4f} | {cell(k)} |" for k, label in names.items())
 
 
 def skipped_steps_text(metrics: dict) -> str:

@@ -32,6 +32,7 @@ NEUTRAL_KEYS = {
     "train.resume", "train.resume_ignore_changes", "train.checkpoint_every_steps", "train.keep_checkpoints",
     "train.log_every_steps", "data.num_workers", "overwrite", "output_dir", "hub.push", "hub.repo_id", "hub.private",
     "train.collective_timeout_s", "pictures",
+    "data.test_split",  # scored after training, read by none of its choices: a resume may add or change it
 }
 
 

@@ -26,6 +26,7 @@ class Parts:
     labels: list[str]
     train_loader: torch.utils.data.DataLoader | StreamLoader  # the latter with data.streaming
     eval_loader: torch.utils.data.DataLoader | StreamLoader
+    test_loader: torch.utils.data.DataLoader | None  # data.test_split's, scored once after training; None: none
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     normalize: PixelNormalizer
@@ -33,6 +34,7 @@ class Parts:
     steps_per_epoch: int
     total_steps: int
     eval_split: str | None = None  # None: held out from train (data.eval_fraction)
+    test_split: str | None = None  # data.test_split
     position_tables: dict = field(default_factory=dict)  # "before"/"after" the resample, for the picture
     data_identity: dict = field(default_factory=dict)  # the labels and the splits' fingerprints, in each checkpoint
     class_weights: torch.Tensor | None = None  # the loss's per-class weights (data.class_balance=weights), on the device

@@ -36,7 +36,7 @@ from vit_finetune.data.pixels import (
 )
 from vit_finetune.data.splits import (
     CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity, is_label_set,
-    load_splits, target_encoding, training_facts, training_facts_notes,
+    load_splits, relabel_by_name, target_encoding, training_facts, training_facts_notes,
 )
 
 __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
@@ -50,6 +50,6 @@ __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES",
            "files_digest", "FLAT_SPREAD", "flat_images", "identity", "image_folders", "is_flat", "is_hub_dataset_copy",
            "preflight",
            "is_label_set", "is_local", "load_splits", "make_loader", "open_dataset",
-           "random_resized_crop_box", "refuse_unreachable", "resample_of", "sample_rng",
+           "random_resized_crop_box", "refuse_unreachable", "relabel_by_name", "resample_of", "sample_rng",
            "target_encoding", "train_dataset", "train_dataset_as_evaluated", "train_transform", "training_facts",
            "training_facts_notes"]

@@ -176,11 +176,14 @@ def train_dataset(splits: Splits, settings: DataSettings, image_size: int,
                                       encoding=target_encoding(splits), outputs=len(splits.labels))
 
 
-def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:
-    """The eval split preprocessed by the saved image processor; a skipped bad image keeps its place, blank."""
-    return ImageClassificationDataset(splits.eval, splits.image_column, splits.label_column, settings,
-                                      eval_pixels_from_processor(processor), blank_pixels(image_size, training=False),
-                                      splits.image_folders, encoding=target_encoding(splits), outputs=len(splits.labels))
+def eval_dataset(splits: Splits, settings: DataSettings, processor, image_size: int,
+                 table=None) -> ImageClassificationDataset:
+    """The eval split (or `table`, another split of the same data: data.test_split's) preprocessed by the saved image
+    processor; a skipped bad image keeps its place, blank."""
+    return ImageClassificationDataset(splits.eval if table is None else table, splits.image_column,
+                                      splits.label_column, settings, eval_pixels_from_processor(processor),
+                                      blank_pixels(image_size, training=False), splits.image_folders,
+                                      encoding=target_encoding(splits), outputs=len(splits.labels))
 
 
 def train_dataset_as_evaluated(splits: Splits, settings: DataSettings, processor, image_size: int) -> ImageClassificationDataset:

@@ -37,6 +37,8 @@ class Splits:
     # what the data holds, as data.task names it: single_label (a class id per row), multi_label (a list of class
     # ids, a set of labels that may be empty) or regression (`labels` names the targets, a list of values per row)
     task: str = "single_label"
+    test: Any = None  # data.test_split's rows, labelled as train's; None without one
+    test_split: str | None = None
 
 
 def detect_column(features: dict, wanted: str | None, kind: str, names: tuple[str, ...], feature_type: type) -> str:
@@ -103,13 +105,37 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
             evaluation = as_label_sets(evaluation, label_column, settings.dataset)
         if evaluation.features[label_column] != train.features[label_column]:
             evaluation = evaluation.cast_column(label_column, train.features[label_column])
+    test = rows_of_test_split(loaded, settings, eval_split, image_column, folders)
+    if test is not None:
+        test = relabel_by_name(test, label_column, list(labels), multi_label, "the training split",
+                               "score a split of the training split's classes, or remove data.test_split")
     train = subsample(train, settings.max_train_samples, seed)
     evaluation = subsample(evaluation, settings.max_eval_samples, seed)
     # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
-    train = train.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
-    evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False)).select_columns([image_column, label_column])
+    train, evaluation, test = (None if table is None else table.cast_column(image_column, datasets.Image(decode=False))
+                               .select_columns([image_column, label_column]) for table in (train, evaluation, test))
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
-                  notes=notes, task="multi_label" if multi_label else "single_label")
+                  notes=notes, task="multi_label" if multi_label else "single_label", test=test,
+                  test_split=settings.test_split)
+
+
+def rows_of_test_split(loaded, settings: DataSettings, eval_split: str | None, image_column: str, folders):
+    """data.test_split's rows as the dataset holds them, or None without one: refused where the dataset has no such
+    split, or where it is the split the run evaluates on (a dataset without data.eval_split's split evaluates on its
+    test split)."""
+    name = settings.test_split
+    if name is None:
+        return None
+    if name not in loaded:
+        raise DataError(f"data.test_split={name!r} is not a split of the dataset; its splits are {list(loaded)}. "
+                        "Name one of them, or remove data.test_split")
+    if name == eval_split:
+        raise DataError(f"data.test_split={name!r} is the split this run evaluates on: the dataset has no "
+                        f"data.eval_split={settings.eval_split!r}, so the run chooses by {name!r}. Set "
+                        "data.eval_split=null to hold out part of the training split for those choices, or remove "
+                        "data.test_split")
+    refuse_foreign_paths(loaded[name], name, image_column, folders, settings)
+    return loaded[name]
 
 
 def eval_split_in(loaded, settings: DataSettings) -> str | None:
@@ -144,13 +170,16 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
         train, evaluation = hold_out_eval(train, settings, None, None, seed)
     else:
         evaluation = as_targets(loaded[eval_split], image_column, names, eval_split)
+    test = rows_of_test_split(loaded, settings, eval_split, image_column, folders)
+    if test is not None:
+        test = as_targets(test, image_column, names, settings.test_split)
     train = subsample(train, settings.max_train_samples, seed)
     evaluation = subsample(evaluation, settings.max_eval_samples, seed)
     notes.extend(standardisation_notes(target_values(train), names, settings.train_split))
-    train = train.cast_column(image_column, datasets.Image(decode=False))
-    evaluation = evaluation.cast_column(image_column, datasets.Image(decode=False))
+    train, evaluation, test = (None if table is None else table.cast_column(image_column, datasets.Image(decode=False))
+                               for table in (train, evaluation, test))
     return Splits(train, evaluation, image_column, TARGETS_COLUMN, list(names), eval_split, image_folders=folders,
-                  notes=notes, task="regression")
+                  notes=notes, task="regression", test=test, test_split=settings.test_split)
 
 
 def is_label_set(feature) -> bool:
@@ -301,6 +330,40 @@ def files_digest(paths: list[str]) -> str | None:
     except (OSError, TypeError):  # a missing file is reported where it is decoded, by name
         return None
     return digest.hexdigest()
+
+
+def relabel_by_name(table, label_column: str, labels: list[str], label_sets: bool, whose: str, fix: str):
+    """`table`'s labels re-numbered by `labels`' order, matched by name (a ClassLabel's names, else the values as
+    text); with `label_sets` each row's labels as a list (a single label becomes a list of one). A label not in
+    `labels` is refused, naming `whose` labels they are and the `fix`."""
+    import datasets
+
+    feature = table.features[label_column]
+    inner = getattr(feature, "feature", feature)
+    names = inner.names if isinstance(inner, datasets.ClassLabel) else None
+    rows_are_sets = is_label_set(feature)
+    if rows_are_sets and not label_sets:
+        raise DataError(f"the dataset's {label_column!r} column holds label sets, but {whose} is single-label; "
+                        f"{fix}")
+
+    def name_of(value) -> str:
+        return names[value] if names is not None else str(value)
+
+    def values_of(cell) -> list:
+        return list(cell) if rows_are_sets else [cell]
+
+    found = {name_of(value) for cell in table[label_column] for value in values_of(cell)}
+    unknown = sorted(found - set(labels))
+    if unknown:
+        raise DataError(f"labels {unknown[:10]} of the dataset are not labels of {whose} ({labels[:10]}"
+                        f"{' ...' if len(labels) > 10 else ''}); {fix}")
+    index = {label: position for position, label in enumerate(labels)}
+    classes = datasets.ClassLabel(names=labels)
+    features = datasets.Features({**table.features, label_column: datasets.List(classes) if label_sets else classes})
+    if label_sets:
+        return table.map(lambda row: {label_column: [index[name_of(v)] for v in values_of(row[label_column])]},
+                         features=features)
+    return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
 
 
 def encode_labels(train, label_column: str, loaded, eval_split: str | None):

@@ -58,6 +58,14 @@ def check_data_section(data: DataSettings) -> None:
                                             or len(set(data.target_columns)) != len(data.target_columns)):
         problems.append(f"data.target_columns={excerpt(data.target_columns)} must name at least one column, each "
                         "once")
+    if data.test_split is not None and data.streaming:
+        problems.append(f"data.test_split={excerpt(data.test_split)} is scored from a split read whole, and "
+                        "data.streaming=true reads the data as a stream; remove data.test_split and score that "
+                        "split after the run: python -m vit_finetune evaluate OUTPUT_DIR --dataset D --split S")
+    if data.test_split is not None and data.test_split in (data.train_split, data.eval_split):
+        role = "train_split" if data.test_split == data.train_split else "eval_split"
+        problems.append(f"data.test_split={excerpt(data.test_split)} is also data.{role}; a test split must be one "
+                        "the run neither trains on nor chooses by: name another split, or remove data.test_split")
     if data.label_names is not None and not data.streaming:
         problems.append("data.label_names names the classes of a stream's integer labels; it applies with "
                         "data.streaming=true only (a dataset loaded whole finds its classes itself)")

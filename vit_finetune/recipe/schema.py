@@ -93,6 +93,10 @@ class DataSettings(Strict):
     eval_split: str | None = Field("validation", description=(
         "split to evaluate on; null or missing from the dataset: data.eval_fraction of train is held out "
         "(a dataset with only train/test uses test)"))
+    test_split: str | None = Field(None, description=(
+        "a split scored once, after training, by the weights the run keeps, and read by none of its choices (the "
+        "eval split makes those): its metrics go to metrics.json's \"test\" and the card. Scored whole "
+        "(data.max_eval_samples limits the eval split only); null: none"))
     eval_fraction: Float = Field(0.1, gt=0, lt=1,
         description="share of train held out (stratified, seeded) when there is no eval split")
     image_column: str | None = Field(None, description="column holding the images; null = detect")

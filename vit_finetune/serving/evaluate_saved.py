@@ -35,45 +35,10 @@ def check_evaluation_folder(output_dir: Path, overwrite: bool) -> None:
                          "or choose a new --output-dir")
 
 
-def to_model_labels(table, label_column: str, labels: list[str], label_sets: bool = False):
-    """The split's labels re-numbered by the model's own label order, matched by name; with `label_sets` (a
-    multi-label model) each row's labels as a list (a single label becomes a list of one)."""
-    import datasets
-
-    from vit_finetune.data import DataError, is_label_set
-
-    feature = table.features[label_column]
-    inner = getattr(feature, "feature", feature)
-    names = inner.names if isinstance(inner, datasets.ClassLabel) else None
-    rows_are_sets = is_label_set(feature)
-    if rows_are_sets and not label_sets:
-        raise DataError(f"the dataset's {label_column!r} column holds label sets, but the model is single-label; "
-                        "evaluate a multi-label model on it")
-
-    def name_of(value) -> str:
-        return names[value] if names is not None else str(value)
-
-    def values_of(cell) -> list:
-        return list(cell) if rows_are_sets else [cell]
-
-    found = {name_of(value) for cell in table[label_column] for value in values_of(cell)}
-    unknown = sorted(found - set(labels))
-    if unknown:
-        raise DataError(f"labels {unknown[:10]} of the dataset are not labels of the model ({labels[:10]}"
-                        f"{' ...' if len(labels) > 10 else ''}); evaluate on a dataset with the model's classes")
-    index = {label: position for position, label in enumerate(labels)}
-    classes = datasets.ClassLabel(names=labels)
-    features = datasets.Features({**table.features, label_column: datasets.List(classes) if label_sets else classes})
-    if label_sets:
-        return table.map(lambda row: {label_column: [index[name_of(v)] for v in values_of(row[label_column])]},
-                         features=features)
-    return table.map(lambda row: {label_column: index[name_of(row[label_column])]}, features=features)
-
-
 def classes_of_dataset(dataset: str, split: str | None, labels: list[str], task, target_columns: list[str] | None):
     """(table, image column, label column, split) of a classifier's --dataset, its labels matched to the model's by
     name."""
-    from vit_finetune.data import DataError
+    from vit_finetune.data import DataError, relabel_by_name
 
     if target_columns is not None:
         raise InputError("--target-columns names a regression model's target columns; this model is a classifier, "
@@ -81,7 +46,9 @@ def classes_of_dataset(dataset: str, split: str | None, labels: list[str], task,
     table, image_column, label_column, split = dataset_split(dataset, split)
     if label_column is None:
         raise DataError(f"split {split!r} of {dataset!r} has no label column: use predict for unlabelled images")
-    return to_model_labels(table, label_column, labels, task.label_sets), image_column, label_column, split
+    table = relabel_by_name(table, label_column, labels, task.label_sets, "the model",
+                            "evaluate on a dataset with the model's classes")
+    return table, image_column, label_column, split
 
 
 def targets_of_dataset(dataset: str, split: str | None, labels: list[str], task, target_columns: list[str] | None):

@@ -25,6 +25,12 @@ TOP_K = 5
 DENSE_CONFUSION_LABELS = 100
 
 
+def as_test_key(key: str) -> str:
+    """An eval metric's name in metrics.json's "test" section (data.test_split): eval_loss is test_loss
+    there, as the Trainer's predict() names a test split's; a name without the prefix (accuracy) is kept."""
+    return "test_" + key.removeprefix("eval_") if key.startswith("eval_") else key
+
+
 def _info(description: str, prediction_feature) -> evaluate.MetricInfo:
     return evaluate.MetricInfo(
         description=description,

@@ -95,6 +95,7 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     if recipe.model.lora is not None:
         model = apply_lora(model, recipe.model.lora)
     train_loader, eval_loader = make_loaders(splits, recipe, processor, accelerator, workers, sampler)
+    test_loader = None if streamed else make_test_loader(splits, recipe, processor, accelerator, workers)
     optimizer = build_optimizer(model, recipe, accelerator.device.type)
     scheduler = build_scheduler(optimizer, recipe, total_steps)
     batch_augmenter = augment.BatchAugmenter(recipe.augment, len(splits.labels), recipe.train.seed,
@@ -112,9 +113,10 @@ def run_parts(asked: Recipe, accelerator: Accelerator, resuming: bool = False) -
     if teacher is not None:  # what the student also learned from: a resume refuses another teacher
         identity["teacher_weights"] = teacher.digest
     return recipe, Parts(task=task, model=model, processor=processor, labels=splits.labels, train_loader=train_loader,
-                         eval_loader=eval_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
+                         eval_loader=eval_loader, test_loader=test_loader, optimizer=optimizer, scheduler=scheduler, normalize=normalize,
                          augment=batch_augmenter, steps_per_epoch=size.steps_per_epoch, total_steps=total_steps,
-                         eval_split=splits.eval_split, position_tables=tables, data_identity=identity,
+                         eval_split=splits.eval_split, test_split=None if streamed else splits.test_split,
+                         position_tables=tables, data_identity=identity,
                          class_weights=None if class_weights is None else class_weights.to(accelerator.device),
                          teacher=teacher, probe=fitted, data_facts=data_facts, wise_ft_start=wise_ft_start,
                          resolution=schedule)
@@ -195,3 +197,13 @@ def make_loaders(splits, recipe: Recipe, processor, accelerator: Accelerator, wo
     collate = distill.collate_with_digests if distill.caches_teacher_logits(recipe) else data.collate
     return (data.make_loader(train_set, batch_size, True, seed, workers, pin, sampler, collate),
             data.make_loader(eval_set, batch_size, False, seed, workers, pin))
+
+
+def make_test_loader(splits: data.Splits, recipe: Recipe, processor, accelerator: Accelerator, workers: int):
+    """data.test_split's loader, preprocessed as the eval split is at model.image_size (the size the run ends at), or
+    None without one."""
+    if splits.test is None:
+        return None
+    test_set = data.eval_dataset(splits, recipe.data, processor, recipe.model.image_size, table=splits.test)
+    return data.make_loader(test_set, recipe.train.batch_size, False, recipe.train.seed, workers,
+                            accelerator.device.type == "cuda")

@@ -97,6 +97,8 @@ def prepare(accelerator: Accelerator, parts: Parts, recipe: Recipe) -> None:
         return
     parts.model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler = accelerator.prepare(
         model, parts.optimizer, parts.train_loader, parts.eval_loader, parts.scheduler)
+    if parts.test_loader is not None:  # dealt out like the eval split: each process scores its share
+        parts.test_loader = accelerator.prepare(parts.test_loader)
 
 
 def device_name(device: torch.device) -> str:

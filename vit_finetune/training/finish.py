@@ -6,11 +6,13 @@ process) with the lines that close the run.
 from __future__ import annotations
 
 import contextlib
+import copy
 from functools import partial
 from pathlib import Path
 
 from accelerate import Accelerator
 
+from vit_finetune import tasks
 from vit_finetune.artifacts import card, checkpoint
 from vit_finetune.artifacts.callbacks import Callback, TrainingRun
 from vit_finetune.artifacts.final_outputs import clear_staging, run_info, write_outputs
@@ -21,6 +23,7 @@ from vit_finetune.core.run_lock import OutputDirError
 from vit_finetune.model import student
 from vit_finetune.model.lora import is_lora, merged_copy
 from vit_finetune.recipe import Recipe
+from vit_finetune.tasks import evaluation
 from vit_finetune.training import distill, loop, loss_scale, selection, sharding
 from vit_finetune.training.devices import device_name
 
@@ -34,6 +37,8 @@ def final_result(training: TrainingRun, keeper: selection.WeightSelection, hooks
     final = None if state.stopped_early else loop.evaluate(training, hooks)
     final, average = average_with_probe(training, final)
     metrics, predictions = keeper.final_result(training, final)  # the weights it chose are now the model's
+    if parts.test_loader is not None:
+        metrics["test"] = score_test_split(training, metrics)
     # skipped_images: bad images skipped over the whole run, by all processes. Each epoch draws every file again,
     # so a bad file counts once per epoch (once more if Accelerate's even_batches padding draws it twice).
     metrics.update(steps=state.step, skipped_images=state.skipped_images, method=recipe.train.method,
@@ -51,6 +56,25 @@ def final_result(training: TrainingRun, keeper: selection.WeightSelection, hooks
         metrics["distillation"] = distill.report(recipe.train.distill, parts.teacher, parts.teacher_cache,
                                                  training_seconds, facts)
     return metrics, predictions
+
+
+def score_test_split(training: TrainingRun, metrics: dict) -> dict:
+    """data.test_split scored once by the weights the run keeps, as `evaluate OUTPUT_DIR --dataset D --split S` scores
+    the saved model: the task read back from the config the model is saved with, so a multi-label model's thresholds
+    are those chosen on the eval split, never on the test split. metrics.json's "test": the split's name and the
+    eval split's metrics under a test_ prefix (as the Trainer's predict() names them)."""
+    parts, accelerator = training.parts, training.accelerator
+    config = copy.deepcopy(accelerator.unwrap_model(parts.model, keep_torch_compile=False).config)
+    parts.task.finish_config(config, metrics)
+    task = tasks.of_config(config)
+    predictions = evaluation.predict_split(parts.model, parts.test_loader, accelerator, parts.normalize, task,
+                                           len(parts.labels))
+    scored = task.report(predictions, parts.labels)
+    if accelerator.is_main_process:
+        progress.say(f"test split {parts.test_split!r}: {task.headline(scored)} on {scored['eval_samples']} images, "
+                     "scored once by the weights kept")
+    return {"split": parts.test_split,
+            **{evaluation.as_test_key(key): value for key, value in scored.items()}}
 
 
 def average_with_probe(training: TrainingRun, final: tuple[dict, object]) -> tuple[tuple[dict, object], dict | None]:
