@@ -71,6 +71,8 @@ ARMS = {
     "layer_decay": ["train.layer_decay=0.75"],  # each block below the head at 0.75 of the lr of the one above
     "ema": ["train.ema_decay=0.99"],  # an average over ~100 steps kept beside the weights, saved where it scores better
     "lr1e-5": ["train.lr=1e-5"],  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
+    # LoRA (rank 16 on query and value, the toolkit's defaults) in place of every weight: the pretrained weights stay
+    "lora": ["model.lora={r: 16}"],
     # the run's own eval split taken from the shifted source, as a user's eval folder from elsewhere would be: what
     # the run chooses on its eval split (the method's end, WiSE-FT's average) then sees the other source
     "eval_shifted": ["data.eval_split=shifted", "data.crop_scale=[1.0,1.0]"],

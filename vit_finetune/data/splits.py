@@ -111,12 +111,22 @@ def load_splits(settings: DataSettings, seed: int) -> Splits:
                                "score a split of the training split's classes, or remove data.test_split")
     train = subsample(train, settings.max_train_samples, seed)
     evaluation = subsample(evaluation, settings.max_eval_samples, seed)
-    # Keep encoded bytes/paths: we decode ourselves to name bad files and to crop before resizing.
-    train, evaluation, test = (None if table is None else table.cast_column(image_column, datasets.Image(decode=False))
-                               .select_columns([image_column, label_column]) for table in (train, evaluation, test))
+    train, evaluation, test = (undecoded(table, image_column, [image_column, label_column])
+                               for table in (train, evaluation, test))
     return Splits(train, evaluation, image_column, label_column, list(labels), eval_split, image_folders=folders,
                   notes=notes, task="multi_label" if multi_label else "single_label", test=test,
                   test_split=settings.test_split)
+
+
+def undecoded(table, image_column: str, columns: list[str] | None = None):
+    """`table` (None stays None) with its images kept as encoded bytes or paths, and only `columns` where given: the
+    loaders decode them, to name a bad file and to crop before resizing."""
+    import datasets
+
+    if table is None:
+        return None
+    table = table.cast_column(image_column, datasets.Image(decode=False))
+    return table if columns is None else table.select_columns(columns)
 
 
 def rows_of_test_split(loaded, settings: DataSettings, eval_split: str | None, image_column: str, folders):
@@ -157,8 +167,6 @@ def refuse_fractional_classes(feature, label_column: str, settings: DataSettings
 def regression_splits(loaded, settings: DataSettings, image_column: str, seed: int, notes: list[str]) -> Splits:
     """Train and eval splits of a regression: each row's targets (data.target_columns, else the label column) as one
     list of floats in TARGETS_COLUMN; `labels` names the targets. Every value must be a finite number."""
-    import datasets
-
     train = loaded[settings.train_split]
     names = settings.target_columns or [target_column(train.features, settings.label_column)]
     eval_split = eval_split_in(loaded, settings)
@@ -176,8 +184,7 @@ def regression_splits(loaded, settings: DataSettings, image_column: str, seed: i
     train = subsample(train, settings.max_train_samples, seed)
     evaluation = subsample(evaluation, settings.max_eval_samples, seed)
     notes.extend(standardisation_notes(target_values(train), names, settings.train_split))
-    train, evaluation, test = (None if table is None else table.cast_column(image_column, datasets.Image(decode=False))
-                               for table in (train, evaluation, test))
+    train, evaluation, test = (undecoded(table, image_column) for table in (train, evaluation, test))
     return Splits(train, evaluation, image_column, TARGETS_COLUMN, list(names), eval_split, image_folders=folders,
                   notes=notes, task="regression", test=test, test_split=settings.test_split)
 
