@@ -62,7 +62,7 @@ def score_test_split(training: TrainingRun, metrics: dict) -> dict:
     """data.test_split scored once by the weights the run keeps, as `evaluate OUTPUT_DIR --dataset D --split S` scores
     the saved model: the task read back from the config the model is saved with, so a multi-label model's thresholds
     are those chosen on the eval split, never on the test split. metrics.json's "test": the split's name and the
-    eval split's metrics under a test_ prefix (as the Trainer's predict() names them)."""
+    eval split's metrics, eval_loss and eval_samples named test_loss and test_samples (evaluation.as_test_key)."""
     parts, accelerator = training.parts, training.accelerator
     config = copy.deepcopy(accelerator.unwrap_model(parts.model, keep_torch_compile=False).config)
     parts.task.finish_config(config, metrics)
