@@ -87,17 +87,9 @@ def model_card(recipe: Recipe, metrics: dict, labels: list[str], name: str, lora
                info: dict | None = None, pictures: tuple[str, ...] = (), model_type: str = "vit") -> ModelCard:
     family = FAMILIES[model_type]
     dataset = recipe.data.dataset
+    eval_split = metrics.get("eval_split", recipe.data.eval_split)
     eval_results = [
-        EvalResult(
-            task_type="image-classification",
-            task_name="Image Classification",
-            dataset_type=dataset if is_hub_id(dataset) else "local",
-            dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
-            dataset_split=metrics.get("eval_split", recipe.data.eval_split),
-            metric_type=key,
-            metric_name=label,
-            metric_value=round(float(metrics[key]), 6),
-        )
+        metric_result(dataset, eval_split, key, label, metrics[key])
         for key, label in metric_names(metrics).items()
         if key in metrics
     ] + results_on_test_split(metrics, dataset)
@@ -158,12 +150,16 @@ def results_on_test_split(metrics: dict, dataset: str) -> list[EvalResult]:
     test = metrics.get("test")
     if not test:
         return []
-    return [EvalResult(task_type="image-classification", task_name="Image Classification",
-                       dataset_type=dataset if is_hub_id(dataset) else "local",
-                       dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
-                       dataset_split=test["split"], metric_type=key, metric_name=label,
-                       metric_value=round(float(test[evaluation.as_test_key(key)]), 6))
+    return [metric_result(dataset, test["split"], key, label, test[evaluation.as_test_key(key)])
             for key, label in metric_names(metrics).items() if evaluation.as_test_key(key) in test]
+
+
+def metric_result(dataset: str, split: str | None, key: str, label: str, value: float) -> EvalResult:
+    """One metric of one split, as the card's model-index metadata records it."""
+    return EvalResult(task_type="image-classification", task_name="Image Classification",
+                      dataset_type=dataset if is_hub_id(dataset) else "local",
+                      dataset_name=dataset if is_hub_id(dataset) else Path(dataset).name,
+                      dataset_split=split, metric_type=key, metric_name=label, metric_value=round(float(value), 6))
 
 
 def results_table(metrics: dict) -> str:
