@@ -166,6 +166,7 @@ OPTIONS = {
     "mixup": ["augment.mixup=true"],
     "erasing": ["augment.erasing_prob=0.25"],
     "layer_decay": ["train.layer_decay=0.75"],
+    "layer_decay0.9": ["train.layer_decay=0.9"],  # milder: the patch embedding at 0.9^13 = 0.25 of the lr
     "ema": ["train.ema_decay=0.99"],
     # The head's lr, one at a time (with --lr for the backbone's): how train.head_lr=auto's value was chosen.
     **{f"head{lr:g}": [f"train.head_lr={lr:g}"] for lr in (2e-5, 2e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3)},
