@@ -69,8 +69,7 @@ ARMS = {
     "mixup_cutmix": ["augment.mixup=true", "augment.cutmix=true"],
     # the other ways to keep a fine-tune near its start: smaller steps in the early blocks, an averaged copy, a low lr
     "layer_decay": ["train.layer_decay=0.75"],  # each block below the head at 0.75 of the lr of the one above
-    "layer_decay0.85": ["train.layer_decay=0.85"],  # milder: the patch embedding at 0.85^13 = 0.12 of the lr
-    "layer_decay0.9": ["train.layer_decay=0.9"],  # milder still: the patch embedding at 0.9^13 = 0.25 of the lr
+    "layer_decay0.9": ["train.layer_decay=0.9"],  # milder: the patch embedding at 0.9^13 = 0.25 of the lr
     "ema": ["train.ema_decay=0.99"],  # an average over ~100 steps kept beside the weights, saved where it scores better
     "lr1e-5": ["train.lr=1e-5"],  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
     # LoRA (rank 16 on query and value, the toolkit's defaults) in place of every weight: the pretrained weights stay
