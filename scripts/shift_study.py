@@ -72,6 +72,9 @@ ARMS = {
     "layer_decay0.9": ["train.layer_decay=0.9"],  # milder: the patch embedding at 0.9^13 = 0.25 of the lr
     "ema": ["train.ema_decay=0.99"],  # an average over ~100 steps kept beside the weights, saved where it scores better
     "lr1e-5": ["train.lr=1e-5"],  # half the defaults' lr of 2e-5 (after the probe the head trains at it too)
+    # regularisers that leave every weight free to move: stochastic depth, softer targets
+    "drop_path0.1": ["model.drop_path_rate=0.1"],  # each residual branch dropped with up to 0.1 chance, deeper more
+    "label_smoothing0.1": ["train.label_smoothing=0.1"],
     # LoRA (rank 16 on query and value, the toolkit's defaults) in place of every weight: the pretrained weights stay
     "lora": ["model.lora={r: 16}"],
     # the run's own eval split taken from the shifted source, as a user's eval folder from elsewhere would be: what
@@ -166,7 +169,7 @@ def wise_ft_path_captured(captured: dict):
 
 
 def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
-    """Accuracy on each of PATH_SPLITS at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
+    """Accuracy and loss on each of PATH_SPLITS at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
     the point's (the captured weights carry the model's own names, which saving may rename) and saved beside it."""
     import torch
     from transformers import AutoModelForImageClassification
@@ -180,7 +183,7 @@ def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
     if unknown:  # the path would otherwise leave those weights where the run saved them, at every alpha
         raise SystemExit(f"{out}: the saved model has no {', '.join(unknown[:3])}, which the average moves")
     point = out.with_name(out.name + "-path")
-    scores = {}
+    scores, losses = {}, {}
     for alpha in PATH_ALPHAS:
         with torch.no_grad():
             model.load_state_dict({name: alpha * captured["fine_tuned"][name] + (1 - alpha) * start
@@ -188,10 +191,11 @@ def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
         shutil.rmtree(point, ignore_errors=True)
         shutil.copytree(out, point, ignore=shutil.ignore_patterns("model.safetensors", "*.png"))
         model.save_pretrained(point)
-        scores[f"{alpha:g}"] = {split: evaluate_saved(str(point), str(data), split)["accuracy"]
-                                for split in PATH_SPLITS}
+        metrics = {split: evaluate_saved(str(point), str(data), split) for split in PATH_SPLITS}
+        scores[f"{alpha:g}"] = {split: metrics[split]["accuracy"] for split in PATH_SPLITS}
+        losses[f"{alpha:g}"] = {split: metrics[split]["eval_loss"] for split in PATH_SPLITS}
     shutil.rmtree(point, ignore_errors=True)
-    return {"wise_ft_path": scores}
+    return {"wise_ft_path": scores, "wise_ft_path_loss": losses}
 
 
 def path_reproduces_kept(outcome: dict) -> bool:
