@@ -168,8 +168,8 @@ def wise_ft_path_captured(captured: dict):
         selection.average_if_no_worse = original
 
 
-def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
-    """Accuracy and loss on each of PATH_SPLITS at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
+def score_wise_ft_path(out: Path, data: Path, captured: dict, splits: tuple[str, ...] = PATH_SPLITS) -> dict:
+    """Accuracy and loss on each of `splits` at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
     the point's (the captured weights carry the model's own names, which saving may rename) and saved beside it."""
     import torch
     from transformers import AutoModelForImageClassification
@@ -191,9 +191,9 @@ def score_wise_ft_path(out: Path, data: Path, captured: dict) -> dict:
         shutil.rmtree(point, ignore_errors=True)
         shutil.copytree(out, point, ignore=shutil.ignore_patterns("model.safetensors", "*.png"))
         model.save_pretrained(point)
-        metrics = {split: evaluate_saved(str(point), str(data), split) for split in PATH_SPLITS}
-        scores[f"{alpha:g}"] = {split: metrics[split]["accuracy"] for split in PATH_SPLITS}
-        losses[f"{alpha:g}"] = {split: metrics[split]["eval_loss"] for split in PATH_SPLITS}
+        metrics = {split: evaluate_saved(str(point), str(data), split) for split in splits}
+        scores[f"{alpha:g}"] = {split: metrics[split]["accuracy"] for split in splits}
+        losses[f"{alpha:g}"] = {split: metrics[split]["eval_loss"] for split in splits}
     shutil.rmtree(point, ignore_errors=True)
     return {"wise_ft_path": scores, "wise_ft_path_loss": losses}
 

@@ -60,6 +60,7 @@ def print_tables(results: list[dict]) -> None:
     for name, size, steps in cells_of(results):
         print(table(results, name, size, steps))
     print(path_table(results))
+    print(loss_choice_table(results))
 
 
 def path_table(results: list[dict]) -> str:
@@ -133,3 +134,31 @@ def draw(results: list[dict], path: Path) -> None:
     axes[0][0].legend(fontsize=5, loc="best")
     figure.tight_layout()
     figure.savefig(path, dpi=130)
+
+
+# The points a choice by the eval loss picks among: the run's own two (0.75 and 1) and one nearer the probe.
+LOSS_CHOICES = ("0.5", "0.75", "1")
+
+
+def lowest_eval_loss(run: dict) -> str:
+    """The point of LOSS_CHOICES with the lowest eval-split loss; a tie goes to the larger alpha (nearer the run's)."""
+    losses = run["wise_ft_path_loss"]
+    return min(LOSS_CHOICES, key=lambda alpha: (losses[alpha]["validation"], -float(alpha)))
+
+
+def loss_choice_table(results: list[dict]) -> str:
+    """WiSE-FT's point chosen by the eval loss against the run's own choice (by eval accuracy), from the same
+    wise_path runs: in-source test / shifted of each, and the points the loss chose."""
+    runs = [r for r in results if r["arm"] == "wise_path" and "wise_ft_path_loss" in r]
+    if not runs:
+        return ""
+    out = ["\nWiSE-FT's point by the lowest eval loss among " + ", ".join(LOSS_CHOICES) + ": in-source test / shifted\n",
+           "| set, px, steps | the run's choice | lowest eval loss | points chosen |", "|---|---|---|---|"]
+    for name, size, steps in cells_of(runs):
+        cell = [r for r in runs if (r["set"], r["size"], r["steps"]) == (name, size, steps)]
+        picks = [lowest_eval_loss(r) for r in cell]
+        kept = " / ".join(summary([r[split] for r in cell]) for split in SPLITS)
+        by_loss = " / ".join(summary([r["wise_ft_path"][a][split] for r, a in zip(cell, picks)])
+                             for split in ("test", "shifted"))
+        out.append(f"| {name}, {size}, {steps} | {kept} | {by_loss} | {', '.join(picks)} |")
+    return "\n".join(out)

@@ -134,6 +134,9 @@ OPTIONS = {
     # the same run with the flip off and alpha dropped named explicitly, run beside it.
     "mirror_test": ["data.horizontal_flip=auto"],
     "unchecked": ["data.horizontal_flip=false", "data.alpha_background=null"],
+    # `unchecked`, and beside it every point of WiSE-FT's path scored on the eval and test splits, with its loss
+    # (shift_study.score_wise_ft_path): how a choice of the point on the eval split does on images like the training ones
+    "wise_path": ["data.horizontal_flip=false", "data.alpha_background=null"],
     # The training methods, each with the schema's other defaults. Rows recorded as `defaults` before train.method
     # existed ran today's finetune (the same code path) and are kept under that name.
     "finetune": ["train.method=finetune"],
@@ -266,6 +269,17 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
     return {**what_the_run_recorded(out), "adamw_kernel": adamw_kernel()}
 
 
+def run_toolkit_with_path(cell: Cell, base: Path, data: Path, root: Path) -> dict:
+    """run_toolkit, and WiSE-FT's path of the run scored on its eval and test splits (every point, accuracy and loss)."""
+    import shift_study
+
+    captured = {}
+    with shift_study.wise_ft_path_captured(captured):
+        outcome = run_toolkit(cell, base, data, root)
+    return {**outcome, **shift_study.score_wise_ft_path(root / "runs" / cell.name(), data, captured,
+                                                        splits=("validation", "test"))}
+
+
 def run_before_rule(cell: Cell, base: Path, data: Path, root: Path, checkout: Path) -> dict:
     """The cell on the toolkit at BEFORE_RULE_COMMIT (`checkout`), in a process of its own with one torch thread, as
     this process runs the others."""
@@ -344,6 +358,8 @@ def run_cell(cell: Cell, base: Path, root: Path, before_rule: Path | None = None
         outcome = run_peer(cell, base, data, root)
     elif cell.option in BEFORE_RULE_OPTIONS:
         outcome = run_before_rule(cell, base, data, root, before_rule)
+    elif cell.option == "wise_path":
+        outcome = run_toolkit_with_path(cell, base, data, root)
     else:
         outcome = run_toolkit(cell, base, data, root)
     cpu_seconds = round(cpu_time() - cpu_start, 1)  # CPU time: fair under a shared CPU
