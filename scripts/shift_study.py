@@ -169,8 +169,8 @@ def wise_ft_path_captured(captured: dict):
 
 
 def score_wise_ft_path(out: Path, data: Path, captured: dict, splits: tuple[str, ...] = PATH_SPLITS) -> dict:
-    """Accuracy and loss on each of `splits` at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced by
-    the point's (the captured weights carry the model's own names, which saving may rename) and saved beside it."""
+    """Accuracy and loss on each of `splits` at each of PATH_ALPHAS: the run's saved model loaded, its weights replaced
+    by the point's (the captured weights carry the model's own names, which saving may rename) and saved beside it."""
     import torch
     from transformers import AutoModelForImageClassification
 

@@ -152,7 +152,7 @@ def loss_choice_table(results: list[dict]) -> str:
     runs = [r for r in results if r["arm"] == "wise_path" and "wise_ft_path_loss" in r]
     if not runs:
         return ""
-    out = ["\nWiSE-FT's point by the lowest eval loss among " + ", ".join(LOSS_CHOICES) + ": in-source test / shifted\n",
+    out = [f"\nWiSE-FT's point by the lowest eval loss among {', '.join(LOSS_CHOICES)}: in-source test / shifted\n",
            "| set, px, steps | the run's choice | lowest eval loss | points chosen |", "|---|---|---|---|"]
     for name, size, steps in cells_of(runs):
         cell = [r for r in runs if (r["set"], r["size"], r["steps"]) == (name, size, steps)]

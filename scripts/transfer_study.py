@@ -125,6 +125,7 @@ DATASETS = {
 METHOD_ARMS = ("finetune", "linear_probe", "lp_ft")
 # Toolkit option sets: name -> overrides on top of the schema defaults. "peer" is not one: it is the Trainer.
 NO_AUGMENTATION = ["data.crop_scale=[1.0,1.0]", "data.horizontal_flip=false"]
+UNCHECKED = ["data.horizontal_flip=false", "data.alpha_background=null"]
 OPTIONS = {
     # Whatever the schema says today: train.method=auto, train.lr=auto and train.head_lr=auto (printed by the run),
     # data.crop_scale=auto (no crop at every schedule here), no flip, and data.alpha_background=auto, which on these
@@ -133,10 +134,11 @@ OPTIONS = {
     # The flip the mirror test chooses (on for fashion, elpv and faces; docs/studies/shift.md), against `unchecked`,
     # the same run with the flip off and alpha dropped named explicitly, run beside it.
     "mirror_test": ["data.horizontal_flip=auto"],
-    "unchecked": ["data.horizontal_flip=false", "data.alpha_background=null"],
+    "unchecked": UNCHECKED,
     # `unchecked`, and beside it every point of WiSE-FT's path scored on the eval and test splits, with its loss
-    # (shift_study.score_wise_ft_path): how a choice of the point on the eval split does on images like the training ones
-    "wise_path": ["data.horizontal_flip=false", "data.alpha_background=null"],
+    # (shift_study.score_wise_ft_path): how a choice of the point on the eval split does on images like the training
+    # ones. Only on data with a test split: the eval split alone would judge the choice on the images it was made on.
+    "wise_path": UNCHECKED,
     # The training methods, each with the schema's other defaults. Rows recorded as `defaults` before train.method
     # existed ran today's finetune (the same code path) and are kept under that name.
     "finetune": ["train.method=finetune"],
@@ -270,9 +272,12 @@ def run_toolkit(cell: Cell, base: Path, data: Path, root: Path) -> dict:
 
 
 def run_toolkit_with_path(cell: Cell, base: Path, data: Path, root: Path) -> dict:
-    """run_toolkit, and WiSE-FT's path of the run scored on its eval and test splits (every point, accuracy and loss)."""
+    """run_toolkit, and WiSE-FT's path of the run scored on its eval and test splits (every point, accuracy and
+    loss); refused before training where the data has no test split."""
     import shift_study
 
+    if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
+        raise SystemExit(f"cell {cell.name()}: {cell.dataset} has no test split to judge WiSE-FT's path on")
     captured = {}
     with shift_study.wise_ft_path_captured(captured):
         outcome = run_toolkit(cell, base, data, root)
