@@ -276,7 +276,7 @@ def run_toolkit_with_path(cell: Cell, base: Path, data: Path, root: Path) -> dic
     loss); refused before training where the data has no test split."""
     import shift_study
 
-    if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
+    if not has_test_split(data):
         raise SystemExit(f"cell {cell.name()}: {cell.dataset} has no test split to judge WiSE-FT's path on")
     captured = {}
     with shift_study.wise_ft_path_captured(captured):
@@ -322,9 +322,13 @@ def what_the_run_recorded(out: Path) -> dict:
     return recorded
 
 
+def has_test_split(data: Path) -> bool:
+    return "test" in json.loads((data / "dataset_dict.json").read_text())["splits"]
+
+
 def scored_on_test(out: Path, data: Path) -> dict:
     """The saved model's accuracy on the data's test split (never used for a choice), where the data has one."""
-    if "test" not in json.loads((data / "dataset_dict.json").read_text())["splits"]:
+    if not has_test_split(data):
         return {}
     from vit_finetune.serving.evaluate_saved import evaluate_saved
 
