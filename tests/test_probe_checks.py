@@ -183,3 +183,68 @@ def test_colours_bleeding_under_transparency_are_laid_on_white_and_saved_with_th
     assert line.startswith("data.alpha_background=auto -> white: 24 of the 24") and "24 of them with more than" in line
     assert resolved(out)["alpha_background"] == "white"
     assert json.loads((out / "config.json").read_text())["alpha_background"] == "white"
+
+
+# ---------------------------------------------------------------- the crop test (data.crop_scale=auto)
+
+# 150 epochs of the 32-48 training images of the sets below: 4,800-7,200 images seen, where the crop test decides
+# (data.CROP_TEST_FROM). The run is stopped before its first batch: the crop is decided, said and written to the
+# recipe as run before training starts.
+LONG_ENOUGH = ["train.batch_size=16", "train.epochs=150", "data.crop_scale=auto"]
+
+
+def write_corner_discs(root: Path, per_class: int = 16, seed: int = 0) -> Path:
+    """Two classes a crop confuses: a small bright disc in the top-left corner or in the bottom-right one; many crops
+    cut the disc away, leaving a blank image of neither class."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[:32, :32]
+    for split, count in (("train", per_class), ("validation", 6)):
+        for name, centre in (("top_left", 5), ("bottom_right", 26)):
+            folder = root / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                cy, cx = centre + rng.integers(-1, 2, 2)
+                pixels = np.full((32, 32, 3), 30.0) + rng.normal(0, 8, (32, 32, 3))
+                pixels[(yy - cy) ** 2 + (xx - cx) ** 2 <= 16] += 180
+                Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(folder / f"{i}.png")
+    return root
+
+
+def stopped_before_training(args: list[str], capsys) -> str:
+    """What a run says before its first batch, where it is stopped (exit 130: interrupted)."""
+    import os
+    import signal
+
+    from runs import before_batch
+
+    def stop(n: int) -> None:
+        if n == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    assert train(args, callbacks=[before_batch(stop)]) == 130
+    return " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("kind", ["colours", "corner discs"])
+def test_the_crop_test_crops_where_a_crop_keeps_the_probes_answers_and_not_where_it_changes_them(base, tmp_path,
+                                                                                                capsys, kind):
+    data = (write_colour_folder(tmp_path / "colours", classes=3, train=16, validation=6) if kind == "colours"
+            else write_corner_discs(tmp_path / "discs"))
+    out = tmp_path / "out"
+    said = stopped_before_training([f"model.base={base}", f"data.dataset={data}", *RECIPE, *AUTO, *LONG_ENOUGH,
+                                    f"output_dir={out}"], capsys)
+    assert "held-out training images changed the linear probe's answer on" in said
+    if kind == "colours":  # a crop of one colour is that colour: the widest range tried
+        assert resolved(out)["crop_scale"] == [0.08, 1.0]
+        assert "data.crop_scale=auto -> random crops of 8% to 100% of the area, in place of no crop" in said
+    else:  # a crop often cuts the disc away: a blank image of neither class
+        assert resolved(out)["crop_scale"] == [1.0, 1.0]
+        assert "data.crop_scale=auto stays at no random crop" in said and "in place of no crop" not in said
+
+
+def test_the_crop_test_takes_the_widest_range_whose_crops_change_no_more_answers_than_the_probe_gets_wrong():
+    from vit_finetune.training.probe_checks import CropTest
+
+    test = CropTest(100, {(0.08, 1.0): 0.30, (0.35, 1.0): 0.20, (0.6, 1.0): 0.10}, wrong=0.20)
+    assert test.widest_keeping_labels() == (0.35, 1.0)  # 0.20 changed <= 0.20 wrong: kept; 0.30 is not
+    assert CropTest(100, {(0.08, 1.0): 0.3, (0.6, 1.0): 0.21}, wrong=0.20).widest_keeping_labels() is None
