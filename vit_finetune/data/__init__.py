@@ -29,11 +29,10 @@ from vit_finetune.data.opening import (
     refuse_unreachable,
 )
 from vit_finetune.data.pixels import (
-    ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, CROP_MEASURED_UNDER_SHIFT_UP_TO, CROP_TEST_FROM, CROP_TEST_RANGES,
-    CROP_TEST_UP_TO, CROP_UNDER_SHIFT, CROP_UNDER_SHIFT_GAINED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale,
-    auto_crop_scale_from_crop_test, auto_crop_scale_under_shift, crop_in_words, crop_test_decides, decode_image,
-    decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box, resample_of, sample_rng,
-    train_transform,
+    ALPHA_BACKGROUND_KEY, AUTO_CROP_MEASURED_UP_TO, CROP_MEASURED_UNDER_SHIFT_UP_TO, CROP_UNDER_SHIFT,
+    CROP_UNDER_SHIFT_GAINED_UP_TO, FLAT_SPREAD, alpha_card_text, auto_crop_scale, auto_crop_scale_under_shift,
+    crop_in_words, decode_image, decoding_settings, drawing_in_alpha, flat_images, is_flat, random_resized_crop_box,
+    resample_of, sample_rng, train_transform,
 )
 from vit_finetune.data.splits import (
     CONTENT_HASH_LIMIT_BYTES, IMAGE_COLUMN_NAMES, Splits, detect_column, files_digest, identity, is_label_set,
@@ -41,11 +40,10 @@ from vit_finetune.data.splits import (
 )
 
 __all__ = ["ALPHA_BACKGROUND_KEY", "AUTO_CROP_MEASURED_UP_TO", "BUILTIN_SHAPES", "CONTENT_HASH_LIMIT_BYTES",
-           "CROP_MEASURED_UNDER_SHIFT_UP_TO", "CROP_TEST_FROM", "CROP_TEST_RANGES", "CROP_TEST_UP_TO",
-           "CROP_UNDER_SHIFT", "CROP_UNDER_SHIFT_GAINED_UP_TO",
+           "CROP_MEASURED_UNDER_SHIFT_UP_TO", "CROP_UNDER_SHIFT", "CROP_UNDER_SHIFT_GAINED_UP_TO",
            "IMAGE_COLUMN_NAMES", "LABEL_COLUMN_NAMES", "SKIPPED_LABEL", "TARGET_ENCODINGS", "BadImageError",
            "DataError", "EpochSampler", "ImageClassificationDataset", "PixelNormalizer", "Splits", "alpha_card_text",
-           "auto_crop_scale", "auto_crop_scale_from_crop_test", "auto_crop_scale_under_shift", "crop_test_decides",
+           "auto_crop_scale", "auto_crop_scale_under_shift",
            "blank_pixels", "cache_dir", "collate", "cpu_cores", "crop_in_words", "decode_image",
            "decoding_settings", "default_num_workers", "detect_column", "drawing_in_alpha", "eval_dataset",
            "eval_pixels_from_processor",

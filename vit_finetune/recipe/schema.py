@@ -108,11 +108,10 @@ class DataSettings(Strict):
     crop_scale: tuple[Float, Float] | Literal["auto"] = Field("auto", description=(
         "random-resized-crop area range [low, high] as shares of the image ([0.05, 1.0]: the original ViT recipe); "
         "auto: the toolkit's measured choice for the training images the run will see (data.auto_crop_scale: no "
-        "crop below 4,584 images seen and beyond 16,000; between them the wider of 8-100 % and 35-100 % "
-        "whose crops change the linear probe's answers on held-out training images no more often than it answers "
-        "wrongly, or none (probe_checks.crop_test); where the run's own eval images likely come from another source "
-        "and a mirror image is the same thing to the base, crops of 8-100 % of the area up to 4,800: "
-        "data.auto_crop_scale_under_shift), printed with its reason and saved resolved in the output's recipe.yaml"))
+        "crop, measured up to 7,040 images seen and, with eval images from another source, up to 16,000; kept "
+        "beyond; where the run's own eval images likely come from another source and a mirror image is the same "
+        "thing to the base, crops of 8-100 % of the area up to 4,800: data.auto_crop_scale_under_shift), printed "
+        "with its reason and saved resolved in the output's recipe.yaml"))
     horizontal_flip: bool | Literal["auto"] = Field(False, description=(
         "flip training crops left-right with probability 0.5: right for photos, wrong for digits, text and anything a "
         "mirror changes; auto: on where mirroring the held-out training images changes the linear probe's answers no "

@@ -124,8 +124,8 @@ class Task:
         """What a least-squares head learns for each image, as a float (images, outputs) table (probe_fit "ridge")."""
         raise NotImplementedError
 
-    # whether data.horizontal_flip=auto asks the mirror test and data.crop_scale=auto the crop test (probe_checks): the
-    # task answers with classes, so an answer either changes or does not when the image is mirrored or cropped
+    # whether data.horizontal_flip=auto asks the mirror test (probe_checks.mirror_test): the task answers with classes,
+    # so an answer either changes or does not when the image is mirrored
     mirror_tested: ClassVar[bool] = False
 
     def probe_decisions(self, logits: torch.Tensor) -> torch.Tensor:

@@ -298,14 +298,12 @@ def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_
             value, why = resolve(recipe, checks)
             said.append(f"{key}=auto -> {shown(value)}: {why}; set {key} to choose")
             recipe = with_setting(recipe, key, value)
-    shifted = False
     # An eval part held out from the training split comes from its source by construction: nothing to test.
     if not recipe.data.streaming and checks.splits.eval_split is not None:
         shift = probe_checks.shift_test(checks, recipe.data.alpha_background)
         if shift is not None:
             facts["eval_unlike_train"] = {"accuracy": round(shift.accuracy, 4), "images": shift.images,
                                           "likely": shift.likely}
-            shifted = shift.likely
             if shift.likely:
                 said.append(f"data: the eval images look unlike the training images: a linear probe of the base's "
                             f"features tells them apart {shift.accuracy:.0%} of the time (chance 50%), so they likely "
@@ -321,38 +319,7 @@ def plan_from_features(recipe: Recipe, checks: probe_checks.FeatureChecks, main_
                     else:  # the user reads why a run judged on another source was not given the crop
                         said.append(f"data.crop_scale=auto stays at {data.crop_in_words(scale)} for eval images "
                                     f"from another source: {why}; set data.crop_scale to choose")
-    if crop_was_auto and not shifted:  # a run judged on another source had its crop decided above
-        recipe, line, tested = crop_by_crop_test(recipe, checks, images_seen)
-        said += [line] if line else []
-        facts.update({"crop_test": tested} if tested else {})
     if main_process:
         for line in said:
             progress.say(line)
     return recipe, facts
-
-
-def crop_by_crop_test(recipe: Recipe, checks: probe_checks.FeatureChecks, images_seen: int
-                      ) -> tuple[Recipe, str | None, dict | None]:
-    """data.crop_scale=auto for a run of data.CROP_TEST_FROM to data.CROP_TEST_UP_TO training images seen: the widest
-    crop range the crop test finds the labels kept under (data.auto_crop_scale_from_crop_test). Returns the recipe,
-    the line that says it (None outside that range, where plan_run's choice stands) and what metrics.json records."""
-    if not data.crop_test_decides(images_seen) or not draws_pixels(recipe):
-        return recipe, None, None
-    stays = "data.crop_scale=auto stays at no random crop: {}; set data.crop_scale to choose"
-    if recipe.data.streaming:
-        return recipe, stays.format("a stream is not read ahead of training, so no crop test"), None
-    if not recipe.model.pretrained:
-        return recipe, stays.format("model.pretrained=false: random features cannot tell whether a crop is the same "
-                                    "thing"), None
-    test = probe_checks.crop_test(checks, recipe.data.alpha_background, data.CROP_TEST_RANGES)
-    if test is None:
-        return recipe, stays.format(f"{checks.task.name.replace('_', '-')} targets or too few training images per "
-                                    "class for the crop test"), None
-    scale, why = data.auto_crop_scale_from_crop_test(test.widest_keeping_labels(), test.describe())
-    tested = {"images": test.images, "wrong": round(test.wrong, 4), "crop_scale": list(scale),
-              "changed": {f"{low:g}-{high:g}": round(share, 4) for (low, high), share in test.changed.items()}}
-    if tuple(scale) == (1.0, 1.0):
-        return recipe, stays.format(why), tested
-    return (with_setting(recipe, "data.crop_scale", scale),
-            f"data.crop_scale=auto -> {data.crop_in_words(scale)}, in place of no crop: {why}; set data.crop_scale "
-            "to choose", tested)

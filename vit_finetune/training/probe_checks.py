@@ -1,12 +1,12 @@
 """What a linear probe on the base's features of a sample of training images tells about the data, before any
-training step: whether a mirror image is still the same thing to the base (data.horizontal_flip=auto), whether a
-random crop is (data.crop_scale=auto, on long enough runs), whether dropping the alpha channel would lose the drawings
-(data.alpha_background=auto: read from the pixels themselves), and whether the eval images look like the training
-images at all (a line when they do not: a shift between sources is likely).
+training step: whether a mirror image is still the same thing to the base (data.horizontal_flip=auto), whether
+dropping the alpha channel would lose the drawings (data.alpha_background=auto: read from the pixels themselves), and
+whether the eval images look like the training images at all (a line when they do not: a shift between sources is
+likely).
 
 Each check reads at most CHECKED_IMAGES training images, a seeded sample spread over the classes. The transparency
 check reads their pixels alone; the others pass them, preprocessed as evaluation does, through the frozen pretrained
-model once per variant (as they are, mirrored, cropped); their features are the head's input, as the probe's
+model once per variant (as they are, mirrored); their features are the head's input, as the probe's
 (probe.head_inputs). Nothing here draws from the run's random generators, and every process computes the same answer,
 so a resumed or multi-process run decides as one that did not stop.
 """
@@ -77,21 +77,16 @@ class FeatureChecks:
     def eval(self):
         return sample_rows(self.splits.eval, self.splits.label_column, self.seed + 1)
 
-    def features(self, split: str, background: str | None, mirrored: bool = False,
-                 crop: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def features(self, split: str, background: str | None, mirrored: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(features, labels) of the checked images of `split` ("train" or "eval"), decoded with transparent pixels
-        laid on `background` (None: alpha dropped), mirrored left-right or not, and cut to one random-resized crop of
-        `crop` of the area each (None: whole), drawn from a generator of its own seeded by the image's place."""
-        key = (split, background, mirrored, crop)
+        laid on `background` (None: alpha dropped) and mirrored left-right or not."""
+        key = (split, background, mirrored)
         if key not in self._features:
             table = self.train if split == "train" else self.eval
             settings = self.settings.model_copy(update={"alpha_background": background})
 
             def pixels(image: Image.Image, index: int, epoch: int) -> torch.Tensor:
                 shown = ImageOps.mirror(image) if mirrored else image
-                if crop is not None:
-                    draws = random.Random(f"crop test {self.seed} {index} {crop}")
-                    shown = shown.crop(data.random_resized_crop_box(shown.width, shown.height, draws, crop))
                 return self.processor(images=shown, return_tensors="pt")["pixel_values"][0]
 
             dataset = data.ImageClassificationDataset(
@@ -138,88 +133,30 @@ def mirror_test(checks: FeatureChecks, background: str | None) -> MirrorTest | N
 def _mirror_test(checks: FeatureChecks, background: str | None) -> MirrorTest | None:
     if not checks.task.mirror_tested:
         return None
-    answers = held_out_answers(checks, background, [{"mirrored": True}])
-    if answers is None:
-        return None
-    labels, plain, (mirrored,) = answers
-    changed = int((~same(plain, mirrored)).sum())
-    wrong = int((~same(plain, labels)).sum())
-    return MirrorTest(len(labels), changed / len(labels), wrong / len(labels))
-
-
-def held_out_answers(checks: FeatureChecks, background: str | None, variants: list[dict]
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]] | None:
-    """The probe's k-fold answers on the checked training images: (labels, the answers on the images as they are,
-    the answers on each variant of them: FeatureChecks.features' keywords), each image answered by the probe fitted
-    on the other folds, on features standardised as the unvaried ones. None where the sample is too small to fold."""
     features, labels = checks.features("train", background)
-    varied = [checks.features("train", background, **variant)[0] for variant in variants]
+    mirrored, _ = checks.features("train", background, mirrored=True)
     kept = checks.task.kept(labels)
-    features, labels, varied = features[kept], labels[kept], [v[kept] for v in varied]
+    features, mirrored, labels = features[kept], mirrored[kept], labels[kept]
     strata = checks.task.probe_strata(labels)
     sizes = torch.bincount(strata)
     folds = min(probe.FOLDS, int(sizes[sizes > 0].min())) if len(labels) else 0
     if folds < 2:
         return None
     mean, std = features.mean(dim=0), features.std(dim=0).clamp(min=1e-6)
-    standard, varied = (features - mean) / std, [(v - mean) / std for v in varied]
+    standard, standard_mirrored = (features - mean) / std, (mirrored - mean) / std
     weights = torch.ones(len(labels))
     classes = len(checks.splits.labels)
     c, _, _ = probe.choose_c(standard, labels, weights, classes, checks.task)
     fold = probe.fold_of_each_image(strata, folds)
-    plain = torch.empty_like(labels)
-    answers = [torch.empty_like(labels) for _ in varied]
+    changed = wrong = 0
     for k in range(folds):
         fit, held = fold != k, fold == k
         weight, bias = probe.fit_logistic(standard[fit], labels[fit], weights[fit], classes, c, checks.task)
-        plain[held] = checks.task.probe_decisions(standard[held] @ weight.T + bias).to(labels.dtype)
-        for answer, v in zip(answers, varied):
-            answer[held] = checks.task.probe_decisions(v[held] @ weight.T + bias).to(labels.dtype)
-    return labels, plain, answers
-
-
-# ---------------------------------------------------------------- the crop test (data.crop_scale=auto)
-
-
-@dataclass(frozen=True)
-class CropTest:
-    """For each crop range tried, how often one random-resized crop of a held-out image changes the probe's answer,
-    against how often the probe is wrong on the whole image."""
-
-    images: int
-    changed: dict  # (low, high) area range -> share of held-out images whose answer one crop of that range changes
-    wrong: float  # share of held-out images the probe answers wrongly, uncropped
-
-    def keeps_labels(self, scale: tuple[float, float]) -> bool:
-        """As the mirror test: a crop is the same thing to the base where crops of that range change fewer of the
-        probe's answers than the probe gets wrong."""
-        return self.changed[scale] <= self.wrong
-
-    def widest_keeping_labels(self) -> tuple[float, float] | None:
-        """The widest range tried whose crops keep the labels, or None."""
-        kept = [scale for scale in self.changed if self.keeps_labels(scale)]
-        return min(kept, key=lambda scale: scale[0]) if kept else None
-
-    def describe(self) -> str:
-        shares = ", ".join(f"{share:.0%} with crops of {low:.0%}-{high:.0%} of the area"
-                           for (low, high), share in sorted(self.changed.items()))
-        return (f"one random crop of each of {self.images:,} held-out training images changed the linear probe's "
-                f"answer on {shares}, and it answers {self.wrong:.0%} wrongly uncropped")
-
-
-def crop_test(checks: FeatureChecks, background: str | None, ranges: tuple[tuple[float, float], ...]
-              ) -> CropTest | None:
-    """The crop test on the checked training images, k-fold as the mirror test: the probe fitted on the other folds
-    answers each fold whole and cut to one crop of each of `ranges`. None where the task does not answer by classes
-    or the sample is too small to fold."""
-    if not checks.task.mirror_tested:
-        return None
-    answers = held_out_answers(checks, background, [{"crop": tuple(scale)} for scale in ranges])
-    if answers is None:
-        return None
-    labels, plain, cropped = answers
-    changed = {tuple(scale): float((~same(plain, answer)).float().mean()) for scale, answer in zip(ranges, cropped)}
-    return CropTest(len(labels), changed, float((~same(plain, labels)).float().mean()))
+        answer = checks.task.probe_decisions(standard[held] @ weight.T + bias)
+        answer_mirrored = checks.task.probe_decisions(standard_mirrored[held] @ weight.T + bias)
+        changed += int((~same(answer, answer_mirrored)).sum())
+        wrong += int((~same(answer, labels[held])).sum())
+    return MirrorTest(len(labels), changed / len(labels), wrong / len(labels))
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
