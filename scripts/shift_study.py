@@ -65,6 +65,7 @@ ARMS = {
     "crop08": ["data.crop_scale=[0.08,1.0]"],
     "crop35": ["data.crop_scale=[0.35,1.0]"],
     "crop60": ["data.crop_scale=[0.6,1.0]"],
+    "no_crop": ["data.crop_scale=[1.0,1.0]"],  # what auto chooses on these runs, pinned: a baseline for the crop arms
     "crop08_flip": ["data.crop_scale=[0.08,1.0]", "data.horizontal_flip=true"],  # the peer's augmentation
     "randaugment": ["augment.policy=randaugment"],
     "mixup_cutmix": ["augment.mixup=true", "augment.cutmix=true"],
